@@ -1,0 +1,28 @@
+"""Shared CuTeDSL machinery: compile cache, architecture checks, torch interop,
+persistent tile scheduling and small synchronization helpers.
+
+Nothing here knows about IKBO; the kernels in ``ikbo_gemm`` and ``ikbo_fa`` build on it.
+"""
+import os
+
+# The Hopper MMA helpers consult the target architecture while tracing. On a
+# machine without a GPU the DSL would otherwise assume sm_100a.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from .arch import TARGET_ARCH, cuda_sm90_available, is_sm90, require_sm90, sm_count  # noqa: E402
+from .compile import CompiledKernel, compile_kernel, kernel_cache  # noqa: E402
+from .interop import cutlass_dtype, fake_stream, fake_tensor  # noqa: E402
+
+__all__ = [
+    "TARGET_ARCH",
+    "CompiledKernel",
+    "compile_kernel",
+    "cuda_sm90_available",
+    "cutlass_dtype",
+    "fake_stream",
+    "fake_tensor",
+    "is_sm90",
+    "kernel_cache",
+    "require_sm90",
+    "sm_count",
+]

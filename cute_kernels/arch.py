@@ -1,0 +1,41 @@
+"""Which devices the kernels run on, and clear errors for the others."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+TARGET_ARCH = "sm_90a"
+
+
+def is_sm90(device: torch.device) -> bool:
+    """True for a CUDA device of compute capability 9.0 (H100, H200, H20, GH200)."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def cuda_sm90_available() -> bool:
+    return torch.cuda.is_available() and is_sm90(torch.device("cuda", torch.cuda.current_device()))
+
+
+def require_sm90(device: torch.device, op: str) -> None:
+    """Raise a clear error when ``device`` is a CUDA GPU the kernels were not built for."""
+    if device.type == "cuda" and not is_sm90(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(
+            f"{op}: the kernel is built for Hopper (sm_90); {name} is sm_{major}{minor}. "
+            f"Call {op}_reference for a PyTorch evaluation on this device."
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Number of streaming multiprocessors (cached: a property query costs microseconds)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
