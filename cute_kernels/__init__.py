@@ -9,11 +9,13 @@ import os
 # machine without a GPU the DSL would otherwise assume sm_100a.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+from . import checks  # noqa: E402
 from .arch import TARGET_ARCH, cuda_sm90_available, is_sm90, require_sm90, sm_count  # noqa: E402
 from .compile import CompiledKernel, compile_kernel, kernel_cache  # noqa: E402
 from .interop import cutlass_dtype, fake_stream, fake_tensor  # noqa: E402
 
 __all__ = [
+    "checks",
     "TARGET_ARCH",
     "CompiledKernel",
     "compile_kernel",

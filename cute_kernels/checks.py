@@ -1,0 +1,112 @@
+"""Input checks shared by the ops: clear errors that name the argument, its
+shape and what was expected, and the optional index range check.
+
+The range check reads the index tensor back to the host (a synchronization),
+so it runs only when asked: ``validate=True`` on the op, or ``IKBO_VALIDATE=1``
+in the environment.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def validation_enabled(validate: Optional[bool]) -> bool:
+    if validate is not None:
+        return bool(validate)
+    return os.environ.get("IKBO_VALIDATE", "0").lower() not in ("", "0", "false", "no")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    ndim: int,
+    dtypes: Iterable[torch.dtype],
+    layout: str,
+) -> torch.Tensor:
+    """``t`` is a tensor of rank ``ndim``, one of ``dtypes``, with no empty dimension.
+
+    ``layout`` spells the expected dimensions for the message, e.g. ``"[B, K_cand, N]"``.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    dtypes = tuple(dtypes)
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {_shape(t)}")
+    if t.numel() == 0:
+        raise ValueError(f"{name} must not be empty: expected {layout} with every size >= 1, got {_shape(t)}")
+    return t
+
+
+def check_dim(name: str, t: torch.Tensor, dim: int, expected: int, what: str, layout: str) -> None:
+    if t.shape[dim] != expected:
+        raise ValueError(
+            f"{name} has shape {_shape(t)} {layout}: dimension {dim} must be {what} = {expected}, "
+            f"got {t.shape[dim]}"
+        )
+
+
+def check_same_dtype(names: Iterable[str], tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    names, tensors = list(names), list(tensors)
+    dtype = tensors[0].dtype
+    for n, t in zip(names[1:], tensors[1:]):
+        if t.dtype != dtype:
+            raise TypeError(
+                f"{n} is {str(t.dtype).replace('torch.', '')} but {names[0]} is "
+                f"{str(dtype).replace('torch.', '')}: all operands must share one dtype"
+            )
+    return dtype
+
+
+def check_same_device(names: Iterable[str], tensors: Iterable[torch.Tensor]) -> torch.device:
+    names, tensors = list(names), list(tensors)
+    device = tensors[0].device
+    for n, t in zip(names[1:], tensors[1:]):
+        if t.device != device:
+            raise ValueError(f"{n} is on {t.device} but {names[0]} is on {device}: all tensors must share one device")
+    return device
+
+
+def check_index(name: str, idx, length: int, length_what: str):
+    """``idx`` is an int32/int64 vector of ``length`` entries."""
+    check_tensor(name, idx, ndim=1, dtypes=INDEX_DTYPES, layout=f"[{length_what}]")
+    if idx.shape[0] != length:
+        raise ValueError(f"{name} has shape {_shape(idx)}: expected [{length_what}] = [{length}]")
+    return idx
+
+
+def check_index_range(name: str, idx: torch.Tensor, upper: int, upper_what: str) -> None:
+    """Every entry of ``idx`` lies in [0, upper). Synchronizes with the device."""
+    bad = (idx < 0) | (idx >= upper)
+    if bool(bad.any()):
+        pos = int(torch.nonzero(bad)[0, 0])
+        raise IndexError(
+            f"{name}[{pos}] = {int(idx[pos])} is out of range: values must lie in [0, {upper_what}) = [0, {upper})"
+        )
+
+
+def check_output(name: str, out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {_shape(out)}, expected [{', '.join(map(str, shape))}]")
+    if out.dtype != dtype:
+        raise TypeError(f"{name} must be {str(dtype).replace('torch.', '')}, got {str(out.dtype).replace('torch.', '')}")
+    if out.device != device:
+        raise ValueError(f"{name} is on {out.device}, expected {device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return out
