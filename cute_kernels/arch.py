@@ -39,3 +39,23 @@ def sm_count(device: torch.device) -> int:
     """Number of streaming multiprocessors (cached: a property query costs microseconds)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _sm_count(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_active_clusters(index: int, cluster_size: int) -> int:
+    from cutlass.utils import HardwareInfo
+
+    with torch.cuda.device(index):
+        return HardwareInfo(index).get_max_active_clusters(cluster_size)
+
+
+def max_active_clusters(device: torch.device, cluster_size: int) -> int:
+    """Clusters of ``cluster_size`` CTAs (one CTA per SM) that can be resident at once.
+
+    Persistent kernels whose CTAs wait on each other launch at most this many,
+    so every CTA they wait on is running.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if cluster_size == 1:
+        return _sm_count(index)
+    return _max_active_clusters(index, cluster_size)

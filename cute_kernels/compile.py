@@ -11,6 +11,8 @@ import contextlib
 import dataclasses
 import io
 import re
+import shutil
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Hashable
@@ -47,8 +49,11 @@ _compile_lock = threading.RLock()
 def compile_kernel(jit_fn, *args, keep_ptx: bool = False, ptxas_report: bool = False) -> CompiledKernel:
     """Compile a ``@cute.jit`` function for sm_90a (no GPU needed), TVM-FFI calling convention."""
     options = f"--enable-tvm-ffi --gpu-arch {TARGET_ARCH}"
+    dump_dir = None
     if keep_ptx:
-        options += " --keep-ptx"
+        # The PTX file is written to disk as a side effect: keep it out of the caller's directory.
+        dump_dir = tempfile.mkdtemp(prefix="cute-kernels-")
+        options += f" --keep-ptx --dump-dir={dump_dir}"
     if ptxas_report:
         options += " remarks{ptx}"
     log = io.StringIO()
@@ -60,6 +65,8 @@ def compile_kernel(jit_fn, *args, keep_ptx: bool = False, ptxas_report: bool = F
         else:
             fn = cute.compile(jit_fn, *args, options=options)
         seconds = time.perf_counter() - start
+    if dump_dir is not None:
+        shutil.rmtree(dump_dir, ignore_errors=True)
     return CompiledKernel(
         fn=fn,
         seconds=seconds,

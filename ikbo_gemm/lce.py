@@ -1,0 +1,222 @@
+"""ikbo_gemm.lce: IKBO linear compression on Hopper.
+
+    out[b] = w_cand @ e_cand[b] + w_user @ e_user[idx[b]]
+
+Alignment. TMA needs 16-byte row pitches, so inside the op:
+  - w_cand / w_user with K not a multiple of 8 are copied into zero-padded
+    [M, K8] buffers (the weights are small); e_cand / e_user need no copy for
+    that, their K tail is read as zeros within each batch;
+  - N not a multiple of 8 pads e_cand, e_user and the output along N (a copy
+    of each, then one copy of the result into ``out``): a slow path;
+  - non-contiguous inputs, or inputs not 16-byte aligned, are copied to
+    contiguous ones.
+The output is always a contiguous [B, M, N] tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import cutlass
+import torch
+
+from cute_kernels import (
+    CompiledKernel,
+    compile_kernel,
+    cutlass_dtype,
+    fake_stream,
+    fake_tensor,
+    kernel_cache,
+    require_sm90,
+    max_active_clusters,
+)
+
+from cute_kernels.checks import check_index_range, validation_enabled
+
+from .checks import check_lce_inputs, check_schedule
+from .lce_sm90 import LceSm90
+from .reference import lce_reference
+
+@dataclasses.dataclass(frozen=True)
+class LceConfig:
+    """Everything that changes the generated code."""
+
+    dtype: torch.dtype
+    idx_dtype: torch.dtype
+    tile_w: int  # rows of w (output rows) per tile
+    cluster: int  # CTAs sharing each w tile through TMA multicast
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-w{self.tile_w}-c{self.cluster}"
+
+
+TILE_WS = (128, 192, 224, 256)
+CLUSTERS = (1, 2, 4)
+
+SHIPPED_CONFIGS = [
+    LceConfig(dtype, idx_dtype, tile_w, cluster)
+    for dtype in (torch.float16, torch.bfloat16)
+    for idx_dtype in (torch.int32, torch.int64)
+    for tile_w in TILE_WS
+    for cluster in CLUSTERS
+]
+
+
+def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int) -> LceConfig:
+    """Tile height with the least padding of M (ties: the taller); a cluster as
+    wide as the 64-column tiles of N allow, up to 4."""
+    tile_w = min(TILE_WS, key=lambda t: (-(-m // t) * t, -t))
+    column_tiles = -(-n // LceSm90.TILE_N)
+    cluster = max(c for c in CLUSTERS if c <= column_tiles)
+    return LceConfig(dtype, idx_dtype, tile_w, cluster)
+
+
+def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool = False) -> CompiledKernel:
+    """Compile one configuration for sm_90a (no GPU needed)."""
+    dt = cutlass_dtype(cfg.dtype)
+    kernel = LceSm90(dt, cutlass_dtype(cfg.idx_dtype), cfg.tile_w, cfg.cluster)
+    operand = dict(divisibility=8, align=16)
+    args = (
+        fake_tensor(dt, (1, None, None), **operand),  # w_cand [1, M, K_cand_pad]
+        fake_tensor(dt, (1, None, None), **operand),  # w_user [1, M, K_user_pad]
+        fake_tensor(dt, (None, None, None), **operand),  # e_cand [B, K_cand, N]
+        fake_tensor(dt, (None, None, None), **operand),  # e_user [U, K_user, N]
+        fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),  # idx [B]
+        fake_tensor(dt, (None, None, None), **operand),  # out [B, M, N]
+        fake_tensor(cutlass.Float32, (None, None, None), divisibility=4, align=16),  # workspace
+        fake_tensor(cutlass.Int32, (None,), align=4),  # flags
+        cutlass.Int32(0),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
+        fake_stream(),
+    )
+    return compile_kernel(kernel, *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
+
+
+def _kernel(cfg: LceConfig) -> CompiledKernel:
+    return kernel_cache.get(("ikbo_gemm.lce", cfg), lambda: compile_config(cfg))
+
+
+def _ceil(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        t = t.contiguous()
+        if t.data_ptr() % 16:
+            t = t.clone()
+    return t
+
+
+def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
+    if t.shape[-1] == size:
+        return _tma_ready(t)
+    return torch.nn.functional.pad(t, (0, size - t.shape[-1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything a call needs that depends only on shapes, dtypes and device."""
+
+    kernel: CompiledKernel
+    out_shape: tuple
+    dtype: torch.dtype
+    n8: int
+    k8_cand: int
+    k8_user: int
+    ws_shape: tuple
+    n_flags: int
+    launches: tuple  # (tile_begin, tile_end, grid) per launch
+
+
+def _signature(tensors) -> tuple:
+    return tuple(
+        (t.dtype, t.shape, t.device, t.is_contiguous()) if isinstance(t, torch.Tensor) else type(t) for t in tensors
+    )
+
+
+_plans: dict = {}
+
+
+def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
+    """The launch plan for these shapes (None on CPU); inputs are fully checked once per signature."""
+    key = (_signature((w_cand, w_user, e_cand, e_user, idx, out)), schedule)
+    plan = _plans.get(key, False)
+    if plan is not False:
+        return plan
+    B, U, M, N, K_cand, K_user = check_lce_inputs(w_cand, w_user, e_cand, e_user, idx, out, False)
+    device = e_cand.device
+    plan = None
+    if device.type == "cuda":
+        require_sm90(device, "lce")
+        cfg = pick_config(e_cand.dtype, idx.dtype, M, N)
+        n8 = _ceil(N, 8)
+        w_tiles = -(-M // cfg.tile_w)
+        groups = -(-n8 // (LceSm90.TILE_N * cfg.cluster))
+        column_tiles = groups * cfg.cluster
+        user_tiles = U * w_tiles * groups  # cluster tiles
+        all_tiles = user_tiles + B * w_tiles * groups
+        clusters = max_active_clusters(device, cfg.cluster)
+        ranges = [(0, all_tiles)] if schedule == "fused" else [(0, user_tiles), (user_tiles, all_tiles)]
+        plan = _Plan(
+            kernel=_kernel(cfg),
+            out_shape=(B, M, N),
+            dtype=e_cand.dtype,
+            n8=n8,
+            k8_cand=_ceil(K_cand, 8),
+            k8_user=_ceil(K_user, 8),
+            # fp32 user results, [U, N_pad, M_pad]: the transposed tiles' layout.
+            ws_shape=(U, column_tiles * LceSm90.TILE_N, w_tiles * cfg.tile_w),
+            n_flags=U * w_tiles * column_tiles,
+            launches=tuple((b, e, min(clusters, e - b) * cfg.cluster) for b, e in ranges),
+        )
+    _plans[key] = plan
+    return plan
+
+
+def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused"):
+    """IKBO linear compression: ``out[b] = w_cand @ e_cand[b] + w_user @ e_user[idx[b]]``.
+
+    Shapes: w_cand [M, K_cand], w_user [M, K_user], e_cand [B, K_cand, N],
+    e_user [U, K_user, N], idx [B] (int32 or int64, values in [0, U), any
+    order). fp16 or bf16, all operands one dtype; fp32 accumulation, the user
+    and candidate partial sums added in fp32 and rounded once.
+
+    ``validate`` (default: the IKBO_VALIDATE environment variable) checks that
+    every idx lies in [0, U), raising IndexError at the first bad position;
+    it synchronizes with the device. Without it an out-of-range index never
+    reads or writes outside the tensors: that candidate's output is NaN.
+
+    ``schedule``: "fused" (one persistent launch: user tiles first, candidate
+    tiles wait on per-tile ready flags) or "two_launch" (the same kernel run
+    over the user tiles, then over the candidate tiles).
+
+    CPU tensors run :func:`lce_reference`; a CUDA GPU other than sm_90 raises.
+    No host synchronization (unless validating); CUDA-graph capturable.
+    """
+    check_schedule(schedule)
+    plan = _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule)
+    if validation_enabled(validate):
+        check_index_range("idx", idx, e_user.shape[0], "U")
+    if plan is None:
+        return lce_reference(w_cand, w_user, e_cand, e_user, idx, out=out, validate=False)
+
+    device = e_cand.device
+    n8 = plan.n8
+    w_c = _pad_last(w_cand, plan.k8_cand).unsqueeze(0)
+    w_u = _pad_last(w_user, plan.k8_user).unsqueeze(0)
+    e_c = _pad_last(e_cand, n8)
+    e_u = _pad_last(e_user, n8)
+    idx_k = idx if idx.is_contiguous() else idx.contiguous()
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
+    target = out
+    if n8 != plan.out_shape[2] or out.data_ptr() % 16:
+        target = torch.empty((*plan.out_shape[:2], n8), dtype=plan.dtype, device=device)
+    workspace = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
+    flags = torch.zeros(plan.n_flags, dtype=torch.int32, device=device)
+    for begin, end, grid in plan.launches:
+        plan.kernel(w_c, w_u, e_c, e_u, idx_k, target, workspace, flags, begin, end, grid)
+    if target is not out:
+        out.copy_(target[..., : plan.out_shape[2]])
+    return out

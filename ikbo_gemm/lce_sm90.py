@@ -1,0 +1,510 @@
+"""The IKBO linear-compression kernel for Hopper (sm_90a): one persistent launch.
+
+    out[b] = w_cand @ e_cand[b] + (w_user @ e_user)[idx[b]]
+"""
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from cute_kernels.scheduler import strided_tiles
+
+# Named barriers (0 is __syncthreads).
+_EPI_BARRIER = 1  # + consumer index: the 128 threads of one consumer warpgroup
+_MMA_ORDER_BARRIER = 3  # + consumer index: ping-pong hand-off, 256 threads
+
+
+class LceSm90:
+    """Persistent warp-specialized ping-pong GEMM with the IKBO broadcast epilogue.
+
+    Each product is computed transposed, ``out[b]^T = e[b]^T @ w^T`` (wgmma A =
+    a 64-column slice of e[b], B = ``tile_w`` rows of w), so the operand that
+    every batch shares (w) is the large one of a tile and is multicast by TMA to
+    the ``cluster`` CTAs of a cluster, which work on neighbouring 64-column
+    slices of the same batch:
+        user phase:      ws[u]  = w_user @ e_user[u]         (fp32 workspace)
+        candidate phase: out[b] = w_cand @ e_cand[b] + ws[idx[b]], added in fp32, rounded once
+
+    Tiles. A CTA tile is 64 output columns x ``tile_w`` output rows of one batch;
+    a cluster tile is ``cluster`` CTA tiles side by side along N. Cluster tiles
+    are numbered user phase first ([0, T_user)), then candidate phase; within a
+    phase w-row tile fastest, then the column group, then the batch, so the
+    cluster tiles reading the same e[b] run at the same time (L2 reuse). Cluster
+    c of G takes cluster tiles c, c+G, ... (cute_kernels.scheduler), alternating
+    between its two consumer warpgroups. Every user tile precedes every
+    candidate tile in each walk, which makes the ready-flag waits deadlock-free.
+
+    Warp roles (384 threads, 1 CTA per SM):
+      warpgroup 0, producer (setmaxnreg 24): warp 0 issues the TMA loads of each
+        k-block: its own e slice, and its share of the w rows, multicast to the
+        cluster.
+      warpgroups 1, 2, consumers (setmaxnreg 240): wgmma main loop on their tile,
+        then its epilogue while the other consumer runs its main loop.
+
+    Pipelines and barriers:
+      ab ring (PipelineTmaAsync, ab_stages stages, shared by both phases and both
+        consumers): producer = warp 0, one arrive + the stage's TMA byte count;
+        consumer = the 4 warps of the consumer owning the tile, each releasing
+        the stage in every CTA of the cluster (4 x cluster arrives). Each
+        consumer skips the other consumer's k-blocks in its ring state.
+      ping-pong order (named barriers 3+c, 256 threads): consumer c waits on its
+        barrier before its main loop; the other consumer arrives on it after
+        issuing its last wgmma (consumer 0 arrives once on its own at the start),
+        so the consumers walk the ring in tile order.
+      epilogue (named barrier 1+c, 128 threads, per-consumer staging buffers):
+        the consumer's warp 0 TMA-stores each staged sub-tile and reuses a
+        buffer only after the bulk group that read it completed.
+      user-tile ready flags (global int32 per user CTA tile, zeroed by the op):
+        a user epilogue stores its fp32 tile, fences, syncs its warpgroup, then
+        one thread sets the flag with st.release.gpu; a candidate epilogue spins
+        on ld.acquire.gpu of its user tile's flag, syncs, then reads the tile.
+
+    Candidates whose idx is outside [0, U) never read past the workspace: their
+    output is NaN.
+    """
+
+    TILE_N = 64  # output columns per CTA tile (the wgmma M side)
+    TILE_K = 64
+    EPI_W = 32  # output rows per staged epilogue sub-tile
+    EPI_STAGES = 4
+    PRODUCER_REGS = 24
+    CONSUMER_REGS = 240
+    THREADS = 384
+
+    def __init__(self, dtype, idx_dtype, tile_w: int = 224, cluster: int = 4):
+        if dtype not in (cutlass.Float16, cutlass.BFloat16):
+            raise TypeError(f"LceSm90: dtype must be Float16 or BFloat16, got {dtype}")
+        if idx_dtype not in (cutlass.Int32, cutlass.Int64):
+            raise TypeError(f"LceSm90: idx dtype must be Int32 or Int64, got {idx_dtype}")
+        if tile_w % 32 or not 64 <= tile_w <= 256:
+            raise ValueError(f"LceSm90: tile_w must be a multiple of 32 in [64, 256], got {tile_w}")
+        if cluster not in (1, 2, 4) or tile_w % (8 * cluster):
+            raise ValueError(f"LceSm90: cluster must be 1, 2 or 4 and divide tile_w / 8, got {cluster}")
+        self.dtype = dtype
+        self.idx_dtype = idx_dtype
+        self.tile_w = tile_w
+        self.cluster = cluster
+        self.tile_mnk = (self.TILE_N, tile_w, self.TILE_K)  # GEMM view: M = out columns, N = out rows
+        self.epi_tile = (self.TILE_N, self.EPI_W)
+
+        smem = cutlass.utils.get_smem_capacity_in_bytes("sm_90")
+        self.stage_bytes = (self.TILE_N + tile_w) * self.TILE_K * dtype.width // 8
+        epi_bytes = 2 * self.EPI_STAGES * self.TILE_N * self.EPI_W * dtype.width // 8
+        self.ab_stages = min(8, (smem - epi_bytes - 1024) // self.stage_bytes)
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        w_cand: cute.Tensor,  # [1, M, K_cand_pad]
+        w_user: cute.Tensor,  # [1, M, K_user_pad]
+        e_cand: cute.Tensor,  # [B, K_cand, N]
+        e_user: cute.Tensor,  # [U, K_user, N]
+        idx: cute.Tensor,  # [B]
+        out: cute.Tensor,  # [B, M, N]
+        workspace: cute.Tensor,  # [U, N_pad, M_pad] fp32
+        flags: cute.Tensor,  # [U * w_tiles * n_tiles] int32
+        tile_begin: Int32,  # cluster tiles [tile_begin, tile_end)
+        tile_end: Int32,
+        grid_size: Int32,  # CTAs, a multiple of the cluster size
+        stream,
+    ):
+        # GEMM views: A = e^T (N, K, batch) N-major, B = w^T (M, K, 1) K-major,
+        # C = out^T (N, M, batch) N-major, workspace (N_pad, M_pad, U) M-major.
+        a_cand = cute.make_tensor(e_cand.iterator, cute.select(e_cand.layout, mode=[2, 1, 0]))
+        a_user = cute.make_tensor(e_user.iterator, cute.select(e_user.layout, mode=[2, 1, 0]))
+        b_cand = cute.make_tensor(w_cand.iterator, cute.select(w_cand.layout, mode=[1, 2, 0]))
+        b_user = cute.make_tensor(w_user.iterator, cute.select(w_user.layout, mode=[1, 2, 0]))
+        c_out = cute.make_tensor(out.iterator, cute.select(out.layout, mode=[2, 1, 0]))
+        c_ws = cute.make_tensor(workspace.iterator, cute.select(workspace.layout, mode=[1, 2, 0]))
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            cute.nvgpu.OperandMajorMode.MN,
+            cute.nvgpu.OperandMajorMode.K,
+            Float32,
+            (1, 1, 1),
+            tiler_mn=(self.TILE_N, self.tile_w),
+        )
+        a_smem = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
+        b_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
+        epi_smem = sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.COL_MAJOR, self.epi_tile, 2 * self.EPI_STAGES)
+
+        a_one = cute.slice_(a_smem, (None, None, 0))
+        b_one = cute.slice_(b_smem, (None, None, 0))
+        a_box = (self.TILE_N, self.TILE_K)
+        b_box = (self.tile_w, self.TILE_K)
+        a_load = cpasync.CopyBulkTensorTileG2SOp()
+        b_load = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster > 1) else a_load
+        tma_a_cand, ta_cand = cpasync.make_tiled_tma_atom(a_load, a_cand, a_one, a_box)
+        tma_a_user, ta_user = cpasync.make_tiled_tma_atom(a_load, a_user, a_one, a_box)
+        tma_b_cand, tb_cand = cpasync.make_tiled_tma_atom(b_load, b_cand, b_one, b_box, num_multicast=self.cluster)
+        tma_b_user, tb_user = cpasync.make_tiled_tma_atom(b_load, b_user, b_one, b_box, num_multicast=self.cluster)
+        tma_out, t_out = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), c_out, cute.slice_(epi_smem, (None, None, 0)), self.epi_tile
+        )
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(b_smem)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(epi_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            tma_a_user, ta_user, tma_b_user, tb_user,
+            tma_a_cand, ta_cand, tma_b_cand, tb_cand,
+            tma_out, t_out, c_ws, idx, flags,
+            tiled_mma, a_smem, b_smem, epi_smem,
+            tile_begin, tile_end,
+        ).launch(
+            grid=[grid_size, 1, 1],
+            block=[self.THREADS, 1, 1],
+            cluster=[self.cluster, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a_user: cute.CopyAtom,
+        mA_user: cute.Tensor,
+        tma_b_user: cute.CopyAtom,
+        mB_user: cute.Tensor,
+        tma_a_cand: cute.CopyAtom,
+        mA_cand: cute.Tensor,
+        tma_b_cand: cute.CopyAtom,
+        mB_cand: cute.Tensor,
+        tma_out: cute.CopyAtom,
+        mOut: cute.Tensor,
+        mWs: cute.Tensor,
+        mIdx: cute.Tensor,
+        mFlags: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
+        tile_begin: Int32,
+        tile_end: Int32,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_a_user, tma_b_user, tma_a_cand, tma_b_cand, tma_out):
+                cpasync.prefetch_descriptor(atom)
+
+        cluster_layout = cute.make_layout((self.cluster, 1, 1))
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_barriers.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # The 4 warps of one consumer release each stage in every CTA of the cluster.
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.cluster),
+            tx_count=self.stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster, 1), is_relaxed=True)
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+        geom = self.geometry(mA_user, mB_user, mB_cand, mOut)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster, 1))
+
+        warpgroup_idx = warp_idx // 4
+        if warpgroup_idx == 0:
+            cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+            if warp_idx == 0:
+                self.producer(
+                    ab_pipeline, sA, sB, geom, cluster_layout, rank,
+                    tma_a_user, mA_user, tma_b_user, mB_user,
+                    tma_a_cand, mA_cand, tma_b_cand, mB_cand,
+                    tile_begin, tile_end,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
+            self.consumer(
+                warpgroup_idx - 1, rank, ab_pipeline, tiled_mma, sA, sB, sC, geom,
+                tma_out, mOut, mWs, mIdx, mFlags, tile_begin, tile_end,
+            )
+
+    @cute.jit
+    def geometry(self, mA_user, mB_user, mB_cand, mOut):
+        """(w tiles, column groups, user cluster tiles, user k-blocks, candidate k-blocks, U, column tiles)."""
+        w_tiles = cute.ceil_div(cute.size(mOut, mode=[1]), self.tile_w)
+        n_tiles = cute.ceil_div(cute.size(mOut, mode=[0]), self.TILE_N)
+        groups = cute.ceil_div(n_tiles, self.cluster)
+        n_users = cute.size(mA_user, mode=[2])
+        k_user = cute.ceil_div(cute.size(mB_user, mode=[1]), self.TILE_K)
+        k_cand = cute.ceil_div(cute.size(mB_cand, mode=[1]), self.TILE_K)
+        return (w_tiles, groups, n_users * w_tiles * groups, k_user, k_cand, n_users, groups * self.cluster)
+
+    @cute.jit
+    def decode(self, t: Int32, rank: Int32, geom):
+        """Cluster tile index -> (is_user, w tile, column tile of this CTA, batch, k-blocks)."""
+        w_tiles, groups, user_tiles, k_user, k_cand, _, _ = geom
+        is_user = t < user_tiles
+        local = t
+        k_blocks = k_user
+        if not is_user:
+            local = t - user_tiles
+            k_blocks = k_cand
+        w = local % w_tiles
+        n = (local // w_tiles) % groups * self.cluster + rank
+        batch = local // (w_tiles * groups)
+        return is_user, w, n, batch, k_blocks
+
+    @cute.jit
+    def k_blocks_of(self, t: Int32, geom) -> Int32:
+        k_blocks = geom[4]
+        if t < geom[2]:
+            k_blocks = geom[3]
+        return k_blocks
+
+    # ----------------------------------------------------------- producer
+    @cute.jit
+    def producer(
+        self, ab_pipeline, sA, sB, geom, cluster_layout, rank,
+        tma_a_user, mA_user, tma_b_user, mB_user,
+        tma_a_cand, mA_cand, tma_b_cand, mB_cand,
+        tile_begin: Int32, tile_end: Int32,
+    ):
+        a_box = (self.TILE_N, self.TILE_K)
+        b_box = (self.tile_w, self.TILE_K)
+        sA_ = cute.group_modes(sA, 0, 2)
+        sB_ = cute.group_modes(sB, 0, 2)
+        one = cute.make_layout(1)
+        # A: this CTA's own e slice. B: this CTA's share of the w rows, multicast.
+        tAsA, tAgA_user = cpasync.tma_partition(
+            tma_a_user, 0, one, sA_, cute.group_modes(cute.local_tile(mA_user, a_box, (None, None, None)), 0, 2)
+        )
+        _, tAgA_cand = cpasync.tma_partition(
+            tma_a_cand, 0, one, sA_, cute.group_modes(cute.local_tile(mA_cand, a_box, (None, None, None)), 0, 2)
+        )
+        b_cta_layout = cute.make_layout(self.cluster)
+        tBsB, tBgB_user = cpasync.tma_partition(
+            tma_b_user, rank, b_cta_layout, sB_,
+            cute.group_modes(cute.local_tile(mB_user, b_box, (None, None, None)), 0, 2),
+        )
+        _, tBgB_cand = cpasync.tma_partition(
+            tma_b_cand, rank, b_cta_layout, sB_,
+            cute.group_modes(cute.local_tile(mB_cand, b_box, (None, None, None)), 0, 2),
+        )
+        mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(rank), mode=0)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        t, stride, _ = strided_tiles(tile_begin, cluster=self.cluster)
+        while t < tile_end:
+            is_user, w, n, batch, k_blocks = self.decode(t, rank, geom)
+            for k in cutlass.range(k_blocks, unroll=1):
+                ab_pipeline.producer_acquire(state)
+                bar = ab_pipeline.producer_get_barrier(state)
+                if is_user:
+                    cute.copy(tma_a_user, tAgA_user[(None, n, k, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                    self.load_w(tma_b_user, tBgB_user[(None, w, k, 0)], tBsB[(None, state.index)], bar, mcast)
+                else:
+                    cute.copy(tma_a_cand, tAgA_cand[(None, n, k, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                    self.load_w(tma_b_cand, tBgB_cand[(None, w, k, 0)], tBsB[(None, state.index)], bar, mcast)
+                ab_pipeline.producer_commit(state)
+                state.advance()
+            t += stride
+        ab_pipeline.producer_tail(state)
+
+    @cute.jit
+    def load_w(self, atom, src, dst, bar, mcast):
+        if const_expr(self.cluster > 1):
+            cute.copy(atom, src, dst, tma_bar_ptr=bar, mcast_mask=mcast)
+        else:
+            cute.copy(atom, src, dst, tma_bar_ptr=bar)
+
+    # ----------------------------------------------------------- consumers
+    @cute.jit
+    def consumer(
+        self, consumer_idx: Int32, rank: Int32, ab_pipeline, tiled_mma, sA, sB, sC, geom,
+        tma_out, mOut, mWs, mIdx, mFlags, tile_begin: Int32, tile_end: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx % 128
+        warp_in_wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.TILE_N, self.tile_w)), Float32)
+
+        # Register -> shared staging of the output (transposing stmatrix), per-consumer buffers.
+        r2s = cute.make_tiled_copy_S(
+            sm90_utils.get_smem_store_op(LayoutEnum.COL_MAJOR, self.dtype, Float32),
+            cute.make_tiled_copy_C_atom(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.dtype), tiled_mma
+            ),
+        )
+        thr_r2s = r2s.get_slice(tidx)
+        tRS_sC = thr_r2s.partition_D(sC)
+        tRS_acc = r2s.retile(acc)
+        rD_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+        tRS_rD = cute.make_rmem_tensor(rD_shape, Float32)
+        tRS_rOut = cute.make_rmem_tensor(rD_shape, self.dtype)
+
+        t, stride, grid = strided_tiles(tile_begin, cluster=self.cluster, lanes=2, lane=consumer_idx)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        if consumer_idx == 0:
+            self.mma_order_arrive(0)
+        else:
+            # Consumer 1 starts after consumer 0's first tile in the ring.
+            first0 = t - grid
+            if first0 < tile_end:
+                state.advance(self.k_blocks_of(first0, geom))
+
+        epi_count = Int32(0)
+        while t < tile_end:
+            is_user, w, n, batch, k_blocks = self.decode(t, rank, geom)
+            # The user tile a candidate tile adds is loaded into the accumulator before the
+            # main loop, while the other consumer's main loop keeps the tensor cores busy.
+            self.load_user_tile(acc, thr_mma, mWs, mIdx, mFlags, is_user, w, n, batch, geom, consumer_idx, tidx)
+            self.mma_order_wait(consumer_idx)
+            state = self.mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks, is_user, consumer_idx)
+            if is_user:
+                self.store_user_tile(acc, thr_mma, mWs, mFlags, w, n, batch, geom, consumer_idx, tidx)
+            else:
+                self.store_output_tile(
+                    tRS_acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
+                    w, n, batch, epi_count, consumer_idx, warp_in_wg,
+                )
+                epi_count += self.tile_w // self.EPI_W
+            # Skip the other consumer's next tile in the ring.
+            t_other = t + grid
+            if t_other < tile_end:
+                state.advance(self.k_blocks_of(t_other, geom))
+            t += stride
+        if warp_in_wg == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def mainloop(self, ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks: Int32, zero_init, consumer_idx: Int32):
+        """wgmma over the tile's k-blocks; one wgmma group in flight, stages released one behind.
+
+        With ``zero_init`` the first wgmma overwrites the accumulator, otherwise it
+        accumulates onto what acc holds (the user tile).
+        """
+        release = state.clone()
+        warpgroup.fence()
+        ab_pipeline.consumer_wait(state)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        self.mma_k_block(tiled_mma, acc, tCrA, tCrB, state.index, first=True)
+        state.advance()
+        for k in cutlass.range(1, k_blocks, unroll=1):
+            ab_pipeline.consumer_wait(state)
+            self.mma_k_block(tiled_mma, acc, tCrA, tCrB, state.index)
+            warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release)
+            release.advance()
+            state.advance()
+        # Every wgmma of this tile is issued: the other consumer may start its main loop.
+        self.mma_order_arrive(1 - consumer_idx)
+        warpgroup.wait_group(0)
+        ab_pipeline.consumer_release(release)
+        return state
+
+    @cute.jit
+    def mma_k_block(self, tiled_mma, acc, tCrA, tCrB, stage: Int32, first: cutlass.Constexpr = False):
+        for kk in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            coord = (None, None, kk, stage)
+            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            if const_expr(first and kk == 0):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def user_flag(self, mFlags, w, n, u, geom):
+        w_tiles = geom[0]
+        n_tiles = geom[6]
+        return mFlags.iterator + ((u * w_tiles + w) * n_tiles + n)
+
+    @cute.jit
+    def store_user_tile(self, acc, thr_mma, mWs, mFlags, w, n, u, geom, consumer_idx, tidx):
+        """fp32 user tile -> workspace, then release its ready flag."""
+        tCgWs = thr_mma.partition_C(cute.local_tile(mWs, (self.TILE_N, self.tile_w), (n, w, u)))
+        tCgWs.store(acc.load())
+        cute.arch.fence_acq_rel_gpu()
+        self.epi_sync(consumer_idx)
+        if tidx == 0:
+            cute.arch.store(self.user_flag(mFlags, w, n, u, geom), Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def load_user_tile(self, acc, thr_mma, mWs, mIdx, mFlags, is_user, w, n, b, geom, consumer_idx, tidx):
+        """acc = ws[idx[b]] tile for candidate tile b, once that user tile's flag is set.
+
+        A bad index reads user 0's tile (in bounds, maybe not ready) plus NaN.
+        User tiles load the same way and ignore it (their first wgmma overwrites
+        acc), so every thread updates acc on one path.
+        """
+        n_users = geom[5]
+        u = Int32(0)
+        valid = is_user
+        if not is_user:
+            u_raw = mIdx[b]  # compared in its own width: an int64 index must not wrap into range
+            valid = (u_raw >= 0) & (u_raw < n_users)
+            if valid:
+                u = Int32(u_raw)
+        poison = Float32(0.0)
+        if not valid:
+            poison = Float32(math.nan)
+        if valid & (not is_user) & (tidx == 0):
+            flag = self.user_flag(mFlags, w, n, u, geom)
+            while cute.arch.load(flag, Int32, sem="acquire", scope="gpu") == 0:
+                pass
+        self.epi_sync(consumer_idx)
+        cute.arch.fence_acq_rel_gpu()
+        tCgWs = thr_mma.partition_C(cute.local_tile(mWs, (self.TILE_N, self.tile_w), (n, w, u)))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = tCgWs[i] + poison
+
+    @cute.jit
+    def store_output_tile(
+        self, tRS_acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
+        w, n, b, epi_count, consumer_idx, warp_in_wg,
+    ):
+        """Round once, stage 64 x EPI_W sub-tiles in shared memory, TMA-store them."""
+        gOut = cute.local_tile(mOut, (self.TILE_N, self.tile_w), (n, w, b))
+        bSG_sC, bSG_gOut = cpasync.tma_partition(
+            tma_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), cute.zipped_divide(gOut, self.epi_tile)
+        )
+        per_sub = cute.size(tRS_rD)
+        for j in cutlass.range_constexpr(self.tile_w // self.EPI_W):
+            for v in cutlass.range_constexpr(per_sub):
+                tRS_rD[v] = tRS_acc[j * per_sub + v]
+            tRS_rOut.store(tRS_rD.load().to(self.dtype))
+            buf = consumer_idx * self.EPI_STAGES + (epi_count + j) % self.EPI_STAGES
+            cute.copy(r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.epi_sync(consumer_idx)
+            if warp_in_wg == 0:
+                cute.copy(tma_out, bSG_sC[(None, buf)], bSG_gOut[(None, (0, j))])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(self.EPI_STAGES - 1, read=True)
+            self.epi_sync(consumer_idx)
+
+    # -------------------------------------------------------------- barriers
+    def epi_sync(self, consumer_idx):
+        cute.arch.barrier(barrier_id=_EPI_BARRIER + consumer_idx, number_of_threads=128)
+
+    def mma_order_wait(self, consumer_idx):
+        cute.arch.barrier(barrier_id=_MMA_ORDER_BARRIER + consumer_idx, number_of_threads=256)
+
+    def mma_order_arrive(self, consumer_idx):
+        cute.arch.barrier_arrive(barrier_id=_MMA_ORDER_BARRIER + consumer_idx, number_of_threads=256)

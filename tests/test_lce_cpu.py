@@ -1,0 +1,289 @@
+"""IKBO linear compression without a GPU: the reference against the undecomposed
+formula in float64, the input checks, and the sm_90a compile of every shipped
+kernel configuration."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ikbo_gemm.lce import SHIPPED_CONFIGS, compile_config, lce
+from ikbo_gemm.reference import lce_reference
+
+# Unit roundoff (half an ulp, relative) of one rounding to the dtype.
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+# Norm-wise relative error allowed against the exact result.
+NORM_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def make_inputs(B, U, M, N, K_user, K_cand, dtype, idx_dtype=torch.int32, order="sorted", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scale = 1.0 / math.sqrt(K_user + K_cand)
+    w_cand = (torch.randn(M, K_cand, generator=g) * scale).to(dtype)
+    w_user = (torch.randn(M, K_user, generator=g) * scale).to(dtype)
+    e_cand = torch.randn(B, K_cand, N, generator=g).to(dtype)
+    e_user = torch.randn(U, K_user, N, generator=g).to(dtype)
+    if order == "sorted":  # contiguous groups, every user used when B >= U
+        idx = torch.arange(B) * U // B
+    elif order == "shuffled":
+        idx = (torch.arange(B) * U // B)[torch.randperm(B, generator=g)]
+    else:  # any order, users may repeat or go unused
+        idx = torch.randint(0, U, (B,), generator=g)
+    return w_cand, w_user, e_cand, e_user, idx.to(idx_dtype)
+
+
+def broadcast_formula(w_cand, w_user, e_cand, e_user, idx):
+    """The undecomposed op in float64: concat(W_user, W_cand) @ concat(E_user[idx[b]], E_cand[b])."""
+    w = torch.cat([w_user, w_cand], dim=1).double()  # [M, K_user + K_cand]
+    e = torch.cat([e_user[idx.long()], e_cand], dim=1).double()  # [B, K_user + K_cand, N]
+    return w @ e, w.abs() @ e.abs()
+
+
+def rel_err(x, exact):
+    return float((x.double() - exact).norm() / exact.norm())
+
+
+def rounding_violations(result, exact, magnitude, K, dtype):
+    """Elements farther from ``exact`` than one rounding of an fp32 sum allows.
+
+    One rounding to the dtype costs at most u * |x|; an fp32 sum of K exact
+    products (and one more add) is off by at most (K + 1) * 2^-24 * sum|terms|.
+    Two roundings (round each partial sum, then the total) break this bound.
+    """
+    u = UNIT_ROUNDOFF[dtype]
+    fp32_err = 1.01 * (K + 1) * 2.0**-24 * magnitude
+    bound = u * exact.abs() + (1 + u) * fp32_err + 2.0**-25
+    return int(((result.double() - exact).abs() > bound).sum())
+
+
+# (B, U, M, N, K_user, K_cand, dtype, idx dtype, order)
+REFERENCE_CASES = {
+    "ratio1-fp16-int32": (6, 6, 8, 16, 16, 24, torch.float16, torch.int32, "sorted"),
+    "ratio1-bf16-int64-shuffled": (6, 6, 8, 16, 16, 24, torch.bfloat16, torch.int64, "shuffled"),
+    "one-user-fp16-int64": (64, 1, 12, 8, 24, 16, torch.float16, torch.int64, "sorted"),
+    "one-user-bf16-int32": (64, 1, 12, 8, 24, 16, torch.bfloat16, torch.int32, "sorted"),
+    "one-candidate": (1, 3, 8, 16, 16, 8, torch.float16, torch.int32, "random"),
+    "k-n-unaligned-fp16": (10, 3, 7, 9, 13, 7, torch.float16, torch.int32, "shuffled"),
+    "k-n-unaligned-bf16": (10, 3, 7, 9, 13, 7, torch.bfloat16, torch.int64, "random"),
+    "m1": (9, 2, 1, 24, 40, 33, torch.bfloat16, torch.int32, "shuffled"),
+    "k1": (7, 2, 5, 3, 1, 1, torch.float16, torch.int64, "random"),
+    "long-k": (4, 2, 16, 32, 300, 200, torch.float16, torch.int32, "random"),
+}
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES.values(), ids=REFERENCE_CASES.keys())
+def test_reference_matches_broadcast_formula(case):
+    B, U, M, N, K_user, K_cand, dtype, idx_dtype, order = case
+    args = make_inputs(B, U, M, N, K_user, K_cand, dtype, idx_dtype, order)
+    exact, magnitude = broadcast_formula(*args)
+    got = lce_reference(*args)
+    assert got.shape == (B, M, N) and got.dtype == dtype and got.is_contiguous()
+    assert rel_err(got, exact) <= NORM_TOL[dtype]
+    assert rounding_violations(got, exact, magnitude, K_user + K_cand, dtype) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rounding_check_rejects_two_roundings(dtype):
+    """The single-rounding check above has teeth: rounding each partial sum first fails it."""
+    args = make_inputs(16, 4, 32, 32, 64, 64, dtype, order="random")
+    w_cand, w_user, e_cand, e_user, idx = args
+    exact, magnitude = broadcast_formula(*args)
+    cand = (w_cand.float() @ e_cand.float()).to(dtype)
+    user = (w_user.float() @ e_user.float()).to(dtype)
+    twice = cand + user[idx.long()]
+    assert rounding_violations(twice, exact, magnitude, 128, dtype) > 0
+
+
+@pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])
+def test_out_written_in_place(op):
+    args = make_inputs(5, 2, 6, 10, 9, 11, torch.bfloat16, order="shuffled")
+    expected = lce_reference(*args)
+    out = torch.full((5, 6, 10), float("nan"), dtype=torch.bfloat16)
+    got = op(*args, out=out)
+    assert got is out
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("schedule", ["fused", "two_launch"])
+def test_op_on_cpu_runs_reference(schedule):
+    args = make_inputs(7, 3, 5, 9, 13, 7, torch.float16, order="random")
+    assert torch.equal(lce(*args, schedule=schedule), lce_reference(*args))
+
+
+@pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])
+def test_non_contiguous_inputs(op):
+    B, U, M, N, K_user, K_cand = 6, 3, 5, 12, 10, 9
+    dtype = torch.float16
+    w_cand, w_user, e_cand, e_user, idx = make_inputs(B, U, M, N, K_user, K_cand, dtype, order="shuffled")
+    views = (
+        w_cand.t().contiguous().t(),  # column-major
+        torch.stack([w_user, w_user.neg()], dim=-1)[..., 0],  # stride 2 along K
+        e_cand.transpose(1, 2).contiguous().transpose(1, 2),  # K fastest
+        torch.stack([e_user, e_user.neg()], dim=1)[:, 0],  # gaps between users
+        torch.stack([idx, idx.neg()], dim=-1)[:, 0],  # stride 2
+    )
+    assert not any(v.is_contiguous() for v in views)
+    exact, magnitude = broadcast_formula(w_cand, w_user, e_cand, e_user, idx)
+    got = op(*views)
+    assert got.is_contiguous() and got.shape == (B, M, N)
+    assert rounding_violations(got, exact, magnitude, K_user + K_cand, dtype) == 0
+
+
+# ----------------------------------------------------------------------------- bad input
+
+B0, U0, M0, N0, KU0, KC0 = 4, 2, 3, 16, 5, 8
+F16 = torch.float16
+
+
+def _valid():
+    w_cand, w_user, e_cand, e_user, idx = make_inputs(B0, U0, M0, N0, KU0, KC0, F16, order="shuffled")
+    return dict(w_cand=w_cand, w_user=w_user, e_cand=e_cand, e_user=e_user, idx=idx)
+
+
+def _randn(*shape, dtype=F16):
+    return torch.randn(*shape).to(dtype)
+
+
+# id -> (replacements, exception, substrings the message must contain)
+BAD_INPUTS = {
+    "w_cand-rank": (lambda a: dict(w_cand=a["w_cand"][None]), ValueError, ["w_cand", "[1, 3, 8]", "[M, K_cand]"]),
+    "w_user-rank": (lambda a: dict(w_user=a["w_user"][0]), ValueError, ["w_user", "[5]", "[M, K_user]"]),
+    "e_cand-rank": (lambda a: dict(e_cand=a["e_cand"][0]), ValueError, ["e_cand", "[8, 16]", "[B, K_cand, N]"]),
+    "e_user-rank": (lambda a: dict(e_user=a["e_user"][None]), ValueError, ["e_user", "[1, 2, 5, 16]"]),
+    "idx-rank": (lambda a: dict(idx=a["idx"][None]), ValueError, ["idx", "[1, 4]"]),
+    "w_user-M": (lambda a: dict(w_user=_randn(4, KU0)), ValueError, ["w_user", "[4, 5]", "M", "got 4"]),
+    "e_cand-K": (
+        lambda a: dict(e_cand=_randn(B0, 9, N0)),
+        ValueError,
+        ["e_cand has shape [4, 9, 16] [B, K_cand, N]", "K_cand", "= 8", "got 9"],
+    ),
+    "e_user-K": (lambda a: dict(e_user=_randn(U0, 6, N0)), ValueError, ["e_user", "[2, 6, 16]", "K_user", "got 6"]),
+    "e_user-N": (lambda a: dict(e_user=_randn(U0, KU0, 15)), ValueError, ["e_user", "[2, 5, 15]", "N", "got 15"]),
+    "idx-length": (lambda a: dict(idx=torch.zeros(5, dtype=torch.int32)), ValueError, ["idx", "[5]", "[4]"]),
+    "w_cand-fp32": (lambda a: dict(w_cand=a["w_cand"].float()), TypeError, ["w_cand", "float32"]),
+    "e_cand-fp64": (lambda a: dict(e_cand=a["e_cand"].double()), TypeError, ["e_cand", "float64"]),
+    "e_user-mixed": (lambda a: dict(e_user=a["e_user"].bfloat16()), TypeError, ["e_user", "bfloat16", "float16"]),
+    "w_user-mixed": (lambda a: dict(w_user=a["w_user"].bfloat16()), TypeError, ["w_user", "bfloat16"]),
+    "idx-float": (lambda a: dict(idx=a["idx"].float()), TypeError, ["idx", "float32"]),
+    "idx-int16": (lambda a: dict(idx=a["idx"].short()), TypeError, ["idx", "int16"]),
+    "e_cand-not-tensor": (lambda a: dict(e_cand=a["e_cand"].tolist()), TypeError, ["e_cand", "list"]),
+    "idx-not-tensor": (lambda a: dict(idx=[0, 1, 0, 1]), TypeError, ["idx", "list"]),
+    "w_cand-device": (lambda a: dict(w_cand=a["w_cand"].to("meta")), ValueError, ["w_cand", "meta"]),
+    "e_user-device": (lambda a: dict(e_user=a["e_user"].to("meta")), ValueError, ["e_user", "meta"]),
+    "idx-device": (lambda a: dict(idx=a["idx"].to("meta")), ValueError, ["idx", "meta"]),
+    "empty-B": (
+        lambda a: dict(e_cand=_randn(0, KC0, N0), idx=torch.zeros(0, dtype=torch.int32)),
+        ValueError,
+        ["e_cand", "empty", "[0, 8, 16]"],
+    ),
+    "empty-U": (lambda a: dict(e_user=_randn(0, KU0, N0)), ValueError, ["e_user", "empty", "[0, 5, 16]"]),
+    "empty-M": (lambda a: dict(w_cand=_randn(0, KC0), w_user=_randn(0, KU0)), ValueError, ["w_cand", "[0, 8]"]),
+    "empty-K_cand": (
+        lambda a: dict(w_cand=_randn(M0, 0), e_cand=_randn(B0, 0, N0)),
+        ValueError,
+        ["w_cand", "[3, 0]"],
+    ),
+    "empty-K_user": (
+        lambda a: dict(w_user=_randn(M0, 0), e_user=_randn(U0, 0, N0)),
+        ValueError,
+        ["w_user", "[3, 0]"],
+    ),
+    "empty-N": (
+        lambda a: dict(e_cand=_randn(B0, KC0, 0), e_user=_randn(U0, KU0, 0)),
+        ValueError,
+        ["e_cand", "[4, 8, 0]"],
+    ),
+    "empty-idx": (lambda a: dict(idx=torch.zeros(0, dtype=torch.int64)), ValueError, ["idx", "[0]"]),
+    "out-shape": (
+        lambda a: dict(out=torch.empty(B0, M0, 15, dtype=F16)),
+        ValueError,
+        ["out", "[4, 3, 15]", "[4, 3, 16]"],
+    ),
+    "out-rank": (lambda a: dict(out=torch.empty(B0 * M0, N0, dtype=F16)), ValueError, ["out", "[12, 16]"]),
+    "out-dtype": (lambda a: dict(out=torch.empty(B0, M0, N0, dtype=torch.bfloat16)), TypeError, ["out", "bfloat16"]),
+    "out-fp32": (lambda a: dict(out=torch.empty(B0, M0, N0)), TypeError, ["out", "float32"]),
+    "out-non-contiguous": (
+        lambda a: dict(out=torch.empty(B0, N0, M0, dtype=F16).transpose(1, 2)),
+        ValueError,
+        ["out", "contiguous"],
+    ),
+    "out-device": (lambda a: dict(out=torch.empty(B0, M0, N0, dtype=F16, device="meta")), ValueError, ["out", "meta"]),
+    "out-not-tensor": (lambda a: dict(out=[[0.0]]), TypeError, ["out"]),
+}
+
+
+@pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])
+@pytest.mark.parametrize("bad", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
+def test_bad_input_raises(op, bad):
+    replace, exc, words = bad
+    args = _valid()
+    args.update(replace(args))
+    out = args.pop("out", None)
+    with pytest.raises(exc) as info:
+        op(**args, out=out)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {str(info.value)!r}"
+
+
+@pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])
+@pytest.mark.parametrize("schedule", ["pingpong", "", None, "FUSED"])
+def test_bad_schedule_raises(op, schedule):
+    with pytest.raises(ValueError, match="schedule"):
+        op(**_valid(), schedule=schedule)
+
+
+@pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("bad_value", [U0, -1, 1 << 30])
+def test_out_of_range_index_raises_with_validation(op, idx_dtype, bad_value):
+    args = _valid()
+    idx = torch.tensor([1, 0, bad_value, U0], dtype=idx_dtype)  # positions 2 and 3 are bad
+    with pytest.raises(IndexError, match=rf"idx\[2\] = {bad_value}\b"):
+        op(**{**args, "idx": idx}, validate=True)
+
+
+@pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])
+def test_validation_follows_environment(op, monkeypatch):
+    args = _valid()
+    args["idx"] = torch.tensor([0, 1, U0, 0], dtype=torch.int32)
+    monkeypatch.setenv("IKBO_VALIDATE", "1")
+    with pytest.raises(IndexError, match=r"idx\[2\]"):
+        op(**args)
+    assert torch.isnan(op(**args, validate=False)[2]).all()
+    monkeypatch.setenv("IKBO_VALIDATE", "0")
+    assert torch.isnan(op(**args)[2]).all()
+    with pytest.raises(IndexError, match=r"idx\[2\]"):
+        op(**args, validate=True)
+
+
+@pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_out_of_range_index_gives_nan_slice_without_validation(op, idx_dtype):
+    B, U, M, N, K_user, K_cand = 8, 3, 5, 9, 11, 6
+    dtype = torch.bfloat16
+    w_cand, w_user, e_cand, e_user, idx = make_inputs(B, U, M, N, K_user, K_cand, dtype, idx_dtype, "random")
+    huge = (1 << 31) - 1 if idx_dtype == torch.int32 else 1 << 40
+    bad = {1: U, 4: -1, 6: huge}
+    bad_idx = idx.clone()
+    for b, v in bad.items():
+        bad_idx[b] = v
+    out = torch.full((B, M, N), float("nan"), dtype=dtype)
+    got = op(w_cand, w_user, e_cand, e_user, bad_idx, out=out, validate=False)
+    assert got is out
+    good = [b for b in range(B) if b not in bad]
+    assert torch.isnan(out[list(bad)]).all()
+    assert torch.isfinite(out[good]).all()
+    assert torch.equal(out[good], lce_reference(w_cand, w_user, e_cand, e_user, idx)[good])
+
+
+# ----------------------------------------------------------------------------- compile for sm_90a
+
+
+@pytest.mark.parametrize("cfg", SHIPPED_CONFIGS, ids=str)
+def test_compile_sm90a(cfg, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes the PTX into the working directory
+    kernel = compile_config(cfg, keep_ptx=True, ptxas_report=True)
+    for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"):
+        assert instruction in kernel.ptx, f"{cfg}: no {instruction} in the PTX"
+    assert kernel.spill_bytes == 0, kernel.ptxas_log
