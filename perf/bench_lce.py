@@ -1,0 +1,393 @@
+"""The linear-compression (LCE) ladder on one Hopper GPU: torch baselines, our kernel stages,
+and a same-run cuBLAS ceiling.
+
+    python perf/bench_lce.py                          # published shape (fp16, bf16) + B and ratio sweeps (fp16)
+    python perf/bench_lce.py --configs published --dtype bf16
+    python perf/bench_lce.py --configs ratio --ratio 2 70 10000
+
+out[b] = w_cand @ e_cand[b] + w_user @ e_user[idx[b]]; w_cand [M, K_cand], w_user [M, K_user],
+e_cand [B, K_cand, N], e_user [U, K_user, N], idx [B]. Useful work: 2 M N (B K_cand + U K_user).
+
+Providers, each checked against an fp32 reference before it is timed (a wrong one is
+reported, never timed):
+  torch materialize+bmm    cat(e_user[idx], e_cand) along K, then one batched GEMM with
+                           cat(w_user, w_cand) (the stage-0 baseline, copy timed)
+  torch bmm                the same GEMM on a copy made beforehand (copy not timed)
+  torch decomposition      user GEMM at U, candidate GEMM at B, then gather + add
+  ikbo two_launch          ikbo_gemm.lce(schedule="two_launch"): user GEMM, then the candidate
+                           GEMM with the gather-add fused into its epilogue
+  ikbo fused               ikbo_gemm.lce(schedule="fused"): one persistent warp-specialized kernel
+Columns: median ms, TFLOP/s, speedup over each torch provider (its ms / this ms), percent of
+the 8192^3 cuBLAS GEMM ceiling, and compile_s = first call (synchronized) minus a steady call.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `perf` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from perf import harness  # noqa: E402
+from perf.harness import make_idx, user_counts  # noqa: E402
+
+NAME = "bench_lce"
+DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
+PUBLISHED = {"B": 1024, "ratio": 70, "M": 433, "N": 256, "K_user": 1184, "K_cand": 872}
+SWEEPS = {"B": [256, 512, 1024, 2048, 4096], "ratio": [2, 5, 10, 30, 70, 200, 1000, 10000]}
+TORCH_PROVIDERS = ["torch materialize+bmm", "torch bmm", "torch decomposition"]
+SPEEDUP_COLUMNS = {"torch materialize+bmm": "x_mat_bmm", "torch bmm": "x_bmm",
+                   "torch decomposition": "x_decomp"}
+
+
+def lce_flops(M: int, N: int, B: int, U: int, K_user: int, K_cand: int) -> int:
+    return 2 * M * N * (B * K_cand + U * K_user)
+
+
+@dataclasses.dataclass
+class LceProblem:
+    B: int
+    ratio: int
+    M: int
+    N: int
+    K_user: int
+    K_cand: int
+    dtype: torch.dtype
+    counts: list
+    idx: torch.Tensor  # int32 [B] on the GPU
+    cache: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def U(self) -> int:
+        return len(self.counts)
+
+    @property
+    def flops(self) -> int:
+        return lce_flops(self.M, self.N, self.B, self.U, self.K_user, self.K_cand)
+
+    def fields(self) -> dict:
+        return {"B": self.B, "ratio": self.ratio, "U": self.U, "M": self.M, "N": self.N,
+                "K_user": self.K_user, "K_cand": self.K_cand,
+                "dtype": {v: k for k, v in harness.DTYPES.items()}[self.dtype]}
+
+
+@dataclasses.dataclass
+class LceInputs:
+    w_cand: torch.Tensor
+    w_user: torch.Tensor
+    e_cand: torch.Tensor
+    e_user: torch.Tensor
+
+    def clone_activations(self) -> "LceInputs":
+        """A copy of the per-request inputs; the weights stay shared."""
+        return dataclasses.replace(self, e_cand=self.e_cand.clone(), e_user=self.e_user.clone())
+
+    def activation_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.e_cand, self.e_user))
+
+
+def make_problem(B, ratio, dtype, shape=PUBLISHED, device=None) -> LceProblem:
+    counts = user_counts(B, ratio)  # exact ratio, last user the remainder (70 x 14 + 44)
+    idx = make_idx(counts, "sorted").to(device or DEVICE)
+    return LceProblem(B, ratio, shape["M"], shape["N"], shape["K_user"], shape["K_cand"], dtype,
+                      counts, idx)
+
+
+def make_inputs(p: LceProblem, gen: torch.Generator, device=None) -> LceInputs:
+    device = device or DEVICE
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(p.dtype)
+
+    # weights scaled like a trained layer (std 1/sqrt(K)) so outputs stay O(1) in fp16
+    return LceInputs(randn(p.M, p.K_cand, scale=(p.K_cand + p.K_user) ** -0.5),
+                     randn(p.M, p.K_user, scale=(p.K_cand + p.K_user) ** -0.5),
+                     randn(p.B, p.K_cand, p.N), randn(p.U, p.K_user, p.N))
+
+
+def reference_output(p: LceProblem, inp: LceInputs, chunk: int = 256) -> torch.Tensor:
+    """fp32 [B, M, N] (computed in chunks of candidates to bound the fp32 temporaries)."""
+    user = torch.matmul(inp.w_user.float(), inp.e_user.float())  # [U, M, N]
+    out = torch.empty(p.B, p.M, p.N, dtype=torch.float32, device=inp.e_cand.device)
+    idx = p.idx.long()
+    for s in range(0, p.B, chunk):
+        e = min(p.B, s + chunk)
+        out[s:e] = torch.matmul(inp.w_cand.float(), inp.e_cand[s:e].float()) + user[idx[s:e]]
+    return out
+
+
+# --------------------------------------------------------------------------- providers
+
+class Skip(Exception):
+    """The provider is not available; the message says why."""
+
+
+@dataclasses.dataclass
+class Provider:
+    name: str
+    setup: Callable[[LceProblem, LceInputs], Any]
+    run: Callable[[LceProblem, Any, LceInputs], torch.Tensor]  # -> out [B, M, N]
+    ours: bool = False
+
+
+class _Lib:
+    ikbo_gemm = None
+    note: Optional[str] = None
+
+
+LIB = _Lib()
+
+
+def load_ikbo_gemm() -> None:
+    try:
+        import ikbo_gemm
+    except Exception as e:
+        LIB.note = f"ikbo_gemm not importable ({type(e).__name__}: {e})"
+        return
+    if not callable(getattr(ikbo_gemm, "lce", None)):
+        LIB.note = "ikbo_gemm.lce does not exist yet"
+        return
+    LIB.ikbo_gemm = ikbo_gemm
+
+
+def _w_cat(p: LceProblem, inp: LceInputs) -> torch.Tensor:
+    if "w" not in p.cache:  # weights are static: concatenated once, like a deployed model
+        p.cache["w"] = torch.cat([inp.w_user, inp.w_cand], dim=1).contiguous()
+    return p.cache["w"]
+
+
+def _materialize(p: LceProblem, inp: LceInputs) -> torch.Tensor:
+    return torch.cat([inp.e_user[p.idx], inp.e_cand], dim=1)  # [B, K_user + K_cand, N]
+
+
+def _bmm_setup(p: LceProblem, inp: LceInputs):
+    return _w_cat(p, inp), _materialize(p, inp)
+
+
+def _decomposition(p: LceProblem, st, inp: LceInputs) -> torch.Tensor:
+    user = torch.matmul(inp.w_user, inp.e_user)  # [U, M, N]
+    out = torch.matmul(inp.w_cand, inp.e_cand)  # [B, M, N]
+    return out.add_(user.index_select(0, p.idx))
+
+
+def _ours(schedule: str) -> Callable:
+    def run(p: LceProblem, st, inp: LceInputs) -> torch.Tensor:
+        return LIB.ikbo_gemm.lce(inp.w_cand, inp.w_user, inp.e_cand, inp.e_user, p.idx,
+                                 schedule=schedule, validate=False)
+    return run
+
+
+def providers() -> list:
+    """In run order: torch first, ours last (a failure there cannot spoil the baselines)."""
+    return [
+        Provider("torch materialize+bmm", lambda p, i: _w_cat(p, i),
+                 lambda p, w, i: torch.matmul(w, _materialize(p, i))),
+        Provider("torch bmm", _bmm_setup, lambda p, st, i: torch.matmul(st[0], st[1])),
+        Provider("torch decomposition", lambda p, i: None, _decomposition),
+        Provider("ikbo two_launch", lambda p, i: None, _ours("two_launch"), ours=True),
+        Provider("ikbo fused", lambda p, i: None, _ours("fused"), ours=True),
+    ]
+
+
+# --------------------------------------------------------------------------- one configuration
+
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
+def context_lost() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device=DEVICE).add_(1).item() != 2.0
+    except Exception:
+        return True
+
+
+class ContextLost(Exception):
+    def __init__(self, note: str, rows: list):
+        super().__init__(note)
+        self.rows = rows
+
+
+def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float) -> list:
+    ref = reference_output(p, inp)
+    n_rot = harness.rotation_count(inp.activation_bytes(), harness.l2_bytes())
+    sets = [inp] + [inp.clone_activations() for _ in range(n_rot - 1)]
+    rows = []
+    for prov in provs:
+        row = {**p.fields(), "provider": prov.name, "status": "ok", "note": None}
+        rows.append(row)
+        if prov.ours and LIB.ikbo_gemm is None:
+            row.update(status="skipped", note=LIB.note)
+            continue
+        try:
+            st = prov.setup(p, inp)
+            first, out = harness.first_call_s(lambda: prov.run(p, st, inp))
+            row["rel_err"] = harness.rel_error(out.float(), ref)
+            del out
+            if not row["rel_err"] <= args.tol:
+                row.update(status="wrong", note=f"rel. error {row['rel_err']:.3g} > {args.tol:g}: not timed")
+                continue
+            row["ms"] = harness.bench_ms(lambda x: prov.run(p, st, x), warmup=args.warmup,
+                                         rep=args.rep, rotate=sets)
+            row["compile_s"] = max(0.0, first - row["ms"] * 1e-3)
+            row["tflops"] = harness.tflops(p.flops, row["ms"])
+            row["pct_ceiling"] = 100.0 * row["tflops"] / ceiling
+            del st
+        except Skip as e:
+            row.update(status="skipped", note=str(e))
+        except (NotImplementedError, ImportError) as e:
+            row.update(status="skipped", note=f"not available yet ({_short(e)})")
+        except Exception as e:
+            row.update(status="error", note=_short(e))
+            if context_lost():
+                raise ContextLost(f"{prov.name}: {row['note']}", rows) from e
+    base = {r["provider"]: r.get("ms") for r in rows if r["provider"] in TORCH_PROVIDERS}
+    for r in rows:
+        for name, col in SPEEDUP_COLUMNS.items():
+            if r.get("ms") and base.get(name):
+                r[col] = base[name] / r["ms"]
+    p.cache.clear()
+    return rows
+
+
+# --------------------------------------------------------------------------- configurations
+
+def build_configs(args) -> tuple[list, dict]:
+    """Unique (B, ratio, dtype) in run order, and group name -> its keys."""
+    groups = {}
+    if "published" in args.configs:
+        groups["published"] = [(PUBLISHED["B"], PUBLISHED["ratio"], dt) for dt in args.dtype]
+    for name in ("B", "ratio"):
+        if name in args.configs:
+            values = getattr(args, name) or SWEEPS[name]
+            for dt in args.sweep_dtype:
+                groups[f"{name} sweep ({dt})"] = [
+                    (v, PUBLISHED["ratio"], dt) if name == "B" else (PUBLISHED["B"], v, dt)
+                    for v in values]
+    keys = list(dict.fromkeys(k for ks in groups.values() for k in ks))
+    return keys, groups
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="bench_lce.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", choices=["published", "B", "ratio"],
+                    default=["published", "B", "ratio"],
+                    help="published shape, B sweep (ratio 70), ratio sweep (B 1024)")
+    ap.add_argument("--dtype", nargs="+", choices=sorted(harness.DTYPES), default=["fp16", "bf16"],
+                    help="dtypes of the published shape")
+    ap.add_argument("--sweep-dtype", nargs="+", choices=sorted(harness.DTYPES), default=["fp16"])
+    ap.add_argument("--B", type=int, nargs="+", help=f"B sweep values (default {SWEEPS['B']})")
+    ap.add_argument("--ratio", type=int, nargs="+", help=f"ratio sweep values (default {SWEEPS['ratio']})")
+    ap.add_argument("--M", type=int, default=PUBLISHED["M"])
+    ap.add_argument("--N", type=int, default=PUBLISHED["N"])
+    ap.add_argument("--K-user", dest="K_user", type=int, default=PUBLISHED["K_user"])
+    ap.add_argument("--K-cand", dest="K_cand", type=int, default=PUBLISHED["K_cand"])
+    ap.add_argument("--providers", nargs="+", metavar="NAME",
+                    help=f"subset of: {', '.join(p.name for p in providers())}")
+    ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
+    ap.add_argument("--budget-s", type=float, default=170.0,
+                    help="skip the remaining sweep points once this many seconds have passed")
+    harness.add_common_args(ap)
+    args = ap.parse_args(argv)
+    names = [p.name for p in providers()]
+    if args.providers and set(args.providers) - set(names):
+        ap.error(f"unknown provider(s) {sorted(set(args.providers) - set(names))}; choose from {names}")
+    return args
+
+
+COLUMNS = ["provider", "status", "rel_err", "compile_s", "ms", "tflops", "pct_ceiling",
+           "x_mat_bmm", "x_bmm", "x_decomp"]
+
+
+def print_problem(p: LceProblem, rows: list) -> None:
+    f = p.fields()
+    print(f"\nB={f['B']} ratio={f['ratio']} (U={f['U']}) M={f['M']} N={f['N']} K_user={f['K_user']} "
+          f"K_cand={f['K_cand']} {f['dtype']}  [{p.flops / 1e9:.1f} GFLOP; x_* = that torch "
+          f"provider's ms / this ms]")
+    harness.print_table(rows, COLUMNS)
+    for r in rows:
+        if r.get("note"):
+            print(f"  {r['provider']}: {r['note']}")
+
+
+@torch.no_grad()  # inference: no autograd bookkeeping in any provider
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    harness.require_hopper_or_exit(name=NAME)
+    os.environ["IKBO_VALIDATE"] = "0"  # no host-synchronizing index check inside timed calls
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
+    load_ikbo_gemm()
+    if LIB.note:
+        print(f"{NAME}: {LIB.note}; its rows are skipped", flush=True)
+    provs = [pr for pr in providers() if not args.providers or pr.name in args.providers]
+    shape = {"M": args.M, "N": args.N, "K_user": args.K_user, "K_cand": args.K_cand}
+    keys, groups = build_configs(args)
+    env = harness.environment()
+    print(f"{env.get('gpu')} | SM clock {env.get('smi.clocks.sm')} MHz (max {env.get('smi.clocks.max.sm')}) | "
+          f"driver {env.get('driver')} | torch {env['torch']} | cutlass-dsl {env['nvidia-cutlass-dsl']} | "
+          f"commit {str(env.get('git_commit'))[:12]}{' (dirty)' if env.get('git_dirty') else ''}", flush=True)
+    ceilings = {}
+    for dt in dict.fromkeys(k[2] for k in keys):
+        ceilings[dt] = harness.cublas_ceiling_tflops(harness.DTYPES[dt])
+        print(f"cuBLAS {dt} 8192^3 GEMM ceiling: {ceilings[dt]:.0f} TFLOP/s", flush=True)
+
+    stamp = harness.utc_stamp()
+    payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
+               "environment": env, "ceiling_tflops": ceilings, "shape": shape,
+               "settings": {"warmup": args.warmup, "rep": args.rep, "tol": args.tol},
+               "notes": [LIB.note] if LIB.note else [], "rows": []}
+    published = set(groups.get("published", []))
+    start = time.perf_counter()
+    try:
+        for key in keys:
+            B, ratio, dt = key
+            if key not in published and time.perf_counter() - start > args.budget_s:
+                note = f"time budget of {args.budget_s:.0f} s spent: skipped B={B} ratio={ratio} {dt}"
+                print(f"{NAME}: {note}", flush=True)
+                payload["notes"].append(note)
+                continue
+            gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
+            p = make_problem(B, ratio, harness.DTYPES[dt], shape)
+            inp = make_inputs(p, gen)
+            rows = run_problem(p, inp, provs, args, ceilings[dt])
+            print_problem(p, rows)
+            payload["rows"] += rows
+            harness.write_results(NAME, payload, args.out_dir, stamp)
+            del p, inp
+            torch.cuda.empty_cache()
+    except ContextLost as e:
+        payload["rows"] += e.rows
+        msg = f"the CUDA context is lost after {e}; stopping (results so far are saved)"
+        print(f"{NAME}: {msg}", flush=True)
+        payload["notes"].append(msg)
+    payload["seconds"] = time.perf_counter() - start
+    for name, ks in groups.items():
+        sel = [r for r in payload["rows"] if (r["B"], r["ratio"], r["dtype"]) in set(ks)]
+        if sel and name != "published":
+            print(f"\n{name}: TFLOP/s")
+            table = []
+            for k in ks:
+                line = {"B": k[0], "ratio": k[1]}
+                for r in sel:
+                    if (r["B"], r["ratio"], r["dtype"]) == k:
+                        line[r["provider"]] = r.get("tflops") if r["status"] == "ok" else r["status"]
+                table.append(line)
+            harness.print_table(table, ["B", "ratio"] + [pr.name for pr in provs])
+    path = harness.write_results(NAME, payload, args.out_dir, stamp)
+    print(f"\nresults: {path}  ({payload['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,744 @@
+"""IKBO attention head to head with FlashAttention-4 and torch SDPA on one Hopper GPU.
+
+    python perf/compare_fa4.py                      # the published configuration
+    python perf/compare_fa4.py --sweep ratio B S_q  # one-variable sweeps around it (L = 1024)
+    python perf/compare_fa4.py --L 1024 --order shuffled --broadcast q --dtype fp16
+
+Workload (K/V broadcast): B candidates, U users, idx[b] = the user of candidate b;
+q [B, S_q, H, D] per candidate, k, v [U, L, H, D] per user;
+out[b] = softmax(scale * q[b] k[idx[b]]^T) v[idx[b]]. With ``--broadcast q`` the roles
+swap: q [U, S_q, H, D] per user, k, v [B, L, H, D] per candidate.
+
+Providers, all fed the same inputs, each checked against an fp32 reference before it is
+timed (a wrong one is reported, never timed):
+  ikbo                     ikbo_fa.attention on the inputs as they are
+  fa4 materialized         FA4 (flash_attn.cute) on the broadcast side copied per candidate;
+                           kernel alone
+  fa4 materialize+kernel   the same, the copy timed too
+  fa4 page table           FA4 with every candidate's page-table row pointing at its user's
+                           K/V pages (no copy; K/V broadcast only)
+  fa4 varlen packed        FA4 varlen with each user's candidates packed into one query
+                           sequence against that user's K/V (no copy; K/V broadcast only).
+                           Shuffled idx: the Q gather and O scatter are timed with it
+  sdpa materialized        torch SDPA on the materialized tensors, kernel alone
+  materialize              the broadcast copy on its own (no attention)
+Index metadata (page table, cu_seqlens, the grouping permutation) is built once, untimed,
+which favors the peers.
+
+Timing: median of CUDA-event timings of single calls after warm-up, cycling through copies
+of the inputs when they are small enough for L2 to keep them; CUDA-graph replays as well
+for calls shorter than --graph-below-ms; TFLOP/s = 4 B H S_q L D / t. Also recorded: a
+same-run cuBLAS GEMM ceiling, host time per call on a tiny problem, first-call time
+(compile included), GPU, clocks, driver, versions and git commit.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `perf` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from perf import harness  # noqa: E402
+from perf.harness import make_idx, user_counts  # noqa: E402,F401  (user_counts: public here too)
+
+NAME = "compare_fa4"
+DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
+PUBLISHED = {"B": 2048, "ratio": 64, "S_q": 64, "L": [512, 1024, 2048, 4096, 8192, 16384]}
+SWEEPS = {
+    "L": [512, 1024, 2048, 4096, 8192, 16384],
+    "ratio": [10, 32, 64, 128, 256, 1000],
+    "B": [256, 512, 1024, 2048, 4096],
+    "S_q": [32, 64, 128],
+}
+SWEEP_L = 1024  # L of the ratio / B / S_q sweeps
+# FA4's sm90 forward loads pages by TMA only when a page is exactly its 128-key tile
+# (D = 128); other page sizes take a slower cp.async path.
+PAGE_SIZE = 128
+CHECK_SAMPLE = 32  # random candidates checked besides the first and the last
+
+
+# --------------------------------------------------------------------------- workload
+
+def attention_flops(B: int, H: int, S_q: int, L: int, D: int) -> int:
+    """QK^T and PV: 2 GEMMs of 2 S_q L D FLOPs per candidate and head."""
+    return 4 * B * H * S_q * L * D
+
+
+@dataclasses.dataclass
+class Problem:
+    B: int
+    ratio: int
+    S_q: int
+    L: int
+    H: int
+    D: int
+    dtype: torch.dtype
+    broadcast: str  # "kv": K/V per user; "q": Q per user
+    order: str  # "sorted" or "shuffled"
+    counts: list
+    idx_cpu: torch.Tensor  # int32 [B]
+    idx: torch.Tensor  # the same on the GPU
+    scale: float
+    cache: dict = dataclasses.field(default_factory=dict)  # shared derived tensors
+
+    @property
+    def U(self) -> int:
+        return len(self.counts)
+
+    @property
+    def flops(self) -> int:
+        return attention_flops(self.B, self.H, self.S_q, self.L, self.D)
+
+    def fields(self) -> dict:
+        return {"B": self.B, "ratio": self.ratio, "U": self.U, "S_q": self.S_q, "L": self.L,
+                "H": self.H, "D": self.D, "dtype": _dtype_name(self.dtype),
+                "broadcast": self.broadcast, "order": self.order}
+
+
+@dataclasses.dataclass
+class Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def clone(self) -> "Inputs":
+        return Inputs(self.q.clone(), self.k.clone(), self.v.clone())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.k, self.v))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in harness.DTYPES.items()}[dtype]
+
+
+def make_problem(B, ratio, S_q, L, H, D, dtype, broadcast, order, rng, device=None) -> Problem:
+    counts = user_counts(B, ratio, rng)
+    idx = make_idx(counts, order, rng)
+    return Problem(B, ratio, S_q, L, H, D, dtype, broadcast, order, counts, idx,
+                   idx.to(device or DEVICE), 1.0 / math.sqrt(D))
+
+
+def make_inputs(p: Problem, gen: torch.Generator, device=None) -> Inputs:
+    nq, nkv = (p.B, p.U) if p.broadcast == "kv" else (p.U, p.B)
+    device = device or DEVICE
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(p.dtype)
+
+    return Inputs(randn(nq, p.S_q, p.H, p.D), randn(nkv, p.L, p.H, p.D), randn(nkv, p.L, p.H, p.D))
+
+
+# --------------------------------------------------------------------------- page table
+
+@dataclasses.dataclass
+class PageTable:
+    pages: torch.Tensor  # int32 [B, pages per user]: candidate b -> pages of user idx[b]
+    seqused_k: Optional[torch.Tensor]  # int32 [B] = L when L is not a multiple of the page
+    page_size: int
+
+
+def build_page_table(idx: torch.Tensor, L: int, page_size: int = PAGE_SIZE) -> PageTable:
+    """Row b lists the pages of user idx[b] in K/V stored as [U * n, page_size, H, D]."""
+    n = -(-L // page_size)
+    pages = (idx.long()[:, None] * n + torch.arange(n, device=idx.device)[None, :]).to(torch.int32)
+    seqused = None
+    if L % page_size:
+        seqused = torch.full((idx.numel(),), L, dtype=torch.int32, device=idx.device)
+    return PageTable(pages.contiguous(), seqused, page_size)
+
+
+def to_pages(x: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
+    """[U, L, H, D] -> [U * ceil(L / page), page, H, D]: a view when L is a multiple of the page,
+    else a copy padded with zeros (the padded keys are masked, but must be finite)."""
+    U, L, H, D = x.shape
+    n = -(-L // page_size)
+    if n * page_size != L:
+        padded = x.new_zeros(U, n * page_size, H, D)
+        padded[:, :L] = x
+        x = padded
+    return x.reshape(U * n, page_size, H, D)
+
+
+def run_paged(varlen_fn: Callable, q, k_pages, v_pages, table: PageTable, scale: float):
+    """One candidate per batch entry, K/V through the page table. q [B, S_q, H, D]."""
+    return varlen_fn(q, k_pages, v_pages, page_table=table.pages, seqused_k=table.seqused_k,
+                     softmax_scale=scale)[0]
+
+
+# --------------------------------------------------------------------------- varlen packing
+
+@dataclasses.dataclass
+class Packing:
+    order: Optional[torch.Tensor]  # int64 [B] grouping candidates by user; None if already sorted
+    cu_seqlens_q: torch.Tensor  # int32 [U + 1]: prefix sums of count_u * S_q
+    cu_seqlens_k: torch.Tensor  # int32 [U + 1]: prefix sums of L
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    def to(self, device) -> "Packing":
+        order = None if self.order is None else self.order.to(device)
+        return dataclasses.replace(self, order=order, cu_seqlens_q=self.cu_seqlens_q.to(device),
+                                   cu_seqlens_k=self.cu_seqlens_k.to(device))
+
+
+def build_varlen_packing(idx: torch.Tensor, num_users: int, S_q: int, L: int) -> Packing:
+    """Sequence u = the queries of all candidates of user u (in candidate order) against K/V row u."""
+    idx = idx.long()
+    is_sorted = bool((idx[1:] >= idx[:-1]).all()) if idx.numel() > 1 else True
+    order = None if is_sorted else torch.argsort(idx, stable=True)
+    counts = torch.bincount(idx, minlength=num_users)
+    cu_q = torch.zeros(num_users + 1, dtype=torch.int32, device=idx.device)
+    cu_q[1:] = torch.cumsum(counts * S_q, 0)
+    cu_k = torch.arange(num_users + 1, dtype=torch.int32, device=idx.device) * L
+    return Packing(order, cu_q, cu_k, int(counts.max()) * S_q, L)
+
+
+def pack_queries(q: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """[B, S_q, H, D] -> [B * S_q, H, D] grouped by user (a view when idx is sorted)."""
+    if packing.order is not None:
+        q = q.index_select(0, packing.order)
+    return q.reshape(-1, *q.shape[2:])
+
+
+def unpack_outputs(o: torch.Tensor, packing: Packing, B: int, S_q: int) -> torch.Tensor:
+    """[B * S_q, H, D] grouped by user -> [B, S_q, H, D] in candidate order."""
+    o = o.view(B, S_q, *o.shape[1:])
+    if packing.order is None:
+        return o
+    return torch.empty_like(o).index_copy_(0, packing.order, o)
+
+
+def run_varlen(varlen_fn: Callable, q, k, v, packing: Packing, scale: float):
+    """q [B, S_q, H, D] per candidate; k, v [U, L, H, D] per user, passed as [U * L, H, D] views."""
+    U, L = k.shape[:2]
+    o = varlen_fn(pack_queries(q, packing), k.reshape(U * L, *k.shape[2:]),
+                  v.reshape(U * L, *v.shape[2:]),
+                  cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_k=packing.cu_seqlens_k,
+                  max_seqlen_q=packing.max_seqlen_q, max_seqlen_k=packing.max_seqlen_k,
+                  softmax_scale=scale)[0]
+    return unpack_outputs(o, packing, q.shape[0], q.shape[1])
+
+
+# --------------------------------------------------------------------------- reference check
+
+def check_candidates(B: int, rng, n: int = CHECK_SAMPLE) -> torch.Tensor:
+    """The first and the last candidate plus a random sample, sorted (int64, CPU)."""
+    picked = set(rng.choice(B, size=min(n, B), replace=False).tolist()) | {0, B - 1}
+    return torch.tensor(sorted(picked), dtype=torch.long)
+
+
+def reference_outputs(p: Problem, inp: Inputs, cand: torch.Tensor, chunk: int = 8) -> torch.Tensor:
+    """fp32 attention of the candidates ``cand`` [n] -> [n, S_q, H, D], one user group at a time
+    (the shared side converted to fp32 once per user, at most ``chunk`` candidates at once)."""
+    out = torch.empty(len(cand), p.S_q, p.H, p.D, dtype=torch.float32, device=inp.q.device)
+    users = p.idx_cpu.long()[cand]
+    for u in torch.unique(users).tolist():
+        where = torch.nonzero(users == u).flatten()
+        shared = inp.k if p.broadcast == "kv" else inp.q
+        shared_u = shared[u].float()
+        v_u = inp.v[u].float() if p.broadcast == "kv" else None
+        for part in torch.split(where, chunk):
+            c = cand[part].to(inp.q.device)
+            if p.broadcast == "kv":
+                q, k, v = inp.q[c].float(), shared_u.expand(len(c), *shared_u.shape), \
+                    v_u.expand(len(c), *v_u.shape)
+            else:
+                q, k, v = shared_u.expand(len(c), *shared_u.shape), inp.k[c].float(), inp.v[c].float()
+            s = torch.einsum("nshd,nlhd->nhsl", q, k) * p.scale
+            out[part.to(out.device)] = torch.einsum("nhsl,nlhd->nshd", torch.softmax(s, dim=-1), v)
+    return out
+
+
+# --------------------------------------------------------------------------- providers
+
+class Skip(Exception):
+    """The provider does not apply or is not available; the message says why."""
+
+
+@dataclasses.dataclass
+class Provider:
+    name: str
+    setup: Callable[[Problem, Inputs], Any]  # -> state; raises Skip
+    run: Callable[[Problem, Any, Inputs], Optional[torch.Tensor]]  # -> out [B, S_q, H, D]
+    needs: str = ""  # "fa4" or "ikbo": skipped when that library is missing
+    attention: bool = True  # False: not an attention (no check, no TFLOP/s)
+
+
+class Libraries:
+    fa4 = None  # flash_attn.cute module
+    fa4_note: Optional[str] = None
+    ikbo = None  # ikbo_fa module
+    ikbo_note: Optional[str] = None
+
+
+LIBS = Libraries()
+
+
+def load_fa4() -> None:
+    try:
+        import flash_attn.cute as fa4
+        LIBS.fa4 = fa4
+    except Exception as e:
+        LIBS.fa4_note = (f"flash-attn-4 not importable ({type(e).__name__}: {e}); FA4 providers "
+                         f"skipped; `{harness.INSTALL_HINT}`")
+
+
+def load_ikbo() -> None:
+    try:
+        import ikbo_fa
+    except Exception as e:
+        LIBS.ikbo_note = f"ikbo_fa not importable ({type(e).__name__}: {e})"
+        return
+    if not callable(getattr(ikbo_fa, "attention", None)):
+        LIBS.ikbo_note = "ikbo_fa.attention does not exist yet"
+        return
+    LIBS.ikbo = ikbo_fa
+
+
+def _materialized(p: Problem, inp: Inputs) -> Inputs:
+    """Per-candidate q, k, v: the broadcast side copied with idx (built once per problem)."""
+    if "materialized" not in p.cache:
+        side = (inp.k, inp.v) if p.broadcast == "kv" else (inp.q,)
+        need = sum(t[0].numel() * t.element_size() for t in side) * p.B
+        if side[0].is_cuda:
+            free, _ = torch.cuda.mem_get_info(side[0].device)
+            if need > 0.8 * free:
+                raise Skip(f"materialized tensors need {need / 2**30:.1f} GiB, "
+                           f"{free / 2**30:.1f} GiB free")
+        if p.broadcast == "kv":
+            p.cache["materialized"] = Inputs(inp.q, inp.k[p.idx.long()], inp.v[p.idx.long()])
+        else:
+            p.cache["materialized"] = Inputs(inp.q[p.idx.long()], inp.k, inp.v)
+    return p.cache["materialized"]
+
+
+def _materialize_into(p: Problem, buf: Inputs, inp: Inputs) -> Inputs:
+    """The timed copy: broadcast side of ``inp`` gathered into the buffers of ``buf``."""
+    if p.broadcast == "kv":
+        torch.index_select(inp.k, 0, p.idx, out=buf.k)
+        torch.index_select(inp.v, 0, p.idx, out=buf.v)
+        return Inputs(inp.q, buf.k, buf.v)
+    torch.index_select(inp.q, 0, p.idx, out=buf.q)
+    return Inputs(buf.q, inp.k, inp.v)
+
+
+def _dense_args(p: Problem, st: Inputs, inp: Inputs) -> Inputs:
+    """Kernel-only providers: the candidate side from ``inp`` (rotated), the copy from ``st``."""
+    return Inputs(inp.q, st.k, st.v) if p.broadcast == "kv" else Inputs(st.q, inp.k, inp.v)
+
+
+def _kv_only(p: Problem, what: str) -> None:
+    if p.broadcast != "kv":
+        raise Skip(f"{what} applies to K/V broadcast only")
+
+
+def _fa4_dense(x: Inputs, scale: float):
+    return LIBS.fa4.flash_attn_func(x.q, x.k, x.v, softmax_scale=scale)[0]
+
+
+def _sdpa(x: Inputs, scale: float):
+    o = torch.nn.functional.scaled_dot_product_attention(
+        x.q.transpose(1, 2), x.k.transpose(1, 2), x.v.transpose(1, 2), scale=scale)
+    return o.transpose(1, 2)
+
+
+def _paged_setup(p: Problem, inp: Inputs):
+    _kv_only(p, "the page table")
+    table = build_page_table(p.idx, p.L)
+    pages = None if p.L % PAGE_SIZE == 0 else (to_pages(inp.k), to_pages(inp.v))  # padded copy
+    return table, pages
+
+
+def _paged_run(p: Problem, st, inp: Inputs):
+    table, pages = st
+    kp, vp = pages if pages is not None else (to_pages(inp.k), to_pages(inp.v))
+    return run_paged(LIBS.fa4.flash_attn_varlen_func, inp.q, kp, vp, table, p.scale)
+
+
+def _varlen_setup(p: Problem, inp: Inputs):
+    _kv_only(p, "varlen packing")
+    return build_varlen_packing(p.idx_cpu, p.U, p.S_q, p.L).to(inp.q.device)
+
+
+def _ikbo_setup(p: Problem, inp: Inputs):
+    return None
+
+
+def _ikbo_run(p: Problem, st, inp: Inputs):
+    return LIBS.ikbo.attention(inp.q, (inp.k, inp.v), p.idx, scale=p.scale, broadcast=p.broadcast)
+
+
+def providers() -> list:
+    """In run order: peers first, ikbo last (a failure there cannot spoil the peers' numbers)."""
+    return [
+        Provider("materialize", lambda p, i: _materialized(p, i),
+                 lambda p, st, i: _materialize_into(p, st, i), attention=False),
+        Provider("fa4 varlen packed", _varlen_setup,
+                 lambda p, st, i: run_varlen(LIBS.fa4.flash_attn_varlen_func, i.q, i.k, i.v, st, p.scale),
+                 needs="fa4"),
+        Provider("fa4 page table", _paged_setup, _paged_run, needs="fa4"),
+        Provider("fa4 materialized", lambda p, i: _materialized(p, i),
+                 lambda p, st, i: _fa4_dense(_dense_args(p, st, i), p.scale), needs="fa4"),
+        Provider("fa4 materialize+kernel", lambda p, i: _materialized(p, i),
+                 lambda p, st, i: _fa4_dense(_materialize_into(p, st, i), p.scale), needs="fa4"),
+        Provider("sdpa materialized", lambda p, i: _materialized(p, i),
+                 lambda p, st, i: _sdpa(_dense_args(p, st, i), p.scale)),
+        Provider("ikbo", _ikbo_setup, _ikbo_run, needs="ikbo"),
+    ]
+
+
+DISPLAY_ORDER = ["ikbo", "fa4 varlen packed", "fa4 page table", "fa4 materialized",
+                 "fa4 materialize+kernel", "sdpa materialized", "materialize"]
+
+
+def _missing_library(prov: Provider) -> Optional[str]:
+    if prov.needs == "fa4" and LIBS.fa4 is None:
+        return "flash-attn-4 missing"
+    if prov.needs == "ikbo" and LIBS.ikbo is None:
+        return LIBS.ikbo_note or "ikbo_fa.attention missing"
+    return None
+
+
+# --------------------------------------------------------------------------- one configuration
+
+def _short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".splitlines()[0]
+    return text[:200]
+
+
+def context_lost() -> bool:
+    """True when the CUDA context no longer works (a sticky error such as an illegal address)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device=DEVICE).add_(1).item() != 2.0
+    except Exception:
+        return True
+
+
+class ContextLost(Exception):
+    def __init__(self, note: str, rows: list):
+        super().__init__(note)
+        self.rows = rows
+
+
+def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng) -> list:
+    """Check, then time, each provider on one problem; returns one row per provider.
+
+    Raises ContextLost (carrying the rows so far) after a sticky CUDA error."""
+    cand = check_candidates(p.B, rng)
+    ref = reference_outputs(p, inp, cand)
+    n_rot = harness.rotation_count(inp.nbytes(), harness.l2_bytes())
+    sets = [inp] + [inp.clone() for _ in range(n_rot - 1)]
+    rows = []
+    for prov in provs:
+        row = {**p.fields(), "provider": prov.name, "status": "ok", "note": None}
+        rows.append(row)
+        missing = _missing_library(prov)
+        if missing:
+            row.update(status="skipped", note=missing)
+            continue
+        try:
+            st = prov.setup(p, inp)
+            row["first_call_s"], out = harness.first_call_s(lambda: prov.run(p, st, inp))
+            if prov.attention:
+                row["rel_err"] = harness.rel_error(out[cand.to(out.device)].float(), ref) \
+                    if out is not None and tuple(out.shape) == (p.B, p.S_q, p.H, p.D) else math.inf
+                del out
+                if not row["rel_err"] <= args.tol:
+                    row.update(status="wrong", note=f"rel. error {row['rel_err']:.3g} > {args.tol:g}: not timed")
+                    continue
+            row["ms"] = harness.bench_ms(lambda x: prov.run(p, st, x), warmup=args.warmup,
+                                         rep=args.rep, rotate=sets)
+            if row["ms"] < args.graph_below_ms:
+                row["graph_ms"] = harness.bench_graph_ms(lambda x: prov.run(p, st, x),
+                                                         rep=args.rep, rotate=sets)
+                if row["graph_ms"] is None:
+                    row["note"] = "CUDA graph capture failed"
+            if prov.attention:
+                row["tflops"] = harness.tflops(p.flops, row["ms"])
+                row["pct_cublas"] = 100.0 * row["tflops"] / ceiling
+            del st
+        except Skip as e:
+            row.update(status="skipped", note=str(e))
+        except (NotImplementedError, ImportError) as e:
+            row.update(status="skipped", note=f"not available yet ({_short(e)})")
+        except Exception as e:  # report, keep going with the other providers
+            row.update(status="error", note=_short(e))
+            if context_lost():
+                raise ContextLost(f"{prov.name}: {row['note']}", rows) from e
+    ikbo_ms = next((r.get("ms") for r in rows if r["provider"] == "ikbo"), None)
+    for r in rows:
+        if ikbo_ms and r.get("ms") and r["provider"] not in ("ikbo", "materialize"):
+            r["ikbo_speedup"] = r["ms"] / ikbo_ms
+    rows.sort(key=lambda r: DISPLAY_ORDER.index(r["provider"]))
+    p.cache.clear()
+    return rows
+
+
+def host_overheads(args, provs: list, dtype: torch.dtype, broadcast: str) -> dict:
+    """CPU microseconds per call on a tiny problem (B = 4, ratio 2, L = 128)."""
+    rng = np.random.default_rng(args.seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
+    p = make_problem(4, 2, args.S_q[0] if args.S_q else PUBLISHED["S_q"], 128, args.H, args.D,
+                     dtype, broadcast, "sorted", rng)
+    inp = make_inputs(p, gen)
+    result = {}
+    for prov in provs:
+        if _missing_library(prov):
+            continue
+        try:
+            st = prov.setup(p, inp)
+            result[prov.name] = harness.host_overhead_us(lambda: prov.run(p, st, inp), iters=100)
+        except Exception as e:
+            if context_lost():
+                raise ContextLost(f"{prov.name}: {_short(e)}", []) from e
+            result[prov.name] = None
+    return result
+
+
+# --------------------------------------------------------------------------- configurations
+
+def build_configs(args) -> tuple[list, dict]:
+    """Unique configurations in run order, and sweep name -> its configuration keys."""
+    def first(name, default):
+        vals = getattr(args, name)
+        return vals[0] if vals else default
+
+    keys, sweeps = [], {}
+    if not args.sweep:
+        grid = [getattr(args, n) or ([PUBLISHED[n]] if n != "L" else PUBLISHED["L"])
+                for n in ("L", "ratio", "B", "S_q")]
+        points = [dict(zip(("L", "ratio", "B", "S_q"), v)) for v in itertools.product(*grid)]
+        varied = [n for n, g in zip(("L", "ratio", "B", "S_q"), grid) if len(g) > 1] or ["L"]
+        named = {varied[0]: points}
+    else:
+        named = {}
+        for name in args.sweep:
+            base = {"L": first("L", SWEEP_L), "ratio": first("ratio", PUBLISHED["ratio"]),
+                    "B": first("B", PUBLISHED["B"]), "S_q": first("S_q", PUBLISHED["S_q"])}
+            values = getattr(args, name) or SWEEPS[name]
+            named[name] = [{**base, name: v} for v in values]
+    for name, points in named.items():
+        for point in points:
+            for dtype, order, bc in itertools.product(args.dtype, args.order, args.broadcast):
+                key = (point["B"], point["ratio"], point["S_q"], point["L"], dtype, bc, order)
+                sweeps.setdefault(f"{name} ({dtype}, {bc}, {order})", []).append(key)
+                if key not in keys:
+                    keys.append(key)
+    return keys, sweeps
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="compare_fa4.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", nargs="+", choices=sorted(SWEEPS),
+                    help="one-variable sweeps around the published point (L = 1024 unless --L); "
+                         "without it, the product of the lists below")
+    ap.add_argument("--L", type=int, nargs="+", help="keys per user (default 512 ... 16384)")
+    ap.add_argument("--ratio", type=int, nargs="+", help="candidates per user (default 64, +-1)")
+    ap.add_argument("--B", type=int, nargs="+", help="candidates (default 2048)")
+    ap.add_argument("--S-q", dest="S_q", type=int, nargs="+", help="queries per candidate (default 64)")
+    ap.add_argument("--H", type=int, default=2, help="heads (default 2)")
+    ap.add_argument("--D", type=int, default=128, help="head dimension (default 128)")
+    ap.add_argument("--dtype", nargs="+", choices=sorted(harness.DTYPES), default=["bf16"])
+    ap.add_argument("--broadcast", nargs="+", choices=["kv", "q"], default=["kv"],
+                    help="kv: K/V per user (default); q: Q per user, K/V per candidate")
+    ap.add_argument("--order", nargs="+", choices=["sorted", "shuffled"], default=["sorted"],
+                    help="candidates grouped by user, or shuffled")
+    ap.add_argument("--providers", nargs="+", metavar="NAME",
+                    help=f"subset of: {', '.join(DISPLAY_ORDER)}")
+    ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
+    ap.add_argument("--graph-below-ms", type=float, default=1.0,
+                    help="also time CUDA-graph replays of calls faster than this")
+    ap.add_argument("--no-plot", action="store_true")
+    harness.add_common_args(ap)
+    args = ap.parse_args(argv)
+    if args.providers:
+        unknown = sorted(set(args.providers) - set(DISPLAY_ORDER))
+        if unknown:
+            ap.error(f"unknown provider(s) {unknown}; choose from {DISPLAY_ORDER}")
+    return args
+
+
+# --------------------------------------------------------------------------- output
+
+TABLE_COLUMNS = ["provider", "status", "rel_err", "first_call_s", "ms", "graph_ms", "tflops",
+                 "pct_cublas", "ikbo_speedup"]
+
+
+def print_problem(p: Problem, rows: list) -> None:
+    f = p.fields()
+    print(f"\nB={f['B']} ratio={f['ratio']} (U={f['U']}) S_q={f['S_q']} L={f['L']} H={f['H']} "
+          f"D={f['D']} {f['dtype']} broadcast={f['broadcast']} {f['order']}  "
+          f"[{p.flops / 1e9:.1f} GFLOP; ikbo_speedup = peer ms / ikbo ms]")
+    harness.print_table(rows, TABLE_COLUMNS)
+    for r in rows:
+        if r.get("note"):
+            print(f"  {r['provider']}: {r['note']}")
+
+
+def summary(rows: list, sweeps: dict) -> None:
+    print("\nTFLOP/s (eager):")
+    for name, keys in sweeps.items():
+        x = name.split()[0]
+        table = []
+        for key in keys:
+            sel = [r for r in rows if _key(r) == key]
+            line = {x: sel[0][x] if sel else None}
+            for r in sel:
+                if r["provider"] != "materialize":
+                    line[r["provider"]] = r.get("tflops") if r["status"] == "ok" else r["status"]
+                else:
+                    line["materialize ms"] = r.get("ms")
+            table.append(line)
+        cols = [x] + [c for c in DISPLAY_ORDER if c != "materialize" and any(c in t for t in table)]
+        if any("materialize ms" in t for t in table):
+            cols.append("materialize ms")
+        print(f"sweep {name}")
+        harness.print_table(table, cols)
+
+
+def _key(r: dict) -> tuple:
+    return (r["B"], r["ratio"], r["S_q"], r["L"], r["dtype"], r["broadcast"], r["order"])
+
+
+def plot(rows: list, sweeps: dict, ceilings: dict, path: Path) -> Optional[str]:
+    """TFLOP/s against the swept variable, one line per provider, and ikbo's speedup below."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: plot skipped"
+    fig, axes = plt.subplots(2, len(sweeps), figsize=(6 * len(sweeps), 8), squeeze=False,
+                             sharex="col", gridspec_kw={"height_ratios": [2, 1]})
+    for col, (name, keys) in enumerate(sweeps.items()):
+        x_name = name.split()[0]
+        top, bottom = axes[0][col], axes[1][col]
+        xs = sorted({r[x_name] for k in keys for r in rows if _key(r) == k})
+        for color, prov in enumerate(DISPLAY_ORDER):  # one color per provider in both panels
+            sel = [r for k in keys for r in rows if _key(r) == k and r["provider"] == prov]
+            pts = [(r[x_name], r["tflops"]) for r in sel if r.get("tflops")]
+            if pts:
+                top.plot(*zip(*pts), marker="o", label=prov, color=f"C{color}",
+                         linewidth=2.5 if prov == "ikbo" else 1.2)
+            sp = [(r[x_name], r["ikbo_speedup"]) for r in sel if r.get("ikbo_speedup")]
+            if sp:
+                bottom.plot(*zip(*sp), marker="o", label=f"vs {prov}", color=f"C{color}")
+        dtype = name.split("(")[1].split(",")[0]
+        if dtype in ceilings:
+            top.axhline(ceilings[dtype], color="gray", linestyle="--", label=f"cuBLAS {dtype} GEMM")
+        top.set_title(name)
+        top.set_ylabel("TFLOP/s")
+        top.grid(alpha=0.3)
+        top.legend(fontsize=8)
+        bottom.axhline(1.0, color="gray", linewidth=0.8)
+        bottom.set_ylabel("ikbo speedup (peer ms / ikbo ms)")
+        bottom.set_xlabel(x_name)
+        bottom.grid(alpha=0.3)
+        if bottom.lines[1:]:
+            bottom.legend(fontsize=8)
+        for ax in (top, bottom):
+            if x_name in ("L", "ratio", "B"):
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.minorticks_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# --------------------------------------------------------------------------- main
+
+@torch.no_grad()  # inference: no autograd bookkeeping in any provider
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    harness.require_hopper_or_exit(name=NAME)
+    os.environ["IKBO_VALIDATE"] = "0"  # no host-synchronizing index check inside timed calls
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
+    load_fa4()
+    load_ikbo()
+    for note in (LIBS.fa4_note, LIBS.ikbo_note):
+        if note:
+            print(f"{NAME}: {note}", flush=True)
+    provs = [pr for pr in providers() if not args.providers or pr.name in args.providers]
+    keys, sweeps = build_configs(args)
+    env = harness.environment()
+    print(f"{env.get('gpu')} | SM clock {env.get('smi.clocks.sm')} MHz (max {env.get('smi.clocks.max.sm')}) | "
+          f"driver {env.get('driver')} | torch {env['torch']} | cutlass-dsl {env['nvidia-cutlass-dsl']} | "
+          f"flash-attn-4 {env['flash-attn-4']} | commit {str(env.get('git_commit'))[:12]}"
+          f"{' (dirty)' if env.get('git_dirty') else ''}", flush=True)
+    ceilings = {}
+    for dt in dict.fromkeys(k[4] for k in keys):
+        ceilings[dt] = harness.cublas_ceiling_tflops(harness.DTYPES[dt])
+        print(f"cuBLAS {dt} 8192^3 GEMM ceiling: {ceilings[dt]:.0f} TFLOP/s", flush=True)
+    bandwidth = harness.copy_bandwidth_tbps()
+    print(f"device copy bandwidth: {bandwidth:.2f} TB/s", flush=True)
+
+    stamp = harness.utc_stamp()
+    payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
+               "environment": env, "ceiling_tflops": ceilings, "copy_tbps": bandwidth,
+               "settings": {"warmup": args.warmup, "rep": args.rep, "tol": args.tol,
+                            "page_size": PAGE_SIZE, "graph_below_ms": args.graph_below_ms},
+               "notes": [n for n in (LIBS.fa4_note, LIBS.ikbo_note) if n], "rows": []}
+    start = time.perf_counter()
+    try:
+        for (B, ratio, S_q, L, dt, bc, order) in keys:
+            rng = np.random.default_rng(args.seed)
+            gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
+            p = make_problem(B, ratio, S_q, L, args.H, args.D, harness.DTYPES[dt], bc, order, rng)
+            inp = make_inputs(p, gen)
+            rows = run_problem(p, inp, provs, args, ceilings[dt], rng)
+            print_problem(p, rows)
+            payload["rows"] += rows
+            harness.write_results(NAME, payload, args.out_dir, stamp)  # partial results survive a crash
+            del inp, p
+            torch.cuda.empty_cache()
+        first = keys[0]
+        payload["host_overhead_us"] = host_overheads(args, provs, harness.DTYPES[first[4]], first[5])
+    except ContextLost as e:
+        payload["rows"] += e.rows
+        msg = f"the CUDA context is lost after {e}; stopping (results so far are saved)"
+        print(f"{NAME}: {msg}", flush=True)
+        payload["notes"].append(msg)
+    payload["seconds"] = time.perf_counter() - start
+    if payload.get("host_overhead_us"):
+        print("\nhost time per call, tiny problem (B=4, ratio 2, L=128):")
+        harness.print_table([{"provider": k, "us": v} for k, v in payload["host_overhead_us"].items()],
+                            ["provider", "us"])
+    done = {_key(r) for r in payload["rows"]}
+    sweeps = {n: [k for k in ks if k in done] for n, ks in sweeps.items()}
+    sweeps = {n: ks for n, ks in sweeps.items() if ks}
+    if sweeps:
+        summary(payload["rows"], sweeps)
+    json_path = harness.write_results(NAME, payload, args.out_dir, stamp)
+    print(f"\nresults: {json_path}")
+    if not args.no_plot and sweeps:
+        png, latest = harness.result_paths(NAME, ".png", args.out_dir, stamp)
+        note = plot(payload["rows"], sweeps, ceilings, png)
+        if note:
+            print(f"{NAME}: {note}")
+        else:
+            latest.write_bytes(png.read_bytes())
+            print(f"plot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Shared benchmark machinery: device checks, timing, ceilings, environment, results.
+
+Timing rules used by every benchmark here:
+- ``bench_ms``: median of CUDA-event timings of single calls after warm-up. With
+  ``rotate``, successive calls cycle through copies of the inputs so that L2 does not
+  keep one call's inputs for the next.
+- ``bench_graph_ms``: the same on replays of a captured CUDA graph (launch overhead gone).
+- ``host_overhead_us``: CPU time per call without synchronization, on a tiny problem.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "perf" / "results"
+INSTALL_HINT = "pip install -e '.[bench]'"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --------------------------------------------------------------------------- device checks
+
+def _script_name() -> str:
+    return Path(sys.argv[0]).stem or "benchmark"
+
+
+def fa4_import_error() -> Optional[str]:
+    """None when ``flash_attn.cute`` (flash-attn-4) imports, else the reason."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as e:  # an ImportError, or a broken install
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def hopper_missing() -> Optional[str]:
+    """None on a CUDA build of torch with an sm_90 GPU, else what is missing."""
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "no visible GPU"
+        return f"needs a Hopper (sm_90) GPU; none found (torch {torch.__version__}, {build})"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return f"needs a Hopper (sm_90) GPU; found {torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return None
+
+
+def require_hopper_or_exit(need_fa4: bool = False, *, name: Optional[str] = None) -> None:
+    """Exit with status 2 and one line on stderr unless the benchmark can run here."""
+    name = name or _script_name()
+    missing = hopper_missing()
+    if missing is None and need_fa4 and fa4_import_error() is not None:
+        missing = "needs flash-attn-4 (flash_attn.cute); it does not import"
+    if missing is not None:
+        print(f"{name}: {missing}. Run it on an H100/H200 after `{INSTALL_HINT}`.",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+# --------------------------------------------------------------------------- workloads
+
+def user_counts(B: int, ratio: int, rng=None) -> list[int]:
+    """Candidates per user: ``ratio`` each (``ratio`` or ``ratio + 1`` drawn from the numpy
+    Generator ``rng`` when given); the last user gets the remainder. Sums to B."""
+    if B < 1 or ratio < 1:
+        raise ValueError(f"need B >= 1 and ratio >= 1, got B={B}, ratio={ratio}")
+    counts, left = [], B
+    while left > 0:
+        c = ratio if rng is None else ratio + int(rng.integers(0, 2))
+        c = min(c, left)
+        counts.append(c)
+        left -= c
+    return counts
+
+
+def make_idx(counts: Sequence[int], order: str = "sorted", rng=None) -> torch.Tensor:
+    """int32 [B] candidate -> user index on the CPU; ``order`` "sorted" groups candidates by
+    user, "shuffled" permutes them (needs ``rng``)."""
+    idx = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(list(counts)))
+    if order == "shuffled":
+        idx = idx[torch.from_numpy(rng.permutation(len(idx)))]
+    elif order != "sorted":
+        raise ValueError(f"order must be 'sorted' or 'shuffled', got {order!r}")
+    return idx.to(torch.int32)
+
+
+# --------------------------------------------------------------------------- timing
+
+def _caller(fn: Callable, rotate: Optional[Sequence]) -> tuple[Callable[[int], Any], int]:
+    if not rotate:
+        return (lambda i: fn()), 1
+    sets = list(rotate)
+    return (lambda i: fn(sets[i % len(sets)])), len(sets)
+
+
+def bench_ms(fn: Callable, *, warmup: int = 5, rep: int = 30, rotate: Optional[Sequence] = None) -> float:
+    """Median milliseconds of one call of ``fn`` (``fn(x)`` for x cycling over ``rotate``)."""
+    call, _ = _caller(fn, rotate)
+    for i in range(warmup):
+        call(i)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for i in range(rep):
+        starts[i].record()
+        call(warmup + i)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def bench_graph_ms(fn: Callable, *, warmup: int = 3, rep: int = 30,
+                   rotate: Optional[Sequence] = None) -> Optional[float]:
+    """Median milliseconds per call from replays of a CUDA graph holding one call per input set.
+
+    None when ``fn`` cannot be captured (host synchronization, allocation outside torch, ...).
+    """
+    call, n = _caller(fn, rotate)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on the capture side, as torch recommends
+            for i in range(n):
+                call(i)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(n):
+                call(i)
+        for _ in range(warmup):
+            graph.replay()
+        torch.cuda.synchronize()
+    except Exception:
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+        return None
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for i in range(rep):
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / n
+    del graph
+    return ms
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def host_overhead_us(fn: Callable, iters: int = 100, warmup: int = 5) -> float:
+    """CPU microseconds per call of ``fn`` (no synchronization inside the timed loop)."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - start
+    _sync()
+    return elapsed / iters * 1e6
+
+
+def first_call_s(fn: Callable) -> tuple[float, Any]:
+    """Wall seconds of a synchronized call (the first one includes any compile), and its result."""
+    _sync()
+    start = time.perf_counter()
+    result = fn()
+    _sync()
+    return time.perf_counter() - start, result
+
+
+def l2_bytes() -> int:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
+
+
+def rotation_count(set_bytes: int, cache_bytes: int, *, factor: int = 3, cap: int = 8) -> int:
+    """Input copies to cycle through so that ``factor`` x the cache lies between two uses of one copy."""
+    if set_bytes <= 0:
+        return cap
+    return max(1, min(cap, math.ceil(factor * cache_bytes / set_bytes)))
+
+
+def tflops(flops: float, ms: Optional[float]) -> Optional[float]:
+    if ms is None or ms <= 0:
+        return None
+    return flops / (ms * 1e-3) / 1e12
+
+
+# --------------------------------------------------------------------------- ceilings
+
+def cublas_ceiling_tflops(dtype: torch.dtype, n: int = 8192, *, warmup: int = 5, rep: int = 20) -> float:
+    """Same-run ceiling: TFLOP/s of torch.matmul on random n x n matrices."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    c = torch.empty(n, n, device="cuda", dtype=dtype)
+    ms = bench_ms(lambda: torch.matmul(a, b, out=c), warmup=warmup, rep=rep)
+    return 2.0 * n**3 / (ms * 1e-3) / 1e12
+
+
+def copy_bandwidth_tbps(nbytes: int = 2**30, *, warmup: int = 3, rep: int = 20) -> float:
+    """Device-to-device copy bandwidth, counting the read and the write."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), warmup=warmup, rep=rep)
+    return 2.0 * nbytes / (ms * 1e-3) / 1e12
+
+
+# --------------------------------------------------------------------------- accuracy
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf when ``out`` holds NaN/Inf or the shapes differ."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return math.inf
+    diff = out.detach().double() - ref.detach().double()
+    if not bool(torch.isfinite(diff).all()):
+        return math.inf
+    num = float(torch.linalg.vector_norm(diff))
+    den = float(torch.linalg.vector_norm(ref.detach().double()))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+# --------------------------------------------------------------------------- environment
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
+    try:
+        res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+_SMI_FIELDS = ("name", "driver_version", "clocks.sm", "clocks.mem", "clocks.max.sm",
+               "clocks.max.mem", "power.limit", "temperature.gpu")
+
+
+def _nvidia_smi() -> dict:
+    index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    out = _run(["nvidia-smi", f"--id={index}", f"--query-gpu={','.join(_SMI_FIELDS)}",
+                "--format=csv,noheader,nounits"])
+    if not out:
+        return {}
+    values = [v.strip() for v in out.splitlines()[0].split(",")]
+    if len(values) != len(_SMI_FIELDS):
+        return {}
+    return {f"smi.{k}": v for k, v in zip(_SMI_FIELDS, values)}
+
+
+def environment() -> dict:
+    """What a result depends on: GPU, clocks, driver, library versions, commit, date."""
+    env: dict[str, Any] = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
+        "flash-attn-4": _version("flash-attn-4"),
+        "gpu": None,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update(gpu=props.name, capability=f"sm_{props.major}{props.minor}",
+                   sm_count=props.multi_processor_count,
+                   memory_gib=round(props.total_memory / 2**30, 1),
+                   l2_mib=round(getattr(props, "L2_cache_size", 0) / 2**20, 1))
+        env.update(_nvidia_smi())
+        env["driver"] = env.get("smi.driver_version")
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
+    env["git_commit"] = commit
+    if commit is not None:
+        status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
+        env["git_dirty"] = bool(status)
+    return env
+
+
+# --------------------------------------------------------------------------- results
+
+def utc_stamp() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)  # "inf" / "nan": strict JSON has no spelling for them
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (torch.dtype, Path)):
+        return str(x)
+    return x
+
+
+def result_paths(name: str, suffix: str, out_dir=None, stamp: Optional[str] = None) -> tuple[Path, Path]:
+    """(``<name>-<stamp><suffix>``, ``<name>-latest<suffix>``) under ``out_dir`` (created)."""
+    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    return out / f"{name}-{stamp or utc_stamp()}{suffix}", out / f"{name}-latest{suffix}"
+
+
+def write_results(name: str, payload: dict, out_dir=None, stamp: Optional[str] = None) -> Path:
+    """Write ``payload`` (plus ``environment()`` unless present) as JSON; returns the stamped path."""
+    payload = dict(payload)
+    payload.setdefault("environment", environment())
+    text = json.dumps(_jsonable(payload), indent=1, allow_nan=False) + "\n"
+    stamped, latest = result_paths(name, ".json", out_dir, stamp)
+    stamped.write_text(text)
+    latest.write_text(text)
+    return stamped
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
+                        help="where JSON (and plots) go (default: perf/results)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
+    parser.add_argument("--rep", type=int, default=30, help="timed calls (the median is reported)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+# --------------------------------------------------------------------------- printing
+
+def fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+    return str(v)
+
+
+def print_table(rows: list[dict], columns: list[str], *, file=None) -> str:
+    """Print ``rows`` as an aligned text table of ``columns`` (missing cells print '-')."""
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+
+    def line(vals):
+        # text left-aligned in the first column, numbers right-aligned elsewhere
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+
+    text = "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])
+    print(text, file=file or sys.stdout, flush=True)
+    return text
