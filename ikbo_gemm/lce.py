@@ -43,37 +43,41 @@ class LceConfig:
     dtype: torch.dtype
     idx_dtype: torch.dtype
     tile_w: int  # rows of w (output rows) per tile
-    cluster: int  # CTAs sharing each w tile through TMA multicast
+    cluster_n: int  # CTAs on neighbouring 64-column slices sharing each w tile (TMA multicast)
+    cluster_b: int  # ... and on neighbouring batches
 
     def __str__(self) -> str:
-        return f"{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-w{self.tile_w}-c{self.cluster}"
+        return f"{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-w{self.tile_w}-c{self.cluster_n}x{self.cluster_b}"
 
 
 TILE_WS = (128, 192, 224, 256)
-CLUSTERS = (1, 2, 4)
+CLUSTERS = ((1, 1), (2, 1), (4, 1), (4, 2))
 
 SHIPPED_CONFIGS = [
-    LceConfig(dtype, idx_dtype, tile_w, cluster)
+    LceConfig(dtype, idx_dtype, tile_w, cn, cb)
     for dtype in (torch.float16, torch.bfloat16)
     for idx_dtype in (torch.int32, torch.int64)
     for tile_w in TILE_WS
-    for cluster in CLUSTERS
+    for cn, cb in CLUSTERS
+    if tile_w % (8 * cn * cb) == 0
 ]
 
 
-def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int) -> LceConfig:
+def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: int) -> LceConfig:
     """Tile height with the least padding of M (ties: the taller); a cluster as
-    wide as the 64-column tiles of N allow, up to 4."""
+    wide as the 64-column tiles of N allow, up to 4, and two batches deep when
+    the tile height splits into 8 multicast shares."""
     tile_w = min(TILE_WS, key=lambda t: (-(-m // t) * t, -t))
     column_tiles = -(-n // LceSm90.TILE_N)
-    cluster = max(c for c in CLUSTERS if c <= column_tiles)
-    return LceConfig(dtype, idx_dtype, tile_w, cluster)
+    cn = max(c for c, _ in CLUSTERS if c <= column_tiles)
+    cb = 2 if cn == 4 and b > 1 and tile_w % 64 == 0 else 1
+    return LceConfig(dtype, idx_dtype, tile_w, cn, cb)
 
 
 def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool = False) -> CompiledKernel:
     """Compile one configuration for sm_90a (no GPU needed)."""
     dt = cutlass_dtype(cfg.dtype)
-    kernel = LceSm90(dt, cutlass_dtype(cfg.idx_dtype), cfg.tile_w, cfg.cluster)
+    kernel = LceSm90(dt, cutlass_dtype(cfg.idx_dtype), cfg.tile_w, cfg.cluster_n, cfg.cluster_b)
     operand = dict(divisibility=8, align=16)
     args = (
         fake_tensor(dt, (1, None, None), **operand),  # w_cand [1, M, K_cand_pad]
@@ -82,7 +86,7 @@ def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool
         fake_tensor(dt, (None, None, None), **operand),  # e_user [U, K_user, N]
         fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),  # idx [B]
         fake_tensor(dt, (None, None, None), **operand),  # out [B, M, N]
-        fake_tensor(cutlass.Float32, (None, None, None), divisibility=4, align=16),  # workspace
+        fake_tensor(cutlass.Float32, (None,), align=16),  # workspace
         fake_tensor(cutlass.Int32, (None,), align=4),  # flags
         cutlass.Int32(0),
         cutlass.Int32(1),
@@ -149,14 +153,16 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
     plan = None
     if device.type == "cuda":
         require_sm90(device, "lce")
-        cfg = pick_config(e_cand.dtype, idx.dtype, M, N)
+        cfg = pick_config(e_cand.dtype, idx.dtype, M, N, B)
         n8 = _ceil(N, 8)
         w_tiles = -(-M // cfg.tile_w)
-        groups = -(-n8 // (LceSm90.TILE_N * cfg.cluster))
-        column_tiles = groups * cfg.cluster
-        user_tiles = U * w_tiles * groups  # cluster tiles
-        all_tiles = user_tiles + B * w_tiles * groups
-        clusters = max_active_clusters(device, cfg.cluster)
+        groups = -(-n8 // (LceSm90.TILE_N * cfg.cluster_n))
+        column_tiles = groups * cfg.cluster_n
+        u_groups = -(-U // cfg.cluster_b)
+        user_tiles = u_groups * w_tiles * groups  # cluster tiles
+        all_tiles = user_tiles + -(-B // cfg.cluster_b) * w_tiles * groups
+        cluster = cfg.cluster_n * cfg.cluster_b
+        clusters = max_active_clusters(device, cluster)
         ranges = [(0, all_tiles)] if schedule == "fused" else [(0, user_tiles), (user_tiles, all_tiles)]
         plan = _Plan(
             kernel=_kernel(cfg),
@@ -165,10 +171,10 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
             n8=n8,
             k8_cand=_ceil(K_cand, 8),
             k8_user=_ceil(K_user, 8),
-            # fp32 user results, [U, N_pad, M_pad]: the transposed tiles' layout.
-            ws_shape=(U, column_tiles * LceSm90.TILE_N, w_tiles * cfg.tile_w),
-            n_flags=U * w_tiles * column_tiles,
-            launches=tuple((b, e, min(clusters, e - b) * cfg.cluster) for b, e in ranges),
+            # fp32 user tiles, in the kernel's fragment order.
+            ws_shape=(u_groups * cfg.cluster_b * column_tiles * w_tiles * LceSm90.TILE_N * cfg.tile_w,),
+            n_flags=u_groups * cfg.cluster_b * w_tiles * column_tiles,
+            launches=tuple((b, e, min(clusters, e - b) * cluster) for b, e in ranges),
         )
     _plans[key] = plan
     return plan

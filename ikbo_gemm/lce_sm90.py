@@ -27,13 +27,14 @@ class LceSm90:
     Each product is computed transposed, ``out[b]^T = e[b]^T @ w^T`` (wgmma A =
     a 64-column slice of e[b], B = ``tile_w`` rows of w), so the operand that
     every batch shares (w) is the large one of a tile and is multicast by TMA to
-    the ``cluster`` CTAs of a cluster, which work on neighbouring 64-column
-    slices of the same batch:
+    the CTAs of a cluster: ``cluster_n`` neighbouring 64-column slices of
+    ``cluster_b`` neighbouring batches:
         user phase:      ws[u]  = w_user @ e_user[u]         (fp32 workspace)
         candidate phase: out[b] = w_cand @ e_cand[b] + ws[idx[b]], added in fp32, rounded once
 
     Tiles. A CTA tile is 64 output columns x ``tile_w`` output rows of one batch;
-    a cluster tile is ``cluster`` CTA tiles side by side along N. Cluster tiles
+    a cluster tile is cluster_n x cluster_b CTA tiles (rank r: column slice
+    r % cluster_n, batch r // cluster_n of the cluster tile). Cluster tiles
     are numbered user phase first ([0, T_user)), then candidate phase; within a
     phase w-row tile fastest, then the column group, then the batch, so the
     cluster tiles reading the same e[b] run at the same time (L2 reuse). Cluster
@@ -52,7 +53,7 @@ class LceSm90:
       ab ring (PipelineTmaAsync, ab_stages stages, shared by both phases and both
         consumers): producer = warp 0, one arrive + the stage's TMA byte count;
         consumer = the 4 warps of the consumer owning the tile, each releasing
-        the stage in every CTA of the cluster (4 x cluster arrives). Each
+        the stage in every CTA of the cluster (4 x cluster size arrives). Each
         consumer skips the other consumer's k-blocks in its ring state.
       ping-pong order (named barriers 3+c, 256 threads): consumer c waits on its
         barrier before its main loop; the other consumer arrives on it after
@@ -78,18 +79,23 @@ class LceSm90:
     CONSUMER_REGS = 240
     THREADS = 384
 
-    def __init__(self, dtype, idx_dtype, tile_w: int = 224, cluster: int = 4):
+    def __init__(self, dtype, idx_dtype, tile_w: int = 224, cluster_n: int = 4, cluster_b: int = 1):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise TypeError(f"LceSm90: dtype must be Float16 or BFloat16, got {dtype}")
         if idx_dtype not in (cutlass.Int32, cutlass.Int64):
             raise TypeError(f"LceSm90: idx dtype must be Int32 or Int64, got {idx_dtype}")
         if tile_w % 32 or not 64 <= tile_w <= 256:
             raise ValueError(f"LceSm90: tile_w must be a multiple of 32 in [64, 256], got {tile_w}")
-        if cluster not in (1, 2, 4) or tile_w % (8 * cluster):
-            raise ValueError(f"LceSm90: cluster must be 1, 2 or 4 and divide tile_w / 8, got {cluster}")
+        cluster = cluster_n * cluster_b
+        if cluster_n not in (1, 2, 4) or cluster_b not in (1, 2) or tile_w % (8 * cluster):
+            raise ValueError(
+                f"LceSm90: cluster {cluster_n}x{cluster_b} must be (1|2|4)x(1|2) and divide tile_w / 8 = {tile_w // 8}"
+            )
         self.dtype = dtype
         self.idx_dtype = idx_dtype
         self.tile_w = tile_w
+        self.cluster_n = cluster_n
+        self.cluster_b = cluster_b
         self.cluster = cluster
         self.tile_mnk = (self.TILE_N, tile_w, self.TILE_K)  # GEMM view: M = out columns, N = out rows
         self.epi_tile = (self.TILE_N, self.EPI_W)
@@ -109,7 +115,7 @@ class LceSm90:
         e_user: cute.Tensor,  # [U, K_user, N]
         idx: cute.Tensor,  # [B]
         out: cute.Tensor,  # [B, M, N]
-        workspace: cute.Tensor,  # [U, N_pad, M_pad] fp32
+        workspace: cute.Tensor,  # [U_pad * column tiles * w tiles * 64 * tile_w] fp32
         flags: cute.Tensor,  # [U * w_tiles * n_tiles] int32
         tile_begin: Int32,  # cluster tiles [tile_begin, tile_end)
         tile_end: Int32,
@@ -117,13 +123,22 @@ class LceSm90:
         stream,
     ):
         # GEMM views: A = e^T (N, K, batch) N-major, B = w^T (M, K, 1) K-major,
-        # C = out^T (N, M, batch) N-major, workspace (N_pad, M_pad, U) M-major.
+        # C = out^T (N, M, batch) N-major. The workspace holds each user tile in
+        # accumulator-fragment order: (4 values, chunk, thread, tile), so a
+        # consumer thread moves its fragment with coalesced 16-byte accesses.
         a_cand = cute.make_tensor(e_cand.iterator, cute.select(e_cand.layout, mode=[2, 1, 0]))
         a_user = cute.make_tensor(e_user.iterator, cute.select(e_user.layout, mode=[2, 1, 0]))
         b_cand = cute.make_tensor(w_cand.iterator, cute.select(w_cand.layout, mode=[1, 2, 0]))
         b_user = cute.make_tensor(w_user.iterator, cute.select(w_user.layout, mode=[1, 2, 0]))
         c_out = cute.make_tensor(out.iterator, cute.select(out.layout, mode=[2, 1, 0]))
-        c_ws = cute.make_tensor(workspace.iterator, cute.select(workspace.layout, mode=[1, 2, 0]))
+        tile_elems = self.TILE_N * self.tile_w
+        c_ws = cute.make_tensor(
+            workspace.iterator,
+            cute.make_layout(
+                (4, tile_elems // 512, 128, cute.size(workspace) // tile_elems),
+                stride=(1, 512, 4, tile_elems),
+            ),
+        )
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
@@ -245,19 +260,22 @@ class LceSm90:
 
     @cute.jit
     def geometry(self, mA_user, mB_user, mB_cand, mOut):
-        """(w tiles, column groups, user cluster tiles, user k-blocks, candidate k-blocks, U, column tiles)."""
+        """(w tiles, column groups, user cluster tiles, user k-blocks, candidate k-blocks, U,
+        column tiles, B)."""
         w_tiles = cute.ceil_div(cute.size(mOut, mode=[1]), self.tile_w)
         n_tiles = cute.ceil_div(cute.size(mOut, mode=[0]), self.TILE_N)
-        groups = cute.ceil_div(n_tiles, self.cluster)
+        groups = cute.ceil_div(n_tiles, self.cluster_n)
         n_users = cute.size(mA_user, mode=[2])
+        user_tiles = cute.ceil_div(n_users, self.cluster_b) * w_tiles * groups
         k_user = cute.ceil_div(cute.size(mB_user, mode=[1]), self.TILE_K)
         k_cand = cute.ceil_div(cute.size(mB_cand, mode=[1]), self.TILE_K)
-        return (w_tiles, groups, n_users * w_tiles * groups, k_user, k_cand, n_users, groups * self.cluster)
+        n_cands = cute.size(mOut, mode=[2])
+        return (w_tiles, groups, user_tiles, k_user, k_cand, n_users, groups * self.cluster_n, n_cands)
 
     @cute.jit
     def decode(self, t: Int32, rank: Int32, geom):
         """Cluster tile index -> (is_user, w tile, column tile of this CTA, batch, k-blocks)."""
-        w_tiles, groups, user_tiles, k_user, k_cand, _, _ = geom
+        w_tiles, groups, user_tiles, k_user, k_cand = geom[:5]
         is_user = t < user_tiles
         local = t
         k_blocks = k_user
@@ -265,8 +283,8 @@ class LceSm90:
             local = t - user_tiles
             k_blocks = k_cand
         w = local % w_tiles
-        n = (local // w_tiles) % groups * self.cluster + rank
-        batch = local // (w_tiles * groups)
+        n = (local // w_tiles) % groups * self.cluster_n + rank % self.cluster_n
+        batch = local // (w_tiles * groups) * self.cluster_b + rank // self.cluster_n
         return is_user, w, n, batch, k_blocks
 
     @cute.jit
@@ -430,20 +448,28 @@ class LceSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def user_flag(self, mFlags, w, n, u, geom):
-        w_tiles = geom[0]
-        n_tiles = geom[6]
-        return mFlags.iterator + ((u * w_tiles + w) * n_tiles + n)
+    def user_tile_index(self, w, n, u, geom):
+        """Index of user tile (u, w, n) in the workspace and in the ready flags."""
+        return (u * geom[0] + w) * geom[6] + n
+
+    @cute.jit
+    def fragment_view(self, acc, mWs, tile, tidx):
+        """(this thread's slot of a workspace tile, acc), both as (4, chunk)."""
+        return (
+            mWs[(None, None, tidx, tile)],
+            cute.make_tensor(acc.iterator, cute.make_layout((4, cute.size(acc) // 4))),
+        )
 
     @cute.jit
     def store_user_tile(self, acc, thr_mma, mWs, mFlags, w, n, u, geom, consumer_idx, tidx):
         """fp32 user tile -> workspace, then release its ready flag."""
-        tCgWs = thr_mma.partition_C(cute.local_tile(mWs, (self.TILE_N, self.tile_w), (n, w, u)))
-        tCgWs.store(acc.load())
+        tile = self.user_tile_index(w, n, u, geom)
+        ws, frag = self.fragment_view(acc, mWs, tile, tidx)
+        cute.autovec_copy(frag, ws)
         cute.arch.fence_acq_rel_gpu()
         self.epi_sync(consumer_idx)
         if tidx == 0:
-            cute.arch.store(self.user_flag(mFlags, w, n, u, geom), Int32(1), sem="release", scope="gpu")
+            cute.arch.store(mFlags.iterator + tile, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def load_user_tile(self, acc, thr_mma, mWs, mIdx, mFlags, is_user, w, n, b, geom, consumer_idx, tidx):
@@ -456,7 +482,7 @@ class LceSm90:
         n_users = geom[5]
         u = Int32(0)
         valid = is_user
-        if not is_user:
+        if (not is_user) & (b < geom[7]):  # a cluster tile can reach one batch past B
             u_raw = mIdx[b]  # compared in its own width: an int64 index must not wrap into range
             valid = (u_raw >= 0) & (u_raw < n_users)
             if valid:
@@ -464,15 +490,16 @@ class LceSm90:
         poison = Float32(0.0)
         if not valid:
             poison = Float32(math.nan)
+        tile = self.user_tile_index(w, n, u, geom)
         if valid & (not is_user) & (tidx == 0):
-            flag = self.user_flag(mFlags, w, n, u, geom)
-            while cute.arch.load(flag, Int32, sem="acquire", scope="gpu") == 0:
+            while cute.arch.load(mFlags.iterator + tile, Int32, sem="acquire", scope="gpu") == 0:
                 pass
+        # Thread 0's acquire, then the warpgroup barrier, orders every thread's reads after the flag.
         self.epi_sync(consumer_idx)
-        cute.arch.fence_acq_rel_gpu()
-        tCgWs = thr_mma.partition_C(cute.local_tile(mWs, (self.TILE_N, self.tile_w), (n, w, u)))
+        ws, frag = self.fragment_view(acc, mWs, tile, tidx)
+        cute.autovec_copy(ws, frag)
         for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = tCgWs[i] + poison
+            acc[i] = acc[i] + poison
 
     @cute.jit
     def store_output_tile(

@@ -1,0 +1,275 @@
+"""IKBO attention: the public op (validation, broadcast direction, dispatch).
+
+``attention(q, kv, idx)`` computes, for each output row b,
+``out[b] = softmax(scale * Q_b K_b^T) V_b`` (non-causal), where one side is
+looked up through ``idx`` inside the kernel instead of being materialized:
+
+- KV broadcast (target attention): q [B, S_q, H, D] per candidate, k/v
+  [U, L, H_kv, D] per user; Q_b = q[b], K_b = k[idx[b]].
+- Q broadcast: q [U, S_q, H, D] per user, k/v [B, L, H_kv, D] per candidate;
+  Q_b = q[idx[b]], K_b = k[b].
+
+The side whose batch differs from ``len(idx)`` is the broadcast one; when
+both match, ``broadcast="kv"`` or ``"q"`` must say which.
+
+``kv_lengths`` (optional) holds one entry per K/V batch row (U for KV
+broadcast, B for Q broadcast): only the first ``kv_lengths[r]`` keys of row r
+take part. A length of 0 gives output 0 and log-sum-exp -inf. With
+validation on, lengths outside [0, L] raise; with it off they are clamped.
+
+An index outside the broadcast side's batch raises ``IndexError`` with
+validation on (``validate=True`` or ``IKBO_VALIDATE=1``); with it off, that
+candidate's output and log-sum-exp are NaN, nothing is read out of bounds,
+and no other candidate is affected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Optional
+
+import torch
+
+from cute_kernels import checks
+from cute_kernels.arch import require_sm90, sm_count
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+_REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass
+class Problem:
+    """A validated call: tensors as the kernel sees them plus the sizes."""
+
+    q: torch.Tensor
+    k: torch.Tensor  # [kv_batch, L, H_kv, D] (a view into packed kv when packed)
+    v: torch.Tensor
+    idx: torch.Tensor
+    kv_lengths: Optional[torch.Tensor]
+    direction: str  # "kv": K/V broadcast (looked up by idx); "q": Q broadcast
+    batch: int  # B = len(idx) = output batch
+    kv_batch: int
+    s_q: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    kv_len: int
+    scale: float
+
+    @property
+    def broadcast_batch(self) -> int:
+        """Size of the side that idx indexes (U)."""
+        return self.kv_batch if self.direction == "kv" else self.q.shape[0]
+
+
+def _split_kv(kv):
+    if isinstance(kv, torch.Tensor):
+        checks.check_tensor("kv", kv, ndim=5, dtypes=_REFERENCE_DTYPES, layout="[batch, L, 2, H_kv, D]")
+        if kv.shape[2] != 2:
+            raise ValueError(
+                f"kv packed as one tensor must have shape [batch, L, 2, H_kv, D], got dimension 2 = {kv.shape[2]}"
+            )
+        return kv[:, :, 0], kv[:, :, 1]
+    if isinstance(kv, (tuple, list)) and len(kv) == 2:
+        k, v = kv
+        checks.check_tensor("k", k, ndim=4, dtypes=_REFERENCE_DTYPES, layout="[batch, L, H_kv, D]")
+        checks.check_tensor("v", v, ndim=4, dtypes=_REFERENCE_DTYPES, layout="[batch, L, H_kv, D]")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+        return k, v
+    raise TypeError(
+        "kv must be a (k, v) pair of [batch, L, H_kv, D] tensors or one packed [batch, L, 2, H_kv, D] tensor, "
+        f"got {type(kv).__name__}"
+    )
+
+
+def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, op: str) -> Problem:
+    """Check every argument (errors name it) and work out the broadcast direction."""
+    checks.check_tensor("q", q, ndim=4, dtypes=_REFERENCE_DTYPES, layout="[batch, S_q, H, D]")
+    k, v = _split_kv(kv)
+    checks.check_same_dtype(["q", "k", "v"], [q, k, v])
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"idx must be a torch.Tensor [B] of int32 or int64, got {type(idx).__name__}")
+    checks.check_tensor("idx", idx, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[B]")
+    tensors, names = [q, k, v, idx], ["q", "k", "v", "idx"]
+    if kv_lengths is not None:
+        tensors.append(kv_lengths)
+        names.append("kv_lengths")
+    checks.check_same_device(names, tensors)
+
+    n_q, s_q, heads, head_dim = q.shape
+    kv_batch, kv_len, kv_heads, kv_dim = k.shape
+    if kv_dim != head_dim:
+        raise ValueError(f"k/v head dimension {kv_dim} differs from q's {head_dim}: q [.., D], k/v [.., D]")
+    if heads % kv_heads != 0:
+        raise ValueError(f"q has H = {heads} heads, not a multiple of k/v's H_kv = {kv_heads}")
+    batch = idx.shape[0]
+
+    if broadcast is not None and broadcast not in ("kv", "q"):
+        raise ValueError(f"broadcast must be None, 'kv' or 'q', got {broadcast!r}")
+    q_matches, kv_matches = n_q == batch, kv_batch == batch
+    if broadcast is None:
+        if q_matches and not kv_matches:
+            direction = "kv"
+        elif kv_matches and not q_matches:
+            direction = "q"
+        elif q_matches and kv_matches:
+            raise ValueError(
+                f"q and k/v both have batch {batch} = len(idx): pass broadcast='kv' (k/v looked up by idx) "
+                "or broadcast='q' (q looked up by idx)"
+            )
+        else:
+            raise ValueError(
+                f"idx has length {batch} but neither q (batch {n_q}) nor k/v (batch {kv_batch}) has that batch: "
+                "one side must be per candidate (batch = len(idx))"
+            )
+    else:
+        direction = broadcast
+        per_candidate = ("q", n_q) if direction == "kv" else ("k/v", kv_batch)
+        if per_candidate[1] != batch:
+            raise ValueError(
+                f"broadcast={direction!r} needs {per_candidate[0]} batch = len(idx) = {batch}, got {per_candidate[1]}"
+            )
+
+    if kv_lengths is not None:
+        checks.check_index("kv_lengths", kv_lengths, kv_batch, "k/v batch")
+    if out is not None:
+        checks.check_output("out", out, (batch, s_q, heads, head_dim), q.dtype, q.device)
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif not isinstance(scale, (int, float)) or not math.isfinite(float(scale)):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+
+    p = Problem(q=q, k=k, v=v, idx=idx, kv_lengths=kv_lengths, direction=direction, batch=batch,
+                kv_batch=kv_batch, s_q=s_q, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                kv_len=kv_len, scale=float(scale))
+    if checks.validation_enabled(validate):
+        side = "k/v batch (U)" if direction == "kv" else "q batch (U)"
+        checks.check_index_range("idx", idx, p.broadcast_batch, side)
+        if kv_lengths is not None:
+            checks.check_index_range("kv_lengths", kv_lengths, kv_len + 1, "L + 1")
+    return p
+
+
+def attention(
+    q: torch.Tensor,
+    kv,
+    idx: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    kv_lengths: Optional[torch.Tensor] = None,
+    broadcast: Optional[str] = None,
+    return_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+    validate: Optional[bool] = None,
+):
+    """IKBO flash attention forward; see the module docstring for the semantics.
+
+    Returns ``out`` [B, S_q, H, D] in q's dtype, and with ``return_lse`` also
+    the fp32 log-sum-exp [B, H, S_q] (natural log). CPU tensors are evaluated
+    by :func:`attention_reference`; CUDA tensors need an sm_90 GPU.
+    """
+    p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, broadcast=broadcast,
+                        out=out, validate=validate, op="attention")
+    if p.q.device.type != "cuda":
+        from .reference import attention_reference
+
+        return attention_reference(q, kv, idx, scale=scale, kv_lengths=kv_lengths, broadcast=broadcast,
+                                   return_lse=return_lse, out=out, validate=False)
+    require_sm90(p.q.device, "attention")
+    if p.q.dtype not in checks.FLOAT_DTYPES:
+        raise TypeError(f"q, k, v must be float16 or bfloat16 on the GPU, got {str(p.q.dtype).replace('torch.', '')}")
+    if p.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head dimension D = {p.head_dim} is not supported by the sm_90 kernel (D must be one of "
+            f"{SUPPORTED_HEAD_DIMS}); call ikbo_fa.attention_reference for other head dimensions"
+        )
+    return _run_kernel(p, return_lse, out)
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """Last dim contiguous, other strides multiples of 16 bytes, 16-byte aligned base."""
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
+        (s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
+    return t if ok else t.contiguous()
+
+
+def _run_kernel(p: Problem, return_lse: bool, out: Optional[torch.Tensor]):
+    from .fwd_sm90 import row_packing
+    from .worklist import kv_worklist, max_tiles_per_head
+    from cute_kernels.compile import kernel_cache
+
+    cfg = kernel_config(p, return_lse)
+    kernel = kernel_cache.get(("ikbo_fa.fwd_sm90", cfg), lambda: compile_config(cfg))
+    device = p.q.device
+    q, k, v = _tma_ready(p.q), _tma_ready(p.k), _tma_ready(p.v)
+    if out is None:
+        out = torch.empty(p.batch, p.s_q, p.heads, p.head_dim, dtype=p.q.dtype, device=device)
+    lse = torch.empty(p.batch, p.heads, p.s_q, dtype=torch.float32, device=device) if return_lse else None
+    kv_len = None
+    if p.kv_lengths is not None:
+        kv_len = p.kv_lengths.clamp(0, p.kv_len).to(torch.int32)
+
+    _, slots_per_wg, chunks = row_packing(p.s_q)
+    if p.direction == "kv":
+        per_tile = 2 * slots_per_wg if p.s_q <= 64 else 1
+        cand, cand_start, tile_start = kv_worklist(p.idx, p.kv_batch, per_tile, chunks)
+        bound = max_tiles_per_head(p.batch, p.kv_batch, per_tile, chunks)
+    else:
+        # Out-of-range entries become -1 (or U): the kernel writes NaN for them.
+        cand = p.idx.clamp(-1, p.q.shape[0]).to(torch.int32)
+        cand_start = tile_start = None
+        bound = p.batch * chunks
+    n_ctas = max(1, min(sm_count(device), bound * p.heads))
+    log2e = 1.4426950408889634
+    kernel(q, k, v, out, lse, cand, cand_start, tile_start, kv_len,
+           p.scale * log2e, p.scale, n_ctas)
+    return (out, lse) if return_lse else out
+
+
+def kernel_config(p: Problem, return_lse: bool):
+    from .fwd_sm90 import FwdConfig
+
+    return FwdConfig(
+        dtype="bf16" if p.q.dtype == torch.bfloat16 else "fp16",
+        head_dim=p.head_dim,
+        s_q=p.s_q,
+        direction=p.direction,
+        has_kv_lengths=p.kv_lengths is not None,
+        return_lse=return_lse,
+        # IKBO_FA_OVERLAP=0 selects the one-block-at-a-time main loop (a diagnostic switch).
+        overlap=os.environ.get("IKBO_FA_OVERLAP", "1") != "0",
+    )
+
+
+def _shipped():
+    from .fwd_sm90 import FwdConfig
+
+    cfgs = []
+    for dtype in ("bf16", "fp16"):
+        for d in (64, 128):
+            cfgs.append(FwdConfig(dtype, d, 64, "kv", False, False))
+    cfgs += [
+        FwdConfig("bf16", 128, 64, "kv", True, True),
+        FwdConfig("bf16", 128, 32, "kv", False, False),
+        FwdConfig("bf16", 128, 128, "kv", False, False),
+        FwdConfig("bf16", 128, 64, "q", False, False),
+        FwdConfig("bf16", 128, 64, "kv", True, True, overlap=False),
+    ]
+    return tuple(cfgs)
+
+
+def __getattr__(name):
+    # SHIPPED_CONFIGS imports the kernel module (and cutlass) lazily.
+    if name == "SHIPPED_CONFIGS":
+        return _shipped()
+    raise AttributeError(name)
+
+
+def compile_config(cfg, keep_ptx: bool = False, ptxas_report: bool = False):
+    """Compile one static configuration for sm_90a (no GPU needed) -> CompiledKernel."""
+    from .fwd_sm90 import compile_fwd
+
+    return compile_fwd(cfg, keep_ptx=keep_ptx, ptxas_report=ptxas_report)

@@ -1,0 +1,202 @@
+"""GPU tests of ikbo_fa.attention on sm_90: against fp32 attention on materialized
+tensors, with an error budget of 1.5x torch SDPA's error in the same dtype."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ikbo_fa
+
+pytestmark = pytest.mark.gpu
+
+
+def _indices(B, U, g, sort=False):
+    idx = torch.randint(0, U, (B,), generator=g)
+    idx[torch.randperm(B, generator=g)[: min(B, U)]] = torch.arange(min(B, U))
+    if sort:
+        idx = idx.sort().values
+    return idx
+
+
+def _make(direction, B, U, S_q, H, H_kv, D, L, dtype, *, jagged, packed, seed, sort=False):
+    g = torch.Generator().manual_seed(seed)
+    idx = _indices(B, U, g, sort)
+    n_q, n_kv = (B, U) if direction == "kv" else (U, B)
+    q = torch.randn(n_q, S_q, H, D, generator=g)
+    if packed:
+        kv = torch.randn(n_kv, L, 2, H_kv, D, generator=g).to(dtype).cuda()
+        k, v = kv[:, :, 0], kv[:, :, 1]
+    else:
+        k = torch.randn(n_kv, L, H_kv, D, generator=g).to(dtype).cuda()
+        v = torch.randn(n_kv, L, H_kv, D, generator=g).to(dtype).cuda()
+        kv = (k, v)
+    lengths = None
+    if jagged:
+        lengths = torch.randint(0, L + 1, (n_kv,), generator=g)
+        lengths[0] = 0
+        lengths[-1] = L
+        lengths = lengths.cuda()
+    return q.to(dtype).cuda(), kv, k, v, idx.cuda(), lengths
+
+
+def _materialize(q, k, v, idx, direction, lengths):
+    idx = idx.long()
+    if direction == "kv":
+        return q, k[idx], v[idx], (None if lengths is None else lengths[idx])
+    return q[idx], k, v, lengths
+
+
+def _attention_fp32(q, k, v, scale, lengths, chunk=64):
+    """fp32 attention on materialized [B, *, H, D] tensors -> (out, lse)."""
+    B, S_q, H, D = q.shape
+    group = H // k.shape[2]
+    out = torch.empty(B, S_q, H, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H, S_q, dtype=torch.float32, device=q.device)
+    for s in range(0, B, chunk):
+        sl = slice(s, min(B, s + chunk))
+        qb = q[sl].float().transpose(1, 2)
+        kb = k[sl].float().repeat_interleave(group, dim=2).transpose(1, 2)
+        vb = v[sl].float().repeat_interleave(group, dim=2).transpose(1, 2)
+        sc = qb @ kb.transpose(-1, -2) * scale
+        if lengths is not None:
+            keep = torch.arange(k.shape[1], device=q.device)[None, :] < lengths[sl, None]
+            sc = sc.masked_fill(~keep[:, None, None, :], float("-inf"))
+        lse[sl] = torch.logsumexp(sc, dim=-1)
+        p = torch.softmax(sc, dim=-1).nan_to_num(0.0)
+        out[sl] = (p @ vb).transpose(1, 2)
+    return out, lse
+
+
+def _sdpa(q, k, v, scale, lengths, chunk=64):
+    B, S_q, H, D = q.shape
+    group = H // k.shape[2]
+    out = torch.empty_like(q)
+    for s in range(0, B, chunk):
+        sl = slice(s, min(B, s + chunk))
+        mask = None
+        if lengths is not None:
+            mask = (torch.arange(k.shape[1], device=q.device)[None, :] < lengths[sl, None])[:, None, None, :]
+        kb = k[sl].repeat_interleave(group, dim=2)
+        vb = v[sl].repeat_interleave(group, dim=2)
+        out[sl] = F.scaled_dot_product_attention(
+            q[sl].transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=mask, scale=scale
+        ).transpose(1, 2)
+    return out
+
+
+def _rel(a, b):
+    return ((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+CASES = [
+    # direction, B, U, S_q, H, H_kv, D, L, dtype, jagged, packed, lse
+    ("kv", 2048, 32, 64, 2, 2, 128, 1024, torch.bfloat16, False, False, True),
+    ("kv", 512, 51, 32, 4, 1, 128, 500, torch.bfloat16, True, True, False),
+    ("kv", 3, 3, 1, 1, 1, 64, 1, torch.float16, False, False, True),
+    ("kv", 2048, 2, 100, 6, 6, 64, 100, torch.float16, True, False, True),
+    ("kv", 1, 1, 128, 2, 1, 128, 4096, torch.bfloat16, False, False, False),
+    ("kv", 512, 8, 64, 2, 1, 64, 2048, torch.bfloat16, True, False, True),
+    ("kv", 512, 8, 64, 4, 4, 128, 512, torch.float16, False, True, False),
+    ("q", 512, 8, 64, 2, 2, 128, 512, torch.bfloat16, False, False, True),
+    ("q", 3, 1, 100, 4, 1, 64, 1000, torch.float16, True, False, False),
+    ("q", 2048, 2, 32, 1, 1, 128, 100, torch.bfloat16, True, True, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_matches_fp32_within_sdpa_error(case):
+    direction, B, U, S_q, H, H_kv, D, L, dtype, jagged, packed, want_lse = case
+    q, kv, k, v, idx, lengths = _make(direction, B, U, S_q, H, H_kv, D, L, dtype, jagged=jagged,
+                                      packed=packed, seed=B + 7 * S_q + L)
+    scale = 1.0 / math.sqrt(D)
+    out = torch.full((B, S_q, H, D), float("nan"), dtype=dtype, device="cuda")
+    broadcast = direction if B == U else None
+    res = ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, broadcast=broadcast, out=out, return_lse=want_lse)
+    if want_lse:
+        res, lse = res
+    assert res is out
+    qm, km, vm, lm = _materialize(q, k, v, idx, direction, lengths)
+    ref, ref_lse = _attention_fp32(qm, km, vm, scale, lm)
+    assert not out.isnan().any()
+    if lm is not None:
+        empty = lm == 0
+        assert (out[empty] == 0).all()
+        if want_lse:
+            assert torch.isneginf(lse[empty]).all()
+        keep = ~empty
+    else:
+        keep = torch.ones(B, dtype=torch.bool, device="cuda")
+    err = _rel(out[keep], ref[keep])
+    sdpa_err = _rel(_sdpa(qm, km, vm, scale, lm)[keep], ref[keep])
+    assert err <= 1.5 * sdpa_err + 1e-6, (err, sdpa_err)
+    if want_lse:
+        torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("direction", ["kv", "q"])
+def test_out_of_range_index_gives_nan_rows_only(direction):
+    B, U, S_q, H, D, L = 64, 4, 64, 2, 128, 300
+    q, kv, k, v, idx, _ = _make(direction, B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=3)
+    idx[5] = U
+    idx[9] = -1
+    idx[10] = 1 << 20
+    with pytest.raises(IndexError, match=r"idx\[5\]"):
+        ikbo_fa.attention(q, kv, idx, validate=True)
+    out, lse = ikbo_fa.attention(q, kv, idx, validate=False, return_lse=True)
+    ref, ref_lse = ikbo_fa.attention_reference(q, kv, idx, validate=False, return_lse=True)
+    bad = torch.zeros(B, dtype=torch.bool, device="cuda")
+    bad[[5, 9, 10]] = True
+    assert out[bad].isnan().all() and lse[bad].isnan().all()
+    assert not out[~bad].isnan().any()
+    assert _rel(out[~bad], ref[~bad].float()) < 1e-2
+    torch.testing.assert_close(lse[~bad], ref_lse[~bad], rtol=1e-4, atol=1e-4)
+
+
+def test_nan_in_one_user_stays_in_that_user():
+    B, U, S_q, H, D, L = 256, 4, 64, 2, 128, 700
+    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=4)
+    k[2, 13, 1, 5] = float("nan")
+    v[1, 650, 0, 0] = float("inf")
+    out = ikbo_fa.attention(q, (k, v), idx)
+    clean = (idx != 2) & (idx != 1)
+    assert not out[clean].isnan().any()
+    assert out[idx == 2][:, :, 1].isnan().all()
+
+
+def test_jagged_padding_not_finite_is_ignored():
+    B, U, S_q, H, D, L = 128, 4, 32, 2, 64, 300
+    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, 1, D, L, torch.bfloat16, jagged=False, packed=False, seed=5)
+    lengths = torch.tensor([17, 300, 129, 0], device="cuda")
+    for u in range(U):
+        k[u, lengths[u]:] = float("nan")
+        v[u, lengths[u]:] = float("nan")
+    out = ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths)
+    assert torch.isfinite(out).all()
+    ref = ikbo_fa.attention_reference(q, (k, v), idx, kv_lengths=lengths)
+    assert _rel(out, ref.float()) < 1e-2
+
+
+def test_unsorted_equals_sorted():
+    B, U, S_q, H, D, L = 1000, 16, 64, 2, 128, 333
+    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=6)
+    out = ikbo_fa.attention(q, kv, idx)
+    perm = torch.argsort(idx, stable=True)
+    out_sorted = ikbo_fa.attention(q[perm], kv, idx[perm])
+    torch.testing.assert_close(out[perm], out_sorted, rtol=0, atol=0)
+
+
+def test_cuda_graph_capture():
+    B, U, S_q, H, D, L = 256, 4, 64, 2, 128, 512
+    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=7)
+    out = torch.empty(B, S_q, H, D, dtype=torch.bfloat16, device="cuda")
+    ikbo_fa.attention(q, kv, idx, out=out, validate=False)  # compile + warm up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ikbo_fa.attention(q, kv, idx, out=out, validate=False)
+    out.fill_(float("nan"))
+    idx.copy_(torch.flip(idx, [0]))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = ikbo_fa.attention_reference(q, kv, idx)
+    assert _rel(out, ref.float()) < 1e-2
