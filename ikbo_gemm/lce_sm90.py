@@ -74,7 +74,7 @@ class LceSm90:
     TILE_N = 64  # output columns per CTA tile (the wgmma M side)
     TILE_K = 64
     EPI_W = 32  # output rows per staged epilogue sub-tile
-    EPI_STAGES = 4
+    EPI_STAGES = 2
     PRODUCER_REGS = 24
     CONSUMER_REGS = 240
     THREADS = 384
@@ -103,7 +103,7 @@ class LceSm90:
         smem = cutlass.utils.get_smem_capacity_in_bytes("sm_90")
         self.stage_bytes = (self.TILE_N + tile_w) * self.TILE_K * dtype.width // 8
         epi_bytes = 2 * self.EPI_STAGES * self.TILE_N * self.EPI_W * dtype.width // 8
-        self.ab_stages = min(8, (smem - epi_bytes - 1024) // self.stage_bytes)
+        self.ab_stages = min(12, (smem - epi_bytes - 1024) // self.stage_bytes)
 
     # ------------------------------------------------------------------ host
     @cute.jit
