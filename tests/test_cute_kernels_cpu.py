@@ -1,0 +1,90 @@
+"""The shared machinery: compile cache, compile-only for sm_90a, input checks."""
+import os
+
+import cutlass
+import cutlass.cute as cute
+import pytest
+import torch
+
+from cute_kernels import checks, compile_kernel, fake_stream, fake_tensor, kernel_cache
+from cute_kernels.compile import KernelCache
+
+
+@cute.kernel
+def _double_kernel(src: cute.Tensor, dst: cute.Tensor, n: cutlass.Int32):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    i = bidx * 128 + tidx
+    if i < n:
+        dst[i] = src[i] + src[i]
+
+
+@cute.jit
+def _double(src: cute.Tensor, dst: cute.Tensor, n: cutlass.Int32, stream):
+    _double_kernel(src, dst, n).launch(grid=[(n + 127) // 128, 1, 1], block=[128, 1, 1], stream=stream)
+
+
+def _compile(**kw):
+    t = fake_tensor(cutlass.Float16, (None,), align=16)
+    return compile_kernel(_double, t, t, cutlass.Int32(0), fake_stream(), **kw)
+
+
+def test_compile_for_sm90a_without_gpu_and_keep_no_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    kernel = _compile(keep_ptx=True, ptxas_report=True)
+    assert ".target sm_90a" in kernel.ptx
+    assert kernel.spill_bytes == 0
+    assert kernel.seconds > 0
+    assert os.listdir(tmp_path) == []  # the PTX dump does not land in the working directory
+
+
+def test_spill_bytes_needs_the_report():
+    kernel = _compile()
+    with pytest.raises(ValueError, match="ptxas_report"):
+        kernel.spill_bytes
+
+
+def test_cache_builds_once_per_key():
+    cache = KernelCache()
+    calls = []
+
+    def build():
+        calls.append(1)
+        return _compile()
+
+    first = cache.get(("double", "fp16"), build)
+    assert cache.get(("double", "fp16"), build) is first
+    assert len(calls) == 1 and len(cache) == 1
+    cache.get(("double", "bf16"), build)
+    assert len(calls) == 2 and cache.compile_seconds(("double", "fp16")) == first.seconds
+    assert kernel_cache is not cache
+
+
+def test_checks_name_the_argument():
+    x = torch.randn(2, 3)
+    with pytest.raises(TypeError, match="w must be float16 or bfloat16, got float32"):
+        checks.check_tensor("w", x, ndim=2, dtypes=checks.FLOAT_DTYPES, layout="[M, K]")
+    with pytest.raises(ValueError, match=r"w must have 3 dimensions \[B, K, N\], got shape \[2, 3\]"):
+        checks.check_tensor("w", x.half(), ndim=3, dtypes=checks.FLOAT_DTYPES, layout="[B, K, N]")
+    with pytest.raises(ValueError, match="must not be empty"):
+        checks.check_tensor("w", torch.empty(0, 3).half(), ndim=2, dtypes=checks.FLOAT_DTYPES, layout="[M, K]")
+    with pytest.raises(TypeError, match="w must be a torch.Tensor"):
+        checks.check_tensor("w", [1, 2], ndim=2, dtypes=checks.FLOAT_DTYPES, layout="[M, K]")
+
+
+def test_index_range_names_the_first_bad_position():
+    idx = torch.tensor([0, 2, 5, -1, 7])
+    with pytest.raises(IndexError, match=r"idx\[2\] = 5 is out of range"):
+        checks.check_index_range("idx", idx, 5, "U")
+    checks.check_index_range("idx", torch.randint(0, 5, (100,)), 5, "U")
+
+
+def test_validation_switch(monkeypatch):
+    monkeypatch.delenv("IKBO_VALIDATE", raising=False)
+    assert not checks.validation_enabled(None)
+    assert checks.validation_enabled(True)
+    monkeypatch.setenv("IKBO_VALIDATE", "1")
+    assert checks.validation_enabled(None)
+    assert not checks.validation_enabled(False)
+    monkeypatch.setenv("IKBO_VALIDATE", "0")
+    assert not checks.validation_enabled(None)
