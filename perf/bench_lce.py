@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: make `perf` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from perf import harness  # noqa: E402
-from perf.harness import make_idx, user_counts  # noqa: E402
+from perf.harness import ContextLost, Skip, context_lost, make_idx, short_error, user_counts  # noqa: E402
 
 NAME = "bench_lce"
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
@@ -125,9 +125,6 @@ def reference_output(p: LceProblem, inp: LceInputs, chunk: int = 256) -> torch.T
 
 # --------------------------------------------------------------------------- providers
 
-class Skip(Exception):
-    """The provider is not available; the message says why."""
-
 
 @dataclasses.dataclass
 class Provider:
@@ -198,25 +195,6 @@ def providers() -> list:
 
 # --------------------------------------------------------------------------- one configuration
 
-def _short(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
-
-
-def context_lost() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        torch.cuda.synchronize()
-        return torch.ones(1, device=DEVICE).add_(1).item() != 2.0
-    except Exception:
-        return True
-
-
-class ContextLost(Exception):
-    def __init__(self, note: str, rows: list):
-        super().__init__(note)
-        self.rows = rows
-
 
 def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float) -> list:
     ref = reference_output(p, inp)
@@ -246,10 +224,10 @@ def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float
         except Skip as e:
             row.update(status="skipped", note=str(e))
         except (NotImplementedError, ImportError) as e:
-            row.update(status="skipped", note=f"not available yet ({_short(e)})")
+            row.update(status="skipped", note=f"not available yet ({short_error(e)})")
         except Exception as e:
-            row.update(status="error", note=_short(e))
-            if context_lost():
+            row.update(status="error", note=short_error(e))
+            if context_lost(DEVICE):
                 raise ContextLost(f"{prov.name}: {row['note']}", rows) from e
     base = {r["provider"]: r.get("ms") for r in rows if r["provider"] in TORCH_PROVIDERS}
     for r in rows:

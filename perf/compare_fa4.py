@@ -50,7 +50,9 @@ if __package__ in (None, ""):  # run as a script: make `perf` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from perf import harness  # noqa: E402
-from perf.harness import make_idx, user_counts  # noqa: E402,F401  (user_counts: public here too)
+from perf.harness import (  # noqa: E402,F401  (user_counts, Skip: public here too)
+    ContextLost, Skip, context_lost, make_idx, short_error, user_counts,
+)
 
 NAME = "compare_fa4"
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
@@ -263,9 +265,6 @@ def reference_outputs(p: Problem, inp: Inputs, cand: torch.Tensor, chunk: int = 
 
 # --------------------------------------------------------------------------- providers
 
-class Skip(Exception):
-    """The provider does not apply or is not available; the message says why."""
-
 
 @dataclasses.dataclass
 class Provider:
@@ -413,27 +412,6 @@ def _missing_library(prov: Provider) -> Optional[str]:
 
 # --------------------------------------------------------------------------- one configuration
 
-def _short(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".splitlines()[0]
-    return text[:200]
-
-
-def context_lost() -> bool:
-    """True when the CUDA context no longer works (a sticky error such as an illegal address)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        torch.cuda.synchronize()
-        return torch.ones(1, device=DEVICE).add_(1).item() != 2.0
-    except Exception:
-        return True
-
-
-class ContextLost(Exception):
-    def __init__(self, note: str, rows: list):
-        super().__init__(note)
-        self.rows = rows
-
 
 def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng) -> list:
     """Check, then time, each provider on one problem; returns one row per provider.
@@ -475,10 +453,10 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
         except Skip as e:
             row.update(status="skipped", note=str(e))
         except (NotImplementedError, ImportError) as e:
-            row.update(status="skipped", note=f"not available yet ({_short(e)})")
+            row.update(status="skipped", note=f"not available yet ({short_error(e)})")
         except Exception as e:  # report, keep going with the other providers
-            row.update(status="error", note=_short(e))
-            if context_lost():
+            row.update(status="error", note=short_error(e))
+            if context_lost(DEVICE):
                 raise ContextLost(f"{prov.name}: {row['note']}", rows) from e
     ikbo_ms = next((r.get("ms") for r in rows if r["provider"] == "ikbo"), None)
     for r in rows:
@@ -504,8 +482,8 @@ def host_overheads(args, provs: list, dtype: torch.dtype, broadcast: str) -> dic
             st = prov.setup(p, inp)
             result[prov.name] = harness.host_overhead_us(lambda: prov.run(p, st, inp), iters=100)
         except Exception as e:
-            if context_lost():
-                raise ContextLost(f"{prov.name}: {_short(e)}", []) from e
+            if context_lost(DEVICE):
+                raise ContextLost(f"{prov.name}: {short_error(e)}", []) from e
             result[prov.name] = None
     return result
 

@@ -370,3 +370,33 @@ def print_table(rows: list[dict], columns: list[str], *, file=None) -> str:
     text = "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])
     print(text, file=file or sys.stdout, flush=True)
     return text
+
+
+# --------------------------------------------------------------------------- provider errors
+
+class Skip(Exception):
+    """A provider does not apply or is not available; the message says why."""
+
+
+class ContextLost(Exception):
+    """A sticky CUDA error: nothing more can run in this process. Carries the rows so far."""
+
+    def __init__(self, note: str, rows: list):
+        super().__init__(note)
+        self.rows = rows
+
+
+def short_error(e: BaseException) -> str:
+    """First line of an exception, for a table cell."""
+    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
+def context_lost(device="cuda") -> bool:
+    """True when the CUDA context no longer works (a sticky error such as an illegal address)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device=device).add_(1).item() != 2.0
+    except Exception:
+        return True
