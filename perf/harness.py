@@ -293,7 +293,8 @@ def environment() -> dict:
         env.update(_nvidia_smi())
         env["driver"] = env.get("smi.driver_version")
     commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
-    env["git_commit"] = commit
+    # A copy of the tree without its .git (e.g. shipped to a GPU machine) names its commit here.
+    env["git_commit"] = commit or os.environ.get("IKBO_GIT_COMMIT")
     if commit is not None:
         status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
         env["git_dirty"] = bool(status)
