@@ -59,24 +59,17 @@ SHIPPED_CONFIGS = [
     for idx_dtype in (torch.int32, torch.int64)
     for tile_w in TILE_WS
     for cn, cb in CLUSTERS
-    if tile_w % (8 * cn * cb) == 0
 ]
 
 
 def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: int) -> LceConfig:
     """A cluster as wide as the 64-column tiles of N allow (up to 4), two batches
-    deep when N fills it, and the tile height with the least padding of M among
-    those the cluster can split (ties: the taller).
-
-    Sharing each w tile among 8 CTAs beats a tighter tile height: on an H200 at
-    the published shape, w256 with a 4x2 cluster (M padded 433 -> 512) ran faster
-    than w224 with a 4x1 cluster (433 -> 448).
-    """
+    deep when N fills it (each w tile then feeds 8 CTAs), and the tile height
+    with the least padding of M (ties: the taller)."""
     column_tiles = -(-n // LceSm90.TILE_N)
     cn = max(c for c, _ in CLUSTERS if c <= column_tiles)
     cb = 2 if cn == 4 and b > 1 else 1
-    heights = [t for t in TILE_WS if t % (8 * cn * cb) == 0]
-    tile_w = min(heights, key=lambda t: (-(-m // t) * t, -t))
+    tile_w = min(TILE_WS, key=lambda t: (-(-m // t) * t, -t))
     return LceConfig(dtype, idx_dtype, tile_w, cn, cb)
 
 

@@ -44,8 +44,8 @@ class LceSm90:
 
     Warp roles (384 threads, 1 CTA per SM):
       warpgroup 0, producer (setmaxnreg 24): warp 0 issues the TMA loads of each
-        k-block: its own e slice, and its share of the w rows, multicast to the
-        cluster.
+        k-block: its own e slice, and its 32-row chunks of the w tile (chunks
+        rank, rank + cluster, ...), each multicast to every CTA of the cluster.
       warpgroups 1, 2, consumers (setmaxnreg 240): wgmma main loop on their tile,
         then its epilogue while the other consumer runs its main loop.
 
@@ -87,10 +87,8 @@ class LceSm90:
         if tile_w % 32 or not 64 <= tile_w <= 256:
             raise ValueError(f"LceSm90: tile_w must be a multiple of 32 in [64, 256], got {tile_w}")
         cluster = cluster_n * cluster_b
-        if cluster_n not in (1, 2, 4) or cluster_b not in (1, 2) or tile_w % (8 * cluster):
-            raise ValueError(
-                f"LceSm90: cluster {cluster_n}x{cluster_b} must be (1|2|4)x(1|2) and divide tile_w / 8 = {tile_w // 8}"
-            )
+        if cluster_n not in (1, 2, 4) or cluster_b not in (1, 2):
+            raise ValueError(f"LceSm90: cluster {cluster_n}x{cluster_b} must be (1|2|4)x(1|2)")
         self.dtype = dtype
         self.idx_dtype = idx_dtype
         self.tile_w = tile_w
@@ -98,6 +96,11 @@ class LceSm90:
         self.cluster_b = cluster_b
         self.cluster = cluster
         self.tile_mnk = (self.TILE_N, tile_w, self.TILE_K)  # GEMM view: M = out columns, N = out rows
+        # A cluster loads each w tile in 32-row chunks, CTA r taking chunks r,
+        # r + cluster, ..., each multicast to the whole cluster.
+        self.w_chunk = tile_w if cluster == 1 else 32
+        self.w_chunks = tile_w // self.w_chunk
+        self.chunks_per_cta = -(-self.w_chunks // cluster)
         self.epi_tile = (self.TILE_N, self.EPI_W)
 
         smem = cutlass.utils.get_smem_capacity_in_bytes("sm_90")
@@ -154,15 +157,20 @@ class LceSm90:
         epi_smem = sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.COL_MAJOR, self.epi_tile, 2 * self.EPI_STAGES)
 
         a_one = cute.slice_(a_smem, (None, None, 0))
-        b_one = cute.slice_(b_smem, (None, None, 0))
+        b_chunk = cute.slice_(
+            sm90_utils.make_smem_layout_b(
+                LayoutEnum.ROW_MAJOR, (self.TILE_N, self.w_chunk, self.TILE_K), self.dtype, 1
+            ),
+            (None, None, 0),
+        )
         a_box = (self.TILE_N, self.TILE_K)
-        b_box = (self.tile_w, self.TILE_K)
+        b_box = (self.w_chunk, self.TILE_K)
         a_load = cpasync.CopyBulkTensorTileG2SOp()
         b_load = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster > 1) else a_load
         tma_a_cand, ta_cand = cpasync.make_tiled_tma_atom(a_load, a_cand, a_one, a_box)
         tma_a_user, ta_user = cpasync.make_tiled_tma_atom(a_load, a_user, a_one, a_box)
-        tma_b_cand, tb_cand = cpasync.make_tiled_tma_atom(b_load, b_cand, b_one, b_box, num_multicast=self.cluster)
-        tma_b_user, tb_user = cpasync.make_tiled_tma_atom(b_load, b_user, b_one, b_box, num_multicast=self.cluster)
+        tma_b_cand, tb_cand = cpasync.make_tiled_tma_atom(b_load, b_cand, b_chunk, b_box)
+        tma_b_user, tb_user = cpasync.make_tiled_tma_atom(b_load, b_user, b_chunk, b_box)
         tma_out, t_out = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), c_out, cute.slice_(epi_smem, (None, None, 0)), self.epi_tile
         )
@@ -303,9 +311,10 @@ class LceSm90:
         tile_begin: Int32, tile_end: Int32,
     ):
         a_box = (self.TILE_N, self.TILE_K)
-        b_box = (self.tile_w, self.TILE_K)
+        b_box = (self.w_chunk, self.TILE_K)
         sA_ = cute.group_modes(sA, 0, 2)
-        sB_ = cute.group_modes(sB, 0, 2)
+        # (chunk rows, K, chunk, stage): the w tile of a stage as w_loaders chunks.
+        sB_ = cute.group_modes(cute.local_tile(sB, b_box, (None, 0, None)), 0, 2)
         one = cute.make_layout(1)
         # A: this CTA's own e slice. B: this CTA's share of the w rows, multicast.
         tAsA, tAgA_user = cpasync.tma_partition(
@@ -314,15 +323,13 @@ class LceSm90:
         _, tAgA_cand = cpasync.tma_partition(
             tma_a_cand, 0, one, sA_, cute.group_modes(cute.local_tile(mA_cand, a_box, (None, None, None)), 0, 2)
         )
-        b_cta_layout = cute.make_layout(self.cluster)
         tBsB, tBgB_user = cpasync.tma_partition(
-            tma_b_user, rank, b_cta_layout, sB_,
-            cute.group_modes(cute.local_tile(mB_user, b_box, (None, None, None)), 0, 2),
+            tma_b_user, 0, one, sB_, cute.group_modes(cute.local_tile(mB_user, b_box, (None, None, None)), 0, 2)
         )
         _, tBgB_cand = cpasync.tma_partition(
-            tma_b_cand, rank, b_cta_layout, sB_,
-            cute.group_modes(cute.local_tile(mB_cand, b_box, (None, None, None)), 0, 2),
+            tma_b_cand, 0, one, sB_, cute.group_modes(cute.local_tile(mB_cand, b_box, (None, None, None)), 0, 2)
         )
+
         mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(rank), mode=0)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
@@ -334,21 +341,26 @@ class LceSm90:
                 bar = ab_pipeline.producer_get_barrier(state)
                 if is_user:
                     cute.copy(tma_a_user, tAgA_user[(None, n, k, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    self.load_w(tma_b_user, tBgB_user[(None, w, k, 0)], tBsB[(None, state.index)], bar, mcast)
+                    self.load_w(tma_b_user, tBgB_user, tBsB, w, k, rank, state.index, bar, mcast)
                 else:
                     cute.copy(tma_a_cand, tAgA_cand[(None, n, k, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    self.load_w(tma_b_cand, tBgB_cand[(None, w, k, 0)], tBsB[(None, state.index)], bar, mcast)
+                    self.load_w(tma_b_cand, tBgB_cand, tBsB, w, k, rank, state.index, bar, mcast)
                 ab_pipeline.producer_commit(state)
                 state.advance()
             t += stride
         ab_pipeline.producer_tail(state)
 
     @cute.jit
-    def load_w(self, atom, src, dst, bar, mcast):
-        if const_expr(self.cluster > 1):
-            cute.copy(atom, src, dst, tma_bar_ptr=bar, mcast_mask=mcast)
-        else:
-            cute.copy(atom, src, dst, tma_bar_ptr=bar)
+    def load_w(self, atom, tBgB, tBsB, w, k, rank, stage, bar, mcast):
+        """This CTA's chunks of w tile (w, k): chunk j = rank + i * cluster, multicast."""
+        for i in cutlass.range_constexpr(self.chunks_per_cta):
+            j = rank + i * self.cluster
+            if j < self.w_chunks:
+                src = tBgB[(None, w * self.w_chunks + j, k, 0)]
+                if const_expr(self.cluster > 1):
+                    cute.copy(atom, src, tBsB[(None, j, stage)], tma_bar_ptr=bar, mcast_mask=mcast)
+                else:
+                    cute.copy(atom, src, tBsB[(None, j, stage)], tma_bar_ptr=bar)
 
     # ----------------------------------------------------------- consumers
     @cute.jit
