@@ -8,6 +8,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
@@ -64,8 +65,10 @@ class LceSm90:
         buffer only after the bulk group that read it completed.
       user-tile ready flags (global int32 per user CTA tile, zeroed by the op):
         a user epilogue stores its fp32 tile, fences, syncs its warpgroup, then
-        one thread sets the flag with st.release.gpu; a candidate epilogue spins
-        on ld.acquire.gpu of its user tile's flag, syncs, then reads the tile.
+        one thread sets the flag with st.release.gpu. Before a candidate tile's
+        main loop (while the other consumer's main loop runs), one thread spins
+        on ld.acquire.gpu of the user tile's flag, the warpgroup syncs, and the
+        user tile is loaded into the accumulator that the main loop adds onto.
 
     Candidates whose idx is outside [0, U) never read past the workspace: their
     output is NaN.
@@ -103,7 +106,7 @@ class LceSm90:
         self.chunks_per_cta = -(-self.w_chunks // cluster)
         self.epi_tile = (self.TILE_N, self.EPI_W)
 
-        smem = cutlass.utils.get_smem_capacity_in_bytes("sm_90")
+        smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.stage_bytes = (self.TILE_N + tile_w) * self.TILE_K * dtype.width // 8
         epi_bytes = 2 * self.EPI_STAGES * self.TILE_N * self.EPI_W * dtype.width // 8
         self.ab_stages = min(12, (smem - epi_bytes - 1024) // self.stage_bytes)
@@ -230,7 +233,7 @@ class LceSm90:
         cluster_layout = cute.make_layout((self.cluster, 1, 1))
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
@@ -510,7 +513,7 @@ class LceSm90:
         self.epi_sync(consumer_idx)
         ws, frag = self.fragment_view(acc, mWs, tile, tidx)
         cute.autovec_copy(ws, frag)
-        for i in cutlass.range_constexpr(cute.size(acc)):
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
             acc[i] = acc[i] + poison
 
     @cute.jit
