@@ -30,7 +30,12 @@ class FwdConfig:
     direction: str  # "kv": K/V looked up by idx; "q": Q looked up by idx
     has_kv_lengths: bool
     return_lse: bool
-    overlap: bool = True  # issue S of block j before P V of block j-1 (False: one block at a time)
+    # Issue S of block j before P V of block j-1, the two consumer warpgroups taking turns
+    # (False: one block at a time, no turns; a diagnostic path).
+    overlap: bool = True
+    # Q in registers (ldmatrix once per tile; S = Q K^T reads only K from shared memory):
+    # less shared-memory traffic for 32 more registers per thread. An experiment switch.
+    q_in_regs: bool = False
 
 
 def row_packing(s_q: int):
@@ -47,10 +52,11 @@ def row_packing(s_q: int):
 
 
 class _Bar:
-    """Named barrier ids (0 is __syncthreads)."""
+    """Named barrier ids (0 is __syncthreads); the class docstring says who uses each."""
 
     EPILOGUE_WG0 = 1  # + consumer warpgroup index
     V_TAIL = 3  # both consumer warpgroups, after zeroing a V tail
+    SCHED_WG0 = 4  # + consumer warpgroup index: that warpgroup's turn to issue its GEMMs
 
 
 class IkboAttentionFwdSm90:
@@ -58,26 +64,47 @@ class IkboAttentionFwdSm90:
 
     Warp roles (384 threads, one CTA per SM, grid = min(#SMs, tiles)):
       warpgroup 0 (producer, setmaxnreg 24): warp 0 walks the tile list and
-        issues every TMA load: per tile the first K block, the Q slots, then
-        K/V blocks last to first; warps 1-3 idle.
+        issues every TMA load: per tile the Q slots, then K/V blocks last to
+        first, K one block ahead of V; warps 1-3 idle.
       warpgroups 1, 2 (consumers, setmaxnreg 240): 64 query rows each of the
         128-row tile; S = Q K^T and O += P V on WGMMA (P from registers),
         online softmax in exp2 on fp32 row max/sum. With ``overlap`` the S of
         block j is issued before the P V of block j-1 and the softmax of j runs
-        while that P V is in flight. Epilogue: O / row_sum into the
+        while that P V is in flight; the two warpgroups take turns issuing
+        their GEMMs (named barriers 4, 5 below). With ``q_in_regs`` each
+        thread loads its Q fragment (ldmatrix) once per tile and S = Q K^T
+        takes A from registers. Epilogue: O / row_sum into the
         warpgroup's 64 rows of sO (stmatrix), one TMA store per stored slot.
 
     Pipelines (mbarriers; producer arrive count 1 = one elected lane of warp 0
     with the transaction bytes; consumer arrive count 8 = lane 0 of each
     consumer warp on release):
-      Q: 1 stage, bytes = every slot of the 128-row tile; released by both
-         consumer warpgroups after their last S = Q K^T of the tile.
+      Q: ``q_stages`` = 2 stages (the CTA's i-th tile in stage i % 2, so the
+         next tile's Q loads while this one runs), bytes = every slot of the 128-row tile;
+         released by both consumer warpgroups after the tile's main loop.
       K, V: ``stages`` stages each, one shared state; K released after S of a
          block, V after its P V.
-    Named barriers: 1 + warpgroup (128 threads) around the sO writes of the
-    epilogue; 3 (256 threads) after zeroing a V tail (kv_lengths only). Before
-    rewriting its sO rows a warpgroup waits (bulk wait_group.read) for its
-    previous TMA stores.
+    Named barriers (id: thread count; who arrives / syncs):
+      1 + wg (wg = consumer warpgroup 0 or 1): 128; warpgroup wg syncs twice
+         per tile around its sO writes in the epilogue.
+      3: 256; both consumer warpgroups sync once per tile after zeroing a V
+         tail (kv_lengths only), before the first P V of the tile.
+      4 + wg (``overlap`` only), the GEMM turn of warpgroup wg: 256. Warpgroup
+         wg syncs on 4 + wg right before issuing S = Q K^T and P V of a
+         main-loop iteration and, once both are issued, arrives (bar.arrive,
+         128) on 4 + (1 - wg), handing the turn to the other warpgroup; once,
+         before its first tile, warpgroup 0 arrives on its own barrier 4 so it
+         takes the first turn. Both warpgroups run the same tiles with the
+         same block count, so per tile each does n_blocks - 1 sync/arrive
+         pairs and the turns strictly alternate 0, 1, 0, 1, ...: barrier 4
+         completes with (warpgroup 0 sync k, warpgroup 1 arrive k - 1 or the
+         initial arrive), barrier 5 with (warpgroup 1 sync k, warpgroup 0
+         arrive k). The first S of a tile and its last P V are issued outside
+         the turns. One arrive is left pending at exit (harmless).
+      The softmax of one warpgroup thus runs while the other's GEMMs occupy
+      the tensor cores (a ping-pong schedule).
+    Before rewriting its sO rows a warpgroup waits (bulk wait_group.read) for
+    its previous TMA stores.
 
     Tiles and order: a tile is (head, group, tile-in-group). KV broadcast:
     groups are users plus a last group of candidates whose index is out of
@@ -98,6 +125,9 @@ class IkboAttentionFwdSm90:
         self.tile_m = 128
         self.tile_n = 128
         self.stages = 2
+        # Two Q stages: the next tile's Q loads while this tile runs (its latency was
+        # exposed between tiles with one stage).
+        self.q_stages = 2
         self.slot_rows, self.slots_per_wg, self.chunks = row_packing(cfg.s_q)
         self.slots = 2 * self.slots_per_wg
         if cfg.direction == "kv" and cfg.s_q <= 64:
@@ -109,6 +139,10 @@ class IkboAttentionFwdSm90:
         self.consumer_regs = 240
         self.consumer_warps = 8
         assert self.producer_regs * 128 + self.consumer_regs * 256 <= 65536
+        elt = 2
+        smem = (1024 + (self.q_stages + 1) * self.tile_m * self.head_dim * elt
+                + 2 * self.stages * self.tile_n * self.head_dim * elt)
+        assert smem <= 227 * 1024, smem  # barriers (padded to 1024) + sQ stages + sO + sK + sV
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -134,7 +168,8 @@ class IkboAttentionFwdSm90:
                           for t in (mQ, mO, mK, mV)]
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(2, 1, 1), tiler_mn=(64, self.tile_n))
+            atom_layout_mnk=(2, 1, 1), tiler_mn=(64, self.tile_n),
+            a_source=warpgroup.OperandSource.RMEM if self.cfg.q_in_regs else warpgroup.OperandSource.SMEM)
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             atom_layout_mnk=(2, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
@@ -144,8 +179,9 @@ class IkboAttentionFwdSm90:
         qo_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, self.dtype, d),
             self.dtype)
-        sQ_layout = cute.tile_to_shape(qo_atom, (self.tile_m, d), order=(0, 1))
-        slot_layout = cute.composition(sQ_layout, cute.make_layout((r, d), stride=(1, self.tile_m)))
+        sO_layout = cute.tile_to_shape(qo_atom, (self.tile_m, d), order=(0, 1))
+        sQ_layout = cute.tile_to_shape(qo_atom, (self.tile_m, d, self.q_stages), order=(0, 1, 2))
+        slot_layout = cute.composition(sO_layout, cute.make_layout((r, d), stride=(1, self.tile_m)))
         kv_atom = qo_atom
         sK_layout = cute.tile_to_shape(kv_atom, (self.tile_n, d, self.stages), order=(0, 1, 2))
         sV_layout = sK_layout
@@ -163,11 +199,11 @@ class IkboAttentionFwdSm90:
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, self.q_stages * 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
@@ -178,7 +214,7 @@ class IkboAttentionFwdSm90:
             mLSE, mCand, mCandStart, mTileStart, mKvLen,
             mQ.shape[3], mK.shape[3], mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
             scale_log2, scale,
-            tiled_mma_qk, tiled_mma_pv, sQ_layout, slot_layout, sK_layout, sV_layout,
+            tiled_mma_qk, tiled_mma_pv, sQ_layout, sO_layout, slot_layout, sK_layout, sV_layout,
         ).launch(grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -209,6 +245,7 @@ class IkboAttentionFwdSm90:
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         slot_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -224,7 +261,7 @@ class IkboAttentionFwdSm90:
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_warps)
         pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages, producer_group=producer,
             consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True)
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.stages, producer_group=producer,
@@ -236,7 +273,7 @@ class IkboAttentionFwdSm90:
         cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         # (D, n, stage) view of V: the MN-major B operand of O += P V.
@@ -344,7 +381,7 @@ class IkboAttentionFwdSm90:
         total_tiles, tiles_per_head, n_q_batch, n_kv_batch, n_heads, n_kv_heads, kv_len = sched
         group = n_heads // n_kv_heads
         d, r = self.head_dim, self.slot_rows
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         t = cute.arch.block_idx()[0]
         n_ctas = cute.arch.grid_dim()[0]
@@ -359,34 +396,39 @@ class IkboAttentionFwdSm90:
             tVsV, tVgV = cpasync.tma_partition(
                 tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
             n_blocks = (n_keys + self.tile_n - 1) // self.tile_n
-            # The tile's first K block goes out before Q: Q waits for the consumers to finish
-            # the previous tile, and this K load overlaps their epilogue.
-            if n_blocks > 0:
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_atom_K, tKgK[None, n_blocks - 1], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            # Q first: its other stage was released when the tile before the previous one
+            # ended, so this does not wait and the load runs under the previous tile's
+            # last blocks. The K stage below waits for the previous tile's K releases.
             pipe_q.producer_acquire(q_state)
             for s in cutlass.range_constexpr(self.slots):
                 valid, q_b, out_b, row_block = self.slot_info(s, first, n_valid, chunk, q_coord, mCand)
                 gQ = cute.local_tile(mQ[None, None, h, q_b], (r, d), (row_block, 0))
-                sQ_s = cute.local_tile(sQ, (r, d), (s, 0))
+                sQ_s = cute.local_tile(sQ[None, None, q_state.index], (r, d), (s, 0))
                 tQsQ, tQgQ = cpasync.tma_partition(
                     tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ_s, 0, 2), cute.group_modes(gQ, 0, 2))
                 cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
+            # Blocks last to first (the consumers' order); block j's K and V share a stage.
+            # K runs one block ahead of V (K(j-1) is issued before V(j)): the consumers
+            # need S of block j-1 together with P V of block j, and a K stage frees up
+            # earlier than a V stage, so the K load no longer waits behind a V release.
             if n_blocks > 0:
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_atom_V, tVgV[None, n_blocks - 1], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-                kv_state.advance()
-            # Remaining blocks, last to first (the consumers' order).
+                pipe_k.producer_acquire(kv_state)
+                cute.copy(tma_atom_K, tKgK[None, n_blocks - 1], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
             for i in cutlass.range(n_blocks - 1, unroll=1):
                 blk = n_blocks - 2 - i
+                prev = kv_state.clone()  # block blk + 1, whose V is still to load
+                kv_state.advance()
                 pipe_k.producer_acquire(kv_state)
                 cute.copy(tma_atom_K, tKgK[None, blk], tKsK[None, kv_state.index],
                           tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                pipe_v.producer_acquire(prev)
+                cute.copy(tma_atom_V, tVgV[None, blk + 1], tVsV[None, prev.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(prev))
+            if n_blocks > 0:
                 pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_atom_V, tVgV[None, blk], tVsV[None, kv_state.index],
+                cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                 kv_state.advance()
             t += n_ctas
@@ -404,7 +446,17 @@ class IkboAttentionFwdSm90:
         wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        copy_Q = tQsQ = tQrQ = None
+        if const_expr(self.cfg.q_in_regs):
+            tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_shape_A((self.tile_m, d)))
+            ldsm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                       self.dtype)
+            copy_Q = cute.make_tiled_copy_A(ldsm, tiled_mma_qk)
+            thr_copy_Q = copy_Q.get_slice(tidx)
+            tQsQ = thr_copy_Q.partition_S(sQ)
+            tQrQ = thr_copy_Q.retile(tSrQ)
+        else:
+            tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, n)))
@@ -422,41 +474,50 @@ class IkboAttentionFwdSm90:
         ctx = SimpleNamespace(
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, tOrP=tOrP,
             acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, col_offset=col_offset,
-            row_max=row_max, row_sum=row_sum, pipe_k=pipe_k, pipe_v=pipe_v, sV=sV)
+            row_max=row_max, row_sum=row_sum, pipe_k=pipe_k, pipe_v=pipe_v, sV=sV, wg=wg)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if const_expr(self.cfg.overlap):
+            # Warpgroup 0 takes the first GEMM turn.
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=_Bar.SCHED_WG0, number_of_threads=256)
         t = cute.arch.block_idx()[0]
         n_ctas = cute.arch.grid_dim()[0]
         while t < total_tiles:
-            n_keys = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, sched)[7]
+            # Looked up once per tile: the epilogue reuses it (registers are not short here).
+            info = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, sched)
+            n_keys = info[7]
             n_blocks = (n_keys + n - 1) // n
             acc_O.fill(0.0)
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
             pipe_q.consumer_wait(q_state)
+            if const_expr(self.cfg.q_in_regs):
+                cute.copy(copy_Q, tQsQ[None, None, None, q_state.index], tQrQ)
             if n_blocks > 0:
                 # Blocks run last to first: only the first one processed needs the key mask.
                 n_cols = n_keys - (n_blocks - 1) * n
                 if const_expr(self.cfg.overlap):
-                    kv_state = self.mainloop_overlapped(ctx, kv_state, n_blocks, n_cols, scale_log2, tidx)
+                    kv_state = self.mainloop_overlapped(ctx, kv_state, q_state.index, n_blocks, n_cols,
+                                                        scale_log2, tidx)
                 else:
-                    kv_state = self.mainloop_serial(ctx, kv_state, n_blocks, n_cols, scale_log2, tidx)
+                    kv_state = self.mainloop_serial(ctx, kv_state, q_state.index, n_blocks, n_cols,
+                                                    scale_log2, tidx)
             pipe_q.consumer_release(q_state)
             q_state.advance()
-            # The tile's coordinates are looked up again here rather than kept in registers
-            # across the main loop.
-            self.epilogue(acc_O, acc_O_mn, row_max, row_sum, t, tiled_mma_pv, tidx, tma_atom_O, mO, mLSE, sO, mCand, mCandStart, mTileStart,
-                          mKvLen, sched, scale_log2, wg, warp_in_wg)
+            self.epilogue(acc_O, acc_O_mn, row_max, row_sum, info, tiled_mma_pv, tidx, tma_atom_O, mO, mLSE, sO,
+                          mCand, scale_log2, wg, warp_in_wg)
             t += n_ctas
         if warp_in_wg == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def mainloop_serial(self, ctx, kv_state, n_blocks: Int32, n_cols: Int32, scale_log2: Float32, tidx: Int32):
+    def mainloop_serial(self, ctx, kv_state, q_stage: Int32, n_blocks: Int32, n_cols: Int32, scale_log2: Float32,
+                        tidx: Int32):
         """Per block: S = Q K^T, wait, softmax, O += P V, wait (the first block is masked)."""
         ctx.pipe_k.consumer_wait(kv_state)
-        acc_S = self.gemm_qk(ctx, kv_state.index)
+        acc_S = self.gemm_qk(ctx, q_stage, kv_state.index)
         warpgroup.wait_group(0)
         ctx.pipe_k.consumer_release(kv_state)
         self.mask_keys(ctx, acc_S, n_cols)
@@ -470,7 +531,7 @@ class IkboAttentionFwdSm90:
         kv_state.advance()
         for i in cutlass.range(n_blocks - 1, unroll=1):
             ctx.pipe_k.consumer_wait(kv_state)
-            acc_S = self.gemm_qk(ctx, kv_state.index)
+            acc_S = self.gemm_qk(ctx, q_stage, kv_state.index)
             warpgroup.wait_group(0)
             ctx.pipe_k.consumer_release(kv_state)
             corr = self.online_softmax(ctx, acc_S, scale_log2)
@@ -484,12 +545,12 @@ class IkboAttentionFwdSm90:
         return kv_state
 
     @cute.jit
-    def mainloop_overlapped(self, ctx, kv_state, n_blocks: Int32, n_cols: Int32, scale_log2: Float32,
-                            tidx: Int32):
+    def mainloop_overlapped(self, ctx, kv_state, q_stage: Int32, n_blocks: Int32, n_cols: Int32,
+                            scale_log2: Float32, tidx: Int32):
         """S of block j is issued before P V of block j-1; the softmax of j runs while P V
         of j-1 is on the tensor cores (O is rescaled once that P V has landed)."""
         ctx.pipe_k.consumer_wait(kv_state)
-        acc_S = self.gemm_qk(ctx, kv_state.index)
+        acc_S = self.gemm_qk(ctx, q_stage, kv_state.index)
         warpgroup.wait_group(0)
         ctx.pipe_k.consumer_release(kv_state)
         self.mask_keys(ctx, acc_S, n_cols)
@@ -502,9 +563,12 @@ class IkboAttentionFwdSm90:
             v_state = kv_state.clone()
             kv_state.advance()
             ctx.pipe_k.consumer_wait(kv_state)
-            acc_S = self.gemm_qk(ctx, kv_state.index)
+            # This warpgroup's turn: the other one is between its GEMM issues and its softmax.
+            cute.arch.barrier(barrier_id=_Bar.SCHED_WG0 + ctx.wg, number_of_threads=256)
+            acc_S = self.gemm_qk(ctx, q_stage, kv_state.index)
             ctx.pipe_v.consumer_wait(v_state)
             self.gemm_pv(ctx, v_state.index)
+            cute.arch.barrier_arrive(barrier_id=_Bar.SCHED_WG0 + 1 - ctx.wg, number_of_threads=256)
             warpgroup.wait_group(1)
             ctx.pipe_k.consumer_release(kv_state)
             corr = self.online_softmax(ctx, acc_S, scale_log2)
@@ -520,10 +584,11 @@ class IkboAttentionFwdSm90:
         return kv_state
 
     @cute.jit
-    def gemm_qk(self, ctx, stage: Int32):
+    def gemm_qk(self, ctx, q_stage: Int32, stage: Int32):
         # A fresh accumulator per block: the previous scores are dead once converted to P.
         acc_S = cute.make_rmem_tensor(ctx.tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        _gemm(ctx.tiled_mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, stage], zero_init=True)
+        tA = ctx.tSrQ if const_expr(self.cfg.q_in_regs) else ctx.tSrQ[None, None, None, q_stage]
+        _gemm(ctx.tiled_mma_qk, acc_S, tA, ctx.tSrK[None, None, None, stage], zero_init=True)
         return acc_S
 
     @cute.jit
@@ -547,10 +612,15 @@ class IkboAttentionFwdSm90:
         running row max and (per-thread partial) row sum; returns the factor O must be scaled by."""
         acc_S_mn, row_max, row_sum = _acc_mn_view(acc_S), ctx.row_max, ctx.row_sum
         corr = cute.make_rmem_tensor((cute.size(acc_S_mn, mode=[0]),), Float32)
+        n_cols = cute.size(acc_S_mn, mode=[1])
+        assert n_cols % 4 == 0
         for m in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-            blk_max = acc_S_mn[m, 0]
-            for c in cutlass.range_constexpr(1, cute.size(acc_S_mn, mode=[1])):
-                blk_max = cute.arch.fmax(blk_max, acc_S_mn[m, c])
+            # Four independent max / sum chains per row (a single chain is latency bound).
+            mx = [acc_S_mn[m, i] for i in range(4)]
+            for c in cutlass.range_constexpr(4, n_cols, 4):
+                for i in cutlass.range_constexpr(4):
+                    mx[i] = cute.arch.fmax(mx[i], acc_S_mn[m, c + i])
+            blk_max = cute.arch.fmax(cute.arch.fmax(mx[0], mx[1]), cute.arch.fmax(mx[2], mx[3]))
             blk_max = cute.arch.fmax(blk_max, cute.arch.shuffle_sync_bfly(blk_max, offset=1))
             blk_max = cute.arch.fmax(blk_max, cute.arch.shuffle_sync_bfly(blk_max, offset=2))
             # row_max is -inf before the first block, so the first block needs no special case.
@@ -560,12 +630,13 @@ class IkboAttentionFwdSm90:
                 max_scaled = Float32(0.0)
             corr[m] = cute.math.exp2(row_max[m] * scale_log2 - max_scaled, fastmath=True)
             row_max[m] = new_max
-            part = Float32(0.0)
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                p = cute.math.exp2(acc_S_mn[m, c] * scale_log2 - max_scaled, fastmath=True)
-                acc_S_mn[m, c] = p
-                part = part + p
-            row_sum[m] = row_sum[m] * corr[m] + part
+            sums = [Float32(0.0)] * 4
+            for c in cutlass.range_constexpr(0, n_cols, 4):
+                for i in cutlass.range_constexpr(4):
+                    p = cute.math.exp2(acc_S_mn[m, c + i] * scale_log2 - max_scaled, fastmath=True)
+                    acc_S_mn[m, c + i] = p
+                    sums[i] = sums[i] + p
+            row_sum[m] = row_sum[m] * corr[m] + ((sums[0] + sums[1]) + (sums[2] + sums[3]))
         return corr
 
     @cute.jit
@@ -593,13 +664,12 @@ class IkboAttentionFwdSm90:
                 cute.arch.barrier(barrier_id=_Bar.V_TAIL, number_of_threads=256)
 
     @cute.jit
-    def epilogue(self, acc_O, acc_O_mn, row_max, row_sum, t: Int32, tiled_mma_pv, tidx: Int32, tma_atom_O, mO, mLSE, sO, mCand, mCandStart,
-                 mTileStart, mKvLen, sched, scale_log2: Float32, wg: Int32, warp_in_wg: Int32):
+    def epilogue(self, acc_O, acc_O_mn, row_max, row_sum, info, tiled_mma_pv, tidx: Int32, tma_atom_O, mO, mLSE, sO,
+                 mCand, scale_log2: Float32, wg: Int32, warp_in_wg: Int32):
         """O / row_sum (and the lse) to sO, then one TMA store per stored slot of this warpgroup.
         No keys: O = 0, lse = -inf. Out-of-range index: NaN."""
         d, r = self.head_dim, self.slot_rows
-        h, kv_coord, first, n_valid, chunk, q_coord, invalid, n_keys = self.tile_info(
-            t, mCand, mCandStart, mTileStart, mKvLen, sched)
+        h, kv_coord, first, n_valid, chunk, q_coord, invalid, n_keys = info
         n_rows = cute.size(acc_O_mn, mode=[0])
         lse = cute.make_rmem_tensor((n_rows,), Float32)
         for m in cutlass.range_constexpr(n_rows):
