@@ -33,9 +33,6 @@ class FwdConfig:
     # Issue S of block j before P V of block j-1, the two consumer warpgroups taking turns
     # (False: one block at a time, no turns; a diagnostic path).
     overlap: bool = True
-    # Q in registers (ldmatrix once per tile; S = Q K^T reads only K from shared memory):
-    # less shared-memory traffic for 32 more registers per thread. An experiment switch.
-    q_in_regs: bool = False
 
 
 def row_packing(s_q: int):
@@ -71,9 +68,7 @@ class IkboAttentionFwdSm90:
         online softmax in exp2 on fp32 row max/sum. With ``overlap`` the S of
         block j is issued before the P V of block j-1 and the softmax of j runs
         while that P V is in flight; the two warpgroups take turns issuing
-        their GEMMs (named barriers 4, 5 below). With ``q_in_regs`` each
-        thread loads its Q fragment (ldmatrix) once per tile and S = Q K^T
-        takes A from registers. Epilogue: O / row_sum into the
+        their GEMMs (named barriers 4, 5 below). Epilogue: O / row_sum into the
         warpgroup's 64 rows of sO (stmatrix), one TMA store per stored slot.
 
     Pipelines (mbarriers; producer arrive count 1 = one elected lane of warp 0
@@ -168,8 +163,7 @@ class IkboAttentionFwdSm90:
                           for t in (mQ, mO, mK, mV)]
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(2, 1, 1), tiler_mn=(64, self.tile_n),
-            a_source=warpgroup.OperandSource.RMEM if self.cfg.q_in_regs else warpgroup.OperandSource.SMEM)
+            atom_layout_mnk=(2, 1, 1), tiler_mn=(64, self.tile_n))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             atom_layout_mnk=(2, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
@@ -446,17 +440,7 @@ class IkboAttentionFwdSm90:
         wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
-        copy_Q = tQsQ = tQrQ = None
-        if const_expr(self.cfg.q_in_regs):
-            tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_shape_A((self.tile_m, d)))
-            ldsm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                       self.dtype)
-            copy_Q = cute.make_tiled_copy_A(ldsm, tiled_mma_qk)
-            thr_copy_Q = copy_Q.get_slice(tidx)
-            tQsQ = thr_copy_Q.partition_S(sQ)
-            tQrQ = thr_copy_Q.retile(tSrQ)
-        else:
-            tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, n)))
@@ -493,8 +477,6 @@ class IkboAttentionFwdSm90:
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
             pipe_q.consumer_wait(q_state)
-            if const_expr(self.cfg.q_in_regs):
-                cute.copy(copy_Q, tQsQ[None, None, None, q_state.index], tQrQ)
             if n_blocks > 0:
                 # Blocks run last to first: only the first one processed needs the key mask.
                 n_cols = n_keys - (n_blocks - 1) * n
@@ -587,8 +569,8 @@ class IkboAttentionFwdSm90:
     def gemm_qk(self, ctx, q_stage: Int32, stage: Int32):
         # A fresh accumulator per block: the previous scores are dead once converted to P.
         acc_S = cute.make_rmem_tensor(ctx.tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        tA = ctx.tSrQ if const_expr(self.cfg.q_in_regs) else ctx.tSrQ[None, None, None, q_stage]
-        _gemm(ctx.tiled_mma_qk, acc_S, tA, ctx.tSrK[None, None, None, stage], zero_init=True)
+        _gemm(ctx.tiled_mma_qk, acc_S, ctx.tSrQ[None, None, None, q_stage], ctx.tSrK[None, None, None, stage],
+              zero_init=True)
         return acc_S
 
     @cute.jit
