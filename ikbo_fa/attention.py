@@ -34,6 +34,8 @@ import torch
 from cute_kernels import checks
 from cute_kernels.arch import require_sm90, sm_count
 
+from .worklist import kv_worklist, max_tiles_per_head
+
 SUPPORTED_HEAD_DIMS = (64, 128)
 _REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -153,6 +155,69 @@ def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, 
     return p
 
 
+# ------------------------------------------------------------------ launch plan
+_LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything a call needs that depends only on the argument signature:
+    the compiled kernels, the grid, what to allocate and which inputs need a copy."""
+
+    config: object  # FwdConfig: the forward kernel's compile key
+    kernel: object  # the compiled forward kernel (TVM-FFI callable)
+    worklist: object  # the compiled work-list kernel; None: torch work list (KV) or none needed (Q)
+    direction: str
+    packed: bool
+    copy_q: bool  # strides TMA cannot use (checked once; the base alignment is checked per call)
+    copy_k: bool
+    copy_v: bool
+    idx_contiguous: bool
+    idx_int32: bool
+    kvl_int32: bool  # kv_lengths is a contiguous int32 vector (usable as is once range-checked)
+    out_shape: tuple
+    lse_shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    n_users: int  # U: the batch that idx indexes
+    kv_len: int  # L
+    cands_per_tile: int
+    chunks: int
+    n_ctas: int
+    default_scale: float
+    # int32 work buffers, carved from one allocation: work list or idx copy, then the
+    # clamped kv_lengths (absent when the lengths are range-checked int32)
+    buf_sizes: tuple
+    buf_sizes_kvl: tuple
+    buf_len: int
+    buf_len_kvl: int
+
+
+_plans: dict = {}
+_MAX_PLANS = 1024  # signatures kept; beyond that the cache starts over (e.g. a batch size that keeps changing)
+
+
+def _key(q, kv, idx, kv_lengths, broadcast, return_lse, out, default_scale):
+    """The plan's cache key (raises AttributeError/TypeError for arguments no plan is built for)."""
+    if isinstance(kv, torch.Tensor):
+        kv_key = (kv.dtype, kv.shape, kv.stride(), kv.device)
+    elif isinstance(kv, (tuple, list)) and len(kv) == 2:
+        k, v = kv
+        kv_key = (k.dtype, k.shape, k.stride(), k.device, v.dtype, v.shape, v.stride(), v.device)
+    else:
+        raise TypeError
+    return (
+        q.dtype, q.shape, q.stride(), q.device, kv_key, idx.dtype, idx.shape, idx.stride(), idx.device,
+        None if kv_lengths is None else (kv_lengths.dtype, kv_lengths.shape, kv_lengths.stride(), kv_lengths.device),
+        None if out is None else (out.dtype, out.shape, out.stride(), out.device),
+        broadcast, bool(return_lse), default_scale,
+    )
+
+
+def _on_gpu(q) -> bool:
+    return isinstance(q, torch.Tensor) and q.is_cuda
+
+
 def attention(
     q: torch.Tensor,
     kv,
@@ -170,15 +235,122 @@ def attention(
     Returns ``out`` [B, S_q, H, D] in q's dtype, and with ``return_lse`` also
     the fp32 log-sum-exp [B, H, S_q] (natural log). CPU tensors are evaluated
     by :func:`attention_reference`; CUDA tensors need an sm_90 GPU.
+
+    The arguments are fully checked at the first call with a given signature
+    (dtypes, shapes, strides, devices, options); later calls with the same
+    signature reuse the launch plan and only check the index ranges (when
+    validating). No host synchronization otherwise; CUDA-graph capturable.
     """
-    p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, broadcast=broadcast,
-                        out=out, validate=validate, op="attention")
-    if p.q.device.type != "cuda":
+    if not _on_gpu(q):
         from .reference import attention_reference
 
         return attention_reference(q, kv, idx, scale=scale, kv_lengths=kv_lengths, broadcast=broadcast,
-                                   return_lse=return_lse, out=out, validate=False)
-    require_sm90(p.q.device, "attention")
+                                   return_lse=return_lse, out=out, validate=validate)
+    try:
+        key = _key(q, kv, idx, kv_lengths, broadcast, return_lse, out, scale is None)
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):
+        key = plan = None  # not tensors (or unhashable options): the full checks raise
+    if plan is None:
+        plan = _make_plan(q, kv, idx, scale, kv_lengths, broadcast, return_lse, out)
+        if key is not None:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    if scale is None:
+        scale = plan.default_scale
+    elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+
+    validated = checks.validation_enabled(validate)
+    if validated:
+        side = "k/v batch (U)" if plan.direction == "kv" else "q batch (U)"
+        checks.check_index_range("idx", idx, plan.n_users, side)
+        if kv_lengths is not None:
+            checks.check_index_range("kv_lengths", kv_lengths, plan.kv_len + 1, "L + 1")
+
+    k, v = kv.unbind(2) if plan.packed else kv
+    if plan.copy_q or q.data_ptr() & 15:
+        q = _tma_copy(q)
+    if plan.copy_k or k.data_ptr() & 15:
+        k = _tma_copy(k)
+    if plan.copy_v or v.data_ptr() & 15:
+        v = _tma_copy(v)
+    device = plan.device
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device) if return_lse else None
+
+    convert_kvl = kv_lengths is not None and not (validated and plan.kvl_int32)
+    sizes, n = (plan.buf_sizes_kvl, plan.buf_len_kvl) if convert_kvl else (plan.buf_sizes, plan.buf_len)
+    bufs = None
+    if n:
+        buf = torch.empty(n, dtype=torch.int32, device=device)
+        bufs = buf.split_with_sizes(sizes) if len(sizes) > 1 else (buf,)
+    cand_start = tile_start = None
+    if plan.direction == "kv":
+        idx_k = idx if plan.idx_contiguous else idx.contiguous()
+        if plan.worklist is not None:
+            cand, cand_start, tile_start = bufs[0], bufs[1], bufs[2]
+            plan.worklist(idx_k, cand, cand_start, tile_start, plan.n_users, plan.cands_per_tile, plan.chunks)
+        else:
+            cand, cand_start, tile_start = kv_worklist(idx_k, plan.n_users, plan.cands_per_tile, plan.chunks)
+    elif plan.idx_int32 and plan.idx_contiguous:
+        cand = idx  # the kernel writes NaN for entries outside [0, U)
+    else:
+        # A contiguous int32 copy. int64: range-checked values convert exactly; otherwise
+        # out-of-range entries become -1 (or U) first, so the kernel writes NaN for them.
+        cand = bufs[0]
+        cand.copy_(idx if validated or plan.idx_int32 else idx.clamp(-1, plan.n_users))
+    kvl = kv_lengths
+    if convert_kvl:
+        kvl = bufs[-1]
+        if validated:
+            kvl.copy_(kv_lengths)
+        elif plan.kvl_int32:
+            torch.clamp(kv_lengths, 0, plan.kv_len, out=kvl)
+        else:
+            kvl.copy_(kv_lengths.clamp(0, plan.kv_len))
+    plan.kernel(q, k, v, out, lse, cand, cand_start, tile_start, kvl, scale * _LOG2E, scale, plan.n_ctas)
+    return (out, lse) if return_lse else out
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Last dim contiguous, other strides multiples of 16 bytes (the base alignment is checked per call)."""
+    return t.stride(-1) == 1 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
+
+
+def _tma_copy(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.clone() if t.data_ptr() & 15 else t
+
+
+def _fwd_kernel(cfg):
+    from cute_kernels.compile import kernel_cache
+
+    return kernel_cache.get(("ikbo_fa.fwd_sm90", cfg), lambda: compile_config(cfg)).fn
+
+
+def _worklist_kernel(idx_dtype: torch.dtype):
+    from .worklist_sm90 import worklist_kernel
+
+    return worklist_kernel(idx_dtype).fn
+
+
+def _worklist_fits(num_users: int) -> bool:
+    from .worklist_sm90 import fits
+
+    return fits(num_users)
+
+
+def _make_plan(q, kv, idx, scale, kv_lengths, broadcast, return_lse, out) -> _Plan:
+    """Check every argument (the first call with a signature) and build its launch plan."""
+    from .fwd_sm90 import row_packing
+
+    p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, broadcast=broadcast,
+                        out=out, validate=False, op="attention")
+    device = p.q.device
+    require_sm90(device, "attention")
     if p.q.dtype not in checks.FLOAT_DTYPES:
         raise TypeError(f"q, k, v must be float16 or bfloat16 on the GPU, got {str(p.q.dtype).replace('torch.', '')}")
     if p.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -186,47 +358,53 @@ def attention(
             f"head dimension D = {p.head_dim} is not supported by the sm_90 kernel (D must be one of "
             f"{SUPPORTED_HEAD_DIMS}); call ikbo_fa.attention_reference for other head dimensions"
         )
-    return _run_kernel(p, return_lse, out)
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """Last dim contiguous, other strides multiples of 16 bytes, 16-byte aligned base."""
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
-        (s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
-    return t if ok else t.contiguous()
-
-
-def _run_kernel(p: Problem, return_lse: bool, out: Optional[torch.Tensor]):
-    from .fwd_sm90 import row_packing
-    from .worklist import kv_worklist, max_tiles_per_head
-    from cute_kernels.compile import kernel_cache
-
     cfg = kernel_config(p, return_lse)
-    kernel = kernel_cache.get(("ikbo_fa.fwd_sm90", cfg), lambda: compile_config(cfg))
-    device = p.q.device
-    q, k, v = _tma_ready(p.q), _tma_ready(p.k), _tma_ready(p.v)
-    if out is None:
-        out = torch.empty(p.batch, p.s_q, p.heads, p.head_dim, dtype=p.q.dtype, device=device)
-    lse = torch.empty(p.batch, p.heads, p.s_q, dtype=torch.float32, device=device) if return_lse else None
-    kv_len = None
-    if p.kv_lengths is not None:
-        kv_len = p.kv_lengths.clamp(0, p.kv_len).to(torch.int32)
-
     _, slots_per_wg, chunks = row_packing(p.s_q)
+    n_users = p.broadcast_batch
+    idx_contiguous = p.idx.is_contiguous()
+    idx_int32 = p.idx.dtype == torch.int32
+    worklist = None
+    sizes = []
     if p.direction == "kv":
         per_tile = 2 * slots_per_wg if p.s_q <= 64 else 1
-        cand, cand_start, tile_start = kv_worklist(p.idx, p.kv_batch, per_tile, chunks)
-        bound = max_tiles_per_head(p.batch, p.kv_batch, per_tile, chunks)
+        bound = max_tiles_per_head(p.batch, n_users, per_tile, chunks)
+        # IKBO_FA_WORKLIST=torch selects the torch work list (read when a plan is built).
+        if os.environ.get("IKBO_FA_WORKLIST", "kernel") != "torch" and _worklist_fits(n_users):
+            worklist = _worklist_kernel(p.idx.dtype)
+            sizes += [p.batch, n_users + 2, n_users + 2]  # order, cand_start, tile_start
     else:
-        # Out-of-range entries become -1 (or U): the kernel writes NaN for them.
-        cand = p.idx.clamp(-1, p.q.shape[0]).to(torch.int32)
-        cand_start = tile_start = None
+        per_tile = 1
         bound = p.batch * chunks
-    n_ctas = max(1, min(sm_count(device), bound * p.heads))
-    log2e = 1.4426950408889634
-    kernel(q, k, v, out, lse, cand, cand_start, tile_start, kv_len,
-           p.scale * log2e, p.scale, n_ctas)
-    return (out, lse) if return_lse else out
+        if not (idx_int32 and idx_contiguous):
+            sizes.append(p.batch)  # int32 copy of idx
+    kvl_int32 = p.kv_lengths is not None and p.kv_lengths.dtype == torch.int32 and p.kv_lengths.is_contiguous()
+    return _Plan(
+        config=cfg,
+        kernel=_fwd_kernel(cfg),
+        worklist=worklist,
+        direction=p.direction,
+        packed=isinstance(kv, torch.Tensor),
+        copy_q=not _tma_ok(p.q),
+        copy_k=not _tma_ok(p.k),
+        copy_v=not _tma_ok(p.v),
+        idx_contiguous=idx_contiguous,
+        idx_int32=idx_int32,
+        kvl_int32=kvl_int32,
+        out_shape=(p.batch, p.s_q, p.heads, p.head_dim),
+        lse_shape=(p.batch, p.heads, p.s_q),
+        dtype=p.q.dtype,
+        device=device,
+        n_users=n_users,
+        kv_len=p.kv_len,
+        cands_per_tile=per_tile,
+        chunks=chunks,
+        n_ctas=max(1, min(sm_count(device), bound * p.heads)),
+        default_scale=1.0 / math.sqrt(p.head_dim),
+        buf_sizes=tuple(sizes),
+        buf_sizes_kvl=(*sizes, p.kv_batch),
+        buf_len=sum(sizes),
+        buf_len_kvl=sum(sizes) + p.kv_batch,
+    )
 
 
 def kernel_config(p: Problem, return_lse: bool):
@@ -239,7 +417,8 @@ def kernel_config(p: Problem, return_lse: bool):
         direction=p.direction,
         has_kv_lengths=p.kv_lengths is not None,
         return_lse=return_lse,
-        # IKBO_FA_OVERLAP=0 selects the one-block-at-a-time main loop (a diagnostic switch).
+        # IKBO_FA_OVERLAP=0 selects the one-block-at-a-time main loop (a diagnostic switch,
+        # read when a signature's launch plan is built).
         overlap=os.environ.get("IKBO_FA_OVERLAP", "1") != "0",
     )
 

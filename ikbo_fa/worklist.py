@@ -1,9 +1,12 @@
 """Device-side work list for KV broadcast: candidates grouped by user, and the
-first tile of every user, built with a handful of asynchronous torch ops (no
-host synchronization, CUDA-graph capturable).
+first tile of every user. ``kv_worklist`` is the PyTorch definition (a handful
+of asynchronous torch ops, no host synchronization, CUDA-graph capturable);
+the op builds the same arrays in one launch with ``worklist_sm90`` when the
+users fit its shared memory, and falls back to ``kv_worklist`` otherwise.
 
 Outputs (all int32 on idx's device):
-  order       [B]      candidate indices grouped by user (stable: idx order within a user)
+  order       [B]      candidate indices grouped by user (here stable: idx order within a
+                       user; the one-launch kernel leaves the order within a user open)
   cand_start  [U + 2]  first position in ``order`` of each group; group U holds the
                        candidates whose index is out of range (written as NaN)
   tile_start  [U + 2]  first tile (per head) of each group; tile_start[U + 1] is the

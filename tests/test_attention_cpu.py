@@ -232,3 +232,243 @@ def test_odd_sq_compiles_for_sm90a():
     from ikbo_fa.fwd_sm90 import FwdConfig
 
     _check_compiled(FwdConfig("fp16", 64, 100, "q", True, True))
+
+
+# ------------------------------------------------- work list: torch reference edges
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_worklist_reference_out_of_range_and_edges(idx_dtype):
+    big = 2**40 if idx_dtype == torch.int64 else 2**31 - 1
+    idx = torch.tensor([3, -1, 0, 7, big, 3, -big, 3, 1], dtype=idx_dtype)  # U = 4: 7, big, -1, -big invalid
+    order, cand_start, tile_start = kv_worklist(idx, 4, 4, 1)
+    assert cand_start.tolist() == [0, 1, 2, 2, 5, 9]
+    assert order.tolist() == [2, 8, 0, 5, 7, 1, 3, 4, 6]
+    assert tile_start.tolist() == [0, 1, 2, 2, 3, 4]
+    # One user, one candidate.
+    order, cand_start, tile_start = kv_worklist(torch.tensor([0], dtype=idx_dtype), 1, 8, 1)
+    assert order.tolist() == [0] and cand_start.tolist() == [0, 1, 1] and tile_start.tolist() == [0, 1, 1]
+    order, cand_start, tile_start = kv_worklist(torch.tensor([5], dtype=idx_dtype), 1, 1, 2)
+    assert order.tolist() == [0] and cand_start.tolist() == [0, 0, 1] and tile_start.tolist() == [0, 0, 2]
+
+
+def test_worklist_reference_random_against_python():
+    g = _gen(11)
+    U, B, per_tile = 37, 500, 4
+    idx = torch.randint(-5, U + 5, (B,), generator=g)
+    order, cand_start, tile_start = kv_worklist(idx, U, per_tile, 1)
+    groups = [[b for b in range(B) if (int(idx[b]) if 0 <= idx[b] < U else U) == u] for u in range(U + 1)]
+    starts = [0]
+    tiles = [0]
+    for grp in groups:
+        starts.append(starts[-1] + len(grp))
+        tiles.append(tiles[-1] + -(-len(grp) // per_tile))
+    assert cand_start.tolist() == starts and tile_start.tolist() == tiles
+    assert order.tolist() == [b for grp in groups for b in grp]
+    assert tile_start[-1] <= max_tiles_per_head(B, U, per_tile, 1)
+
+
+# ------------------------------------------ the GPU path's host side, kernels emulated
+LOG2E = 1.4426950408889634
+
+
+class _EmulatedKernels:
+    """Stand-ins for the compiled kernels: the work list from the torch reference,
+    the forward pass from naive attention over exactly the arrays the kernel reads."""
+
+    def __init__(self):
+        self.fwd_calls = []
+        self.worklist_calls = 0
+
+    def worklist(self, idx, order, cand_start, tile_start, n_users, per_tile, chunks):
+        self.worklist_calls += 1
+        for t, n in ((order, idx.shape[0]), (cand_start, n_users + 2), (tile_start, n_users + 2)):
+            assert t.dtype == torch.int32 and t.is_contiguous() and t.shape == (n,)
+        assert idx.is_contiguous()
+        ref = kv_worklist(idx, n_users, per_tile, chunks)
+        for t, r in zip((order, cand_start, tile_start), ref):
+            t.copy_(r)
+
+    def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, scale_log2, scale, n_ctas):
+        self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k))
+        assert scale_log2 == pytest.approx(scale * LOG2E)
+        assert cand.dtype == torch.int32 and cand.is_contiguous() and 1 <= n_ctas <= 132
+        L = k.shape[1]
+        if kvl is not None:
+            assert kvl.dtype == torch.int32 and kvl.is_contiguous()
+            assert ((kvl >= 0) & (kvl <= L)).all()
+        B = out.shape[0]
+        f32 = lambda t: t.float()  # noqa: E731
+        if cand_start is not None:  # KV broadcast: groups of the work list
+            U = k.shape[0]
+            assert cand_start.shape == (U + 2,) and tile_start.shape == (U + 2,)
+            assert sorted(cand.tolist()) == list(range(B)) and int(cand_start[-1]) == B
+            runs = [(cand[cand_start[u]:cand_start[u + 1]].long(), u) for u in range(U + 1)]
+        else:  # Q broadcast: one candidate per run, Q looked up
+            runs = [(torch.tensor([b]), b) for b in range(B)]
+        for members, r in runs:
+            if len(members) == 0:
+                continue
+            if cand_start is not None:
+                bad = r == k.shape[0]
+                qs = q[members]
+                ks, vs = (k[:1], v[:1]) if bad else (k[r:r + 1], v[r:r + 1])
+            else:
+                c = int(cand[r])
+                bad = not 0 <= c < q.shape[0]
+                qs = q[0:1] if bad else q[c:c + 1]
+                ks, vs = k[r:r + 1], v[r:r + 1]
+            n = len(members)
+            ks = ks.expand(n, *ks.shape[1:])
+            vs = vs.expand(n, *vs.shape[1:])
+            lengths = None if kvl is None else kvl[r if not bad else 0].expand(n)
+            o, l = naive_attention(f32(qs), f32(ks), f32(vs), scale, lengths)
+            if bad:
+                o.fill_(float("nan"))
+                l.fill_(float("nan"))
+            out[members] = o.to(out.dtype)
+            if lse is not None:
+                lse[members] = l
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    kernels = _EmulatedKernels()
+    monkeypatch.setattr(attention_mod, "_plans", {})
+    monkeypatch.setattr(attention_mod, "_on_gpu", lambda q: isinstance(q, torch.Tensor))
+    monkeypatch.setattr(attention_mod, "sm_count", lambda device: 132)
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: kernels.fwd)
+    monkeypatch.setattr(attention_mod, "_worklist_kernel", lambda dtype: kernels.worklist)
+    builds = []
+    real_resolve = attention_mod.resolve_problem
+
+    def counting_resolve(*args, **kwargs):
+        builds.append(1)
+        return real_resolve(*args, **kwargs)
+
+    monkeypatch.setattr(attention_mod, "resolve_problem", counting_resolve)
+    kernels.builds = builds
+    return kernels
+
+
+def _gpu_path_problem(seed, direction, B, U, idx_dtype=torch.int32, S_q=3, L=9, jagged=False, packed=False):
+    q, kv, k, v, idx, lengths = _problem(seed, direction=direction, B=B, U=U, S_q=S_q, H=2, H_kv=1, D=64, L=L,
+                                         dtype=torch.bfloat16, jagged=jagged, packed=packed)
+    return q, kv, idx.to(idx_dtype), lengths
+
+
+@pytest.mark.parametrize("direction", ["kv", "q"])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("use_kernel_worklist", [True, False])
+def test_gpu_path_matches_reference_out_of_range_unvalidated(emulated, monkeypatch, direction, idx_dtype,
+                                                             use_kernel_worklist):
+    if not use_kernel_worklist:
+        monkeypatch.setattr(attention_mod, "_worklist_fits", lambda n: False)
+    B, U, L = 11, 3, 9
+    q, kv, idx, _ = _gpu_path_problem(21, direction, B, U, idx_dtype, L=L, packed=direction == "kv")
+    n_kv = U if direction == "kv" else B
+    g = _gen(22)
+    lengths = torch.randint(-4, L + 6, (n_kv,), generator=g).to(idx_dtype)  # out of [0, L]: clamped
+    for call in range(3):
+        bad_idx = idx.clone()
+        bad_idx[call] = -1 - call
+        # int64: wraps to a valid user if converted without the clamp
+        bad_idx[call + 4] = 2**32 + call if idx_dtype == torch.int64 else U + call
+        out, lse = ikbo_fa.attention(q, kv, bad_idx, kv_lengths=lengths, return_lse=True, validate=False)
+        ref, ref_lse = attention_reference(q, kv, bad_idx, kv_lengths=lengths, return_lse=True, validate=False)
+        torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2, equal_nan=True)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4, equal_nan=True)
+        assert out[[call, call + 4]].isnan().all()
+    assert len(emulated.builds) == 1  # one full check for one signature
+    assert len(emulated.fwd_calls) == 3
+    if direction == "kv":
+        assert emulated.worklist_calls == (3 if use_kernel_worklist else 0)
+    else:
+        assert emulated.worklist_calls == 0
+
+
+@pytest.mark.parametrize("direction", ["kv", "q"])
+def test_gpu_path_validated_inputs_pass_through(emulated, direction):
+    B, U, L = 8, 3, 9
+    q, kv, idx, lengths = _gpu_path_problem(23, direction, B, U, L=L, jagged=True)
+    lengths32 = lengths.to(torch.int32)
+    out = torch.full((B, 3, 2, 64), float("nan"), dtype=torch.bfloat16)
+    res = ikbo_fa.attention(q, kv, idx, kv_lengths=lengths32, out=out, validate=True)
+    assert res is out and not out.isnan().any()
+    torch.testing.assert_close(out, attention_reference(q, kv, idx, kv_lengths=lengths), rtol=1e-2, atol=1e-2)
+    call = emulated.fwd_calls[-1]
+    assert call["kvl"] is lengths32  # range-checked contiguous int32 lengths: no copy
+    if direction == "q":
+        assert call["cand"] is idx  # int32 idx: the kernel reads it as is
+    ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, validate=True)  # int64 lengths: another signature
+    assert emulated.fwd_calls[-1]["kvl"].dtype == torch.int32
+    assert torch.equal(emulated.fwd_calls[-1]["kvl"], lengths32)
+    assert len(emulated.builds) == 2
+
+
+def test_gpu_path_cached_plan_still_checks_ranges_and_scale(emulated):
+    q, kv, idx, lengths = _gpu_path_problem(24, "kv", 9, 4, jagged=True)
+    ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, validate=True)
+    bad = idx.clone()
+    bad[6] = 4
+    with pytest.raises(IndexError, match=r"idx\[6\] = 4"):
+        ikbo_fa.attention(q, kv, bad, kv_lengths=lengths, validate=True)
+    with pytest.raises(IndexError, match=r"kv_lengths\[1\] = 10"):
+        ikbo_fa.attention(q, kv, idx, kv_lengths=torch.tensor([1, 10, 2, 3]), validate=True)
+    for scale in (0.5, 0.25):
+        out = ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, scale=scale)
+        assert emulated.fwd_calls[-1]["scale"] == scale
+        torch.testing.assert_close(out, attention_reference(q, kv, idx, kv_lengths=lengths, scale=scale),
+                                   rtol=1e-2, atol=1e-2)
+    ikbo_fa.attention(q, kv, idx, kv_lengths=lengths)
+    assert emulated.fwd_calls[-1]["scale"] == pytest.approx(1 / 8)
+    assert len(emulated.builds) == 2  # scale=None and an explicit scale
+    with pytest.raises(TypeError, match="scale must be"):  # checked on the cached plan too
+        ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, scale=float("inf"))
+    assert len(emulated.builds) == 2
+
+
+def test_gpu_path_signature_changes_rebuild_and_recheck(emulated):
+    q, kv, idx, _ = _gpu_path_problem(25, "kv", 6, 2)
+    ikbo_fa.attention(q, kv, idx)
+    ikbo_fa.attention(q, kv, idx)
+    assert len(emulated.builds) == 1
+    ikbo_fa.attention(q[:5], kv, idx[:5])
+    assert len(emulated.builds) == 2
+    with pytest.raises(TypeError, match="k is"):
+        ikbo_fa.attention(q, (kv[0].half(), kv[1]), idx)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        ikbo_fa.attention(q.float(), (kv[0].float(), kv[1].float()), idx)
+    with pytest.raises(ValueError, match="head dimension D = 32"):
+        ikbo_fa.attention(q[..., :32], (kv[0][..., :32], kv[1][..., :32]), idx)
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        ikbo_fa.attention(q, kv, idx, out=torch.empty(6, 64, 2, 3, dtype=torch.bfloat16).transpose(1, 3))
+    with pytest.raises(TypeError, match="kv must be"):
+        ikbo_fa.attention(q, (kv[0], kv[1], kv[1]), idx)
+    with pytest.raises(ValueError, match="broadcast"):
+        ikbo_fa.attention(q, kv, idx, broadcast=["kv"])
+    # Strided q (a TMA-unfriendly layout) is copied; the result is unchanged.
+    wide = torch.randn(6, 3, 2, 68, dtype=torch.bfloat16)  # rows of 136 bytes
+    wide[..., :64] = q
+    out = ikbo_fa.attention(wide[..., :64], kv, idx)
+    assert emulated.fwd_calls[-1]["q"].is_contiguous()
+    torch.testing.assert_close(out, attention_reference(q, kv, idx), rtol=1e-2, atol=1e-2)
+
+
+def test_gpu_path_large_sq_chunks(emulated):
+    q, kv, idx, lengths = _gpu_path_problem(26, "kv", 5, 2, S_q=130, L=7, jagged=True)
+    out, lse = ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, return_lse=True)
+    ref, ref_lse = attention_reference(q, kv, idx, kv_lengths=lengths, return_lse=True)
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+    plan = next(iter(attention_mod._plans.values()))
+    assert plan.chunks == 2 and plan.cands_per_tile == 1 and plan.config.s_q == 130
+
+
+# ------------------------------------------------------------- work-list kernel compile
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_worklist_kernel_compiles_for_sm90a(idx_dtype):
+    from ikbo_fa.worklist_sm90 import compile_worklist
+
+    ck = compile_worklist(idx_dtype, keep_ptx=True, ptxas_report=True)
+    for instr in ("match.any.sync", "atom.shared.add", "bar.sync"):
+        assert instr in ck.ptx, instr
+    assert ck.spill_bytes == 0, ck.ptxas_log

@@ -1,0 +1,132 @@
+"""GPU tests of the one-launch KV work list (ikbo_fa.worklist_sm90) against the torch
+reference (ikbo_fa.worklist.kv_worklist), and of attention with either work list."""
+import importlib
+
+import pytest
+import torch
+
+import ikbo_fa
+from ikbo_fa.worklist import kv_worklist, max_tiles_per_head
+from ikbo_fa.worklist_sm90 import KvWorklistSm90, fits, kv_worklist_sm90, worklist_kernel
+
+attention_mod = importlib.import_module("ikbo_fa.attention")
+
+pytestmark = pytest.mark.gpu
+
+POISON = -7
+
+
+def _random_idx(B, U, dtype, seed, bad_fraction=0.05):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, U, (B,), generator=g, dtype=torch.int64)
+    n_bad = int(B * bad_fraction)
+    if n_bad:
+        pos = torch.randperm(B, generator=g)[:n_bad]
+        far = 2**40 if dtype == torch.int64 else 2**31 - 1
+        choices = torch.tensor([-1, -2, U, U + 3, far, -far])
+        idx[pos] = choices[torch.randint(0, len(choices), (n_bad,), generator=g)]
+    return idx.to(dtype).cuda()
+
+
+def _check_against_reference(idx, U, per_tile, chunks):
+    B = idx.shape[0]
+    kernel = worklist_kernel(idx.dtype).fn
+    buf = torch.full((B + 2 * (U + 2),), POISON, dtype=torch.int32, device="cuda")
+    order, cand_start, tile_start = buf.split_with_sizes([B, U + 2, U + 2])
+    kernel(idx, order, cand_start, tile_start, U, per_tile, chunks)
+    ref_order, ref_cand_start, ref_tile_start = kv_worklist(idx, U, per_tile, chunks)
+    torch.testing.assert_close(cand_start, ref_cand_start, rtol=0, atol=0)
+    torch.testing.assert_close(tile_start, ref_tile_start, rtol=0, atol=0)
+    # order: a permutation of 0..B-1 whose group keys run like the reference's (any order within a group).
+    assert torch.equal(torch.sort(order).values, torch.arange(B, dtype=torch.int32, device="cuda"))
+    key = torch.where((idx >= 0) & (idx < U), idx, torch.full_like(idx, U))
+    assert torch.equal(key[order.long()], key[ref_order.long()])
+    assert int(tile_start[-1]) <= max_tiles_per_head(B, U, per_tile, chunks)
+
+
+CASES = [
+    # B, U, cands_per_tile, chunks
+    (1, 1, 16, 1),
+    (1, 7, 2, 1),
+    (5, 1, 1, 3),
+    (2048, 200, 16, 1),
+    (2048, 2048, 8, 1),
+    (3000, 1, 16, 1),  # every candidate in one group: the warp-aggregated atomics
+    (10_000, 1000, 4, 1),
+    (4097, 33, 1, 2),
+    (1000, 10, 4, 3),  # chunks > 1 ignores cands_per_tile, as in the reference
+    (100_000, KvWorklistSm90.CAPACITY - 1, 16, 1),  # the largest U in shared memory
+    (1_000_000, 50_000, 16, 1),
+    (1_000_003, 7, 2, 1),
+]
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_worklist_kernel_matches_reference(case, idx_dtype):
+    B, U, per_tile, chunks = case
+    idx = _random_idx(B, U, idx_dtype, seed=B + U)
+    _check_against_reference(idx, U, per_tile, chunks)
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_worklist_kernel_all_out_of_range_and_sorted(idx_dtype):
+    U = 9
+    idx = torch.tensor([-1, U, -5, U + 1] * 300, dtype=idx_dtype, device="cuda")
+    _check_against_reference(idx, U, 16, 1)
+    idx = torch.arange(0, 5000, device="cuda", dtype=idx_dtype) // 25  # sorted, U = 200
+    _check_against_reference(idx, 200, 8, 1)
+
+
+def test_worklist_kernel_wrapper_and_capacity():
+    idx = _random_idx(777, 12, torch.int32, seed=3)
+    order, cand_start, tile_start = kv_worklist_sm90(idx, 12, 4, 1)
+    ref = kv_worklist(idx, 12, 4, 1)
+    torch.testing.assert_close(cand_start, ref[1], rtol=0, atol=0)
+    torch.testing.assert_close(tile_start, ref[2], rtol=0, atol=0)
+    assert fits(KvWorklistSm90.CAPACITY - 1) and not fits(KvWorklistSm90.CAPACITY)
+    with pytest.raises(ValueError, match="users exceed"):
+        kv_worklist_sm90(idx, KvWorklistSm90.CAPACITY, 4, 1)
+
+
+def test_worklist_kernel_is_graph_capturable():
+    idx = _random_idx(4096, 100, torch.int64, seed=5)
+    kv_worklist_sm90(idx, 100, 16, 1)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        order, cand_start, tile_start = kv_worklist_sm90(idx, 100, 16, 1)
+    torch.cuda.current_stream().wait_stream(stream)
+    idx.copy_(_random_idx(4096, 100, torch.int64, seed=6))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = kv_worklist(idx, 100, 16, 1)
+    torch.testing.assert_close(cand_start, ref[1], rtol=0, atol=0)
+    torch.testing.assert_close(tile_start, ref[2], rtol=0, atol=0)
+
+
+# Attention with the kernel's work list equals attention with the torch work list, bit for bit
+# (a candidate's rows do not depend on the slot it lands in).
+@pytest.mark.parametrize("S_q", [1, 64, 130])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_attention_same_with_either_worklist(monkeypatch, S_q, idx_dtype):
+    B, U, H, D, L = 300, 17, 2, 64, 200
+    g = torch.Generator().manual_seed(S_q)
+    q = torch.randn(B, S_q, H, D, generator=g).to(torch.bfloat16).cuda()
+    k = torch.randn(U, L, 1, D, generator=g).to(torch.bfloat16).cuda()
+    v = torch.randn(U, L, 1, D, generator=g).to(torch.bfloat16).cuda()
+    idx = _random_idx(B, U, idx_dtype, seed=S_q, bad_fraction=0.03)
+    lengths = torch.randint(0, L + 1, (U,), generator=g).cuda()
+    monkeypatch.setattr(attention_mod, "_plans", {})
+    out = torch.full((B, S_q, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, out=out, validate=False)
+    assert attention_mod._plans and all(p.worklist is not None for p in attention_mod._plans.values())
+    monkeypatch.setattr(attention_mod, "_plans", {})
+    monkeypatch.setattr(attention_mod, "_worklist_fits", lambda n: False)
+    ref = ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, validate=False)
+    assert all(p.worklist is None for p in attention_mod._plans.values())
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(ref))
+    bad = (idx < 0) | (idx >= U)
+    assert out[bad].isnan().all() and not out[~bad].isnan().any()
