@@ -143,15 +143,7 @@ LIB = _Lib()
 
 
 def load_ikbo_gemm() -> None:
-    try:
-        import ikbo_gemm
-    except Exception as e:
-        LIB.note = f"ikbo_gemm not importable ({type(e).__name__}: {e})"
-        return
-    if not callable(getattr(ikbo_gemm, "lce", None)):
-        LIB.note = "ikbo_gemm.lce does not exist yet"
-        return
-    LIB.ikbo_gemm = ikbo_gemm
+    LIB.ikbo_gemm, LIB.note = harness.import_op("ikbo_gemm", "lce")
 
 
 def _w_cat(p: LceProblem, inp: LceInputs) -> torch.Tensor:

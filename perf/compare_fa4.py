@@ -295,15 +295,7 @@ def load_fa4() -> None:
 
 
 def load_ikbo() -> None:
-    try:
-        import ikbo_fa
-    except Exception as e:
-        LIBS.ikbo_note = f"ikbo_fa not importable ({type(e).__name__}: {e})"
-        return
-    if not callable(getattr(ikbo_fa, "attention", None)):
-        LIBS.ikbo_note = "ikbo_fa.attention does not exist yet"
-        return
-    LIBS.ikbo = ikbo_fa
+    LIBS.ikbo, LIBS.ikbo_note = harness.import_op("ikbo_fa", "attention")
 
 
 def _materialized(p: Problem, inp: Inputs) -> Inputs:

@@ -401,3 +401,14 @@ def context_lost(device="cuda") -> bool:
         return torch.ones(1, device=device).add_(1).item() != 2.0
     except Exception:
         return True
+
+
+def import_op(module: str, attr: str):
+    """``(module, None)`` when ``module.attr`` is importable and callable, else ``(None, why)``."""
+    try:
+        mod = __import__(module)
+    except Exception as e:
+        return None, f"{module} not importable ({type(e).__name__}: {e})"
+    if not callable(getattr(mod, attr, None)):
+        return None, f"{module}.{attr} does not exist yet"
+    return mod, None

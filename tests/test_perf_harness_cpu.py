@@ -269,3 +269,12 @@ def test_lce_main_dry_run(monkeypatch, tmp_path, capsys):
             assert r["compile_s"] >= 0
     out = capsys.readouterr().out
     assert "ratio sweep (bf16): TFLOP/s" in out
+
+
+def test_import_op_says_what_is_missing():
+    mod, note = harness.import_op("math", "sqrt")
+    assert mod is not None and note is None
+    mod, note = harness.import_op("math", "no_such_op")
+    assert mod is None and note == "math.no_such_op does not exist yet"
+    mod, note = harness.import_op("no_such_module_for_ikbo", "f")
+    assert mod is None and "not importable" in note
