@@ -1,4 +1,5 @@
 import os
+import time
 
 import pytest
 
@@ -20,3 +21,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def cpu_bench_ms(fn, *, warmup=1, rep=3, rotate=None):
+    """Stand-in for perf.harness.bench_ms in CPU dry runs of the benchmarks: wall-clock median."""
+    sets = list(rotate) if rotate else [None]
+    times = []
+    for i in range(warmup + rep):
+        start = time.perf_counter()
+        fn(sets[i % len(sets)]) if rotate else fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times[warmup:])[rep // 2]
+
+
+@pytest.fixture
+def cpu_ms():
+    return cpu_bench_ms

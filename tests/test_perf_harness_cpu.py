@@ -225,18 +225,7 @@ def test_lce_arguments():
 
 # --------------------------------------------------------------------------- CPU dry run of main()
 
-def test_lce_main_dry_run(monkeypatch, tmp_path, capsys):
-    import time
-
-    def cpu_ms(fn, *, warmup=1, rep=3, rotate=None):
-        sets = list(rotate) if rotate else [None]
-        times = []
-        for i in range(warmup + rep):
-            start = time.perf_counter()
-            fn(sets[i % len(sets)]) if rotate else fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return sorted(times[warmup:])[rep // 2]
-
+def test_lce_main_dry_run(monkeypatch, tmp_path, capsys, cpu_ms):
     def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused"):
         if schedule == "two_launch":
             raise NotImplementedError("two_launch: not yet")
