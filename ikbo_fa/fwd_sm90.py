@@ -71,6 +71,10 @@ class IkboAttentionFwdSm90:
         their GEMMs (named barriers 4, 5 below). Epilogue: O / row_sum into the
         warpgroup's 64 rows of sO (stmatrix), one TMA store per stored slot.
 
+    Launch: programmatic dependent launch, so the CTAs start and set up their
+    barriers while the kernel before them (the work list) finishes; every thread
+    waits for that grid (griddepcontrol.wait) before touching global memory.
+
     Pipelines (mbarriers; producer arrive count 1 = one elected lane of warp 0
     with the transaction bytes; consumer arrive count 8 = lane 0 of each
     consumer warp on release):
@@ -209,7 +213,8 @@ class IkboAttentionFwdSm90:
             mQ.shape[3], mK.shape[3], mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
             scale_log2, scale,
             tiled_mma_qk, tiled_mma_pv, sQ_layout, sO_layout, slot_layout, sK_layout, sV_layout,
-        ).launch(grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+                 use_pdl=True)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -265,6 +270,9 @@ class IkboAttentionFwdSm90:
             consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        # Launched with programmatic dependent launch: everything above overlaps the kernel
+        # before this one on the stream (the work list); no global memory is touched above.
+        cute.arch.griddepcontrol_wait()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -583,10 +591,12 @@ class IkboAttentionFwdSm90:
         """Scores of keys at or past the valid length (TMA zero fill or kv_lengths) -> -inf."""
         acc_S_mn = _acc_mn_view(acc_S)
         limit = n_cols - ctx.col_offset
-        for m in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                if ctx.tScS_mn[0, c][1] >= limit:
-                    acc_S_mn[m, c] = -Float32.inf
+        # Selects, not branches: a branch per element makes the compiler carry every score
+        # through each one (about a thousand extra instructions per tile).
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            keep = ctx.tScS_mn[0, c][1] < limit
+            for m in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                acc_S_mn[m, c] = acc_S_mn[m, c] if keep else -Float32.inf
 
     @cute.jit
     def online_softmax(self, ctx, acc_S, scale_log2: Float32):
@@ -607,9 +617,8 @@ class IkboAttentionFwdSm90:
             blk_max = cute.arch.fmax(blk_max, cute.arch.shuffle_sync_bfly(blk_max, offset=2))
             # row_max is -inf before the first block, so the first block needs no special case.
             new_max = cute.arch.fmax(row_max[m], blk_max)
-            max_scaled = new_max * scale_log2
-            if new_max == -Float32.inf:
-                max_scaled = Float32(0.0)
+            # A row with no unmasked score yet keeps max -inf: offset 0, so exp2 gives 0, not NaN.
+            max_scaled = new_max * scale_log2 if new_max != -Float32.inf else Float32(0.0)
             corr[m] = cute.math.exp2(row_max[m] * scale_log2 - max_scaled, fastmath=True)
             row_max[m] = new_max
             sums = [Float32(0.0)] * 4
@@ -658,14 +667,12 @@ class IkboAttentionFwdSm90:
             total = row_sum[m]
             total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
-            inv = Float32(0.0)
-            lse[m] = -Float32.inf
-            if total != 0.0:
-                inv = cute.arch.rcp_approx(total)
-                lse[m] = (row_max[m] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
-            if invalid:
-                inv = Float32.nan
-                lse[m] = Float32.nan
+            has_keys = total != 0.0
+            inv = cute.arch.rcp_approx(total) if has_keys else Float32(0.0)
+            lse_m = (row_max[m] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2 if has_keys \
+                else -Float32.inf
+            inv = Float32.nan if invalid else inv
+            lse[m] = Float32.nan if invalid else lse_m
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[m, c] = acc_O_mn[m, c] * inv
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)

@@ -40,6 +40,8 @@ class KvWorklistSm90:
          ``order`` in lane order. Warps claim in whatever order their atomics
          land, so the order within a user can change from run to run (the
          attention result does not depend on it).
+    It first lets the attention kernel queued after it launch (programmatic
+    dependent launch); that kernel waits for this grid before reading.
     No pipelines, no named barriers.
     """
 
@@ -75,6 +77,9 @@ class KvWorklistSm90:
     @cute.kernel
     def kernel(self, mIdx: cute.Tensor, mOrder: cute.Tensor, mCandStart: cute.Tensor, mTileStart: cute.Tensor,
                n_users: Int32, cands_per_tile: Int32, chunks: Int32):
+        # The attention kernel that follows is launched with programmatic dependent launch:
+        # let it start its prologue now (it waits for this grid to finish before reading).
+        cute.arch.griddepcontrol_launch_dependents()
         nt = self.NUM_THREADS
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()

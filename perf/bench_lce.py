@@ -9,7 +9,7 @@ out[b] = w_cand @ e_cand[b] + w_user @ e_user[idx[b]]; w_cand [M, K_cand], w_use
 e_cand [B, K_cand, N], e_user [U, K_user, N], idx [B]. Useful work: 2 M N (B K_cand + U K_user).
 
 Providers, each checked against an fp32 reference before it is timed (a wrong one is
-reported, never timed):
+reported, never timed); those that pass are timed in turns, one call of each per round:
   torch materialize+bmm    cat(e_user[idx], e_cand) along K, then one batched GEMM with
                            cat(w_user, w_cand) (the stage-0 baseline, copy timed)
   torch bmm                the same GEMM on a copy made beforehand (copy not timed)
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -36,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `perf` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from perf import harness  # noqa: E402
-from perf.harness import ContextLost, Skip, context_lost, make_idx, short_error, user_counts  # noqa: E402
+from perf.harness import ContextLost, make_idx, user_counts  # noqa: E402
 
 NAME = "bench_lce"
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
@@ -174,7 +175,7 @@ def _ours(schedule: str) -> Callable:
 
 
 def providers() -> list:
-    """In run order: torch first, ours last (a failure there cannot spoil the baselines)."""
+    """In check order: torch first, ours last (a failure there cannot spoil the baselines)."""
     return [
         Provider("torch materialize+bmm", lambda p, i: _w_cat(p, i),
                  lambda p, w, i: torch.matmul(w, _materialize(p, i))),
@@ -189,10 +190,11 @@ def providers() -> list:
 
 
 def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float) -> list:
+    """Check every provider, then time those that passed in turns; one row per provider."""
     ref = reference_output(p, inp)
     n_rot = harness.rotation_count(inp.activation_bytes(), harness.l2_bytes())
     sets = [inp] + [inp.clone_activations() for _ in range(n_rot - 1)]
-    rows = []
+    rows, timed = [], {}
     for prov in provs:
         row = {**p.fields(), "provider": prov.name, "status": "ok", "note": None}
         rows.append(row)
@@ -201,26 +203,29 @@ def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float
             continue
         try:
             st = prov.setup(p, inp)
-            first, out = harness.first_call_s(lambda: prov.run(p, st, inp))
+            row["first_s"], out = harness.first_call_s(lambda: prov.run(p, st, inp))
             row["rel_err"] = harness.rel_error(out.float(), ref)
             del out
             if not row["rel_err"] <= args.tol:
                 row.update(status="wrong", note=f"rel. error {row['rel_err']:.3g} > {args.tol:g}: not timed")
                 continue
-            row["ms"] = harness.bench_ms(lambda x: prov.run(p, st, x), warmup=args.warmup,
-                                         rep=args.rep, rotate=sets)
-            row["compile_s"] = max(0.0, first - row["ms"] * 1e-3)
-            row["tflops"] = harness.tflops(p.flops, row["ms"])
-            row["pct_ceiling"] = 100.0 * row["tflops"] / ceiling
-            del st
-        except Skip as e:
-            row.update(status="skipped", note=str(e))
-        except (NotImplementedError, ImportError) as e:
-            row.update(status="skipped", note=f"not available yet ({short_error(e)})")
+            timed[prov.name] = (row, functools.partial(_call, prov, p, st))
         except Exception as e:
-            row.update(status="error", note=short_error(e))
-            if context_lost(DEVICE):
-                raise ContextLost(f"{prov.name}: {row['note']}", rows) from e
+            harness.record_failure(row, e, rows, DEVICE)
+    times = harness.bench_interleaved({n: fn for n, (_, fn) in timed.items()}, warmup=args.warmup,
+                                      rep=args.rep, rotate=sets)
+    for name, ms in times.items():
+        row = timed[name][0]
+        if isinstance(ms, BaseException):
+            harness.record_failure(row, ms, rows, DEVICE)
+            continue
+        row["ms"] = ms
+        row["compile_s"] = max(0.0, row.pop("first_s") - ms * 1e-3)
+        row["tflops"] = harness.tflops(p.flops, ms)
+        row["pct_ceiling"] = 100.0 * row["tflops"] / ceiling
+    timed.clear()
+    for r in rows:
+        r.pop("first_s", None)
     base = {r["provider"]: r.get("ms") for r in rows if r["provider"] in TORCH_PROVIDERS}
     for r in rows:
         for name, col in SPEEDUP_COLUMNS.items():
@@ -228,6 +233,10 @@ def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float
                 r[col] = base[name] / r["ms"]
     p.cache.clear()
     return rows
+
+
+def _call(prov: Provider, p: LceProblem, st, x: LceInputs):
+    return prov.run(p, st, x)
 
 
 # --------------------------------------------------------------------------- configurations

@@ -25,9 +25,11 @@ timed (a wrong one is reported, never timed):
 Index metadata (page table, cu_seqlens, the grouping permutation) is built once, untimed,
 which favors the peers.
 
-Timing: median of CUDA-event timings of single calls after warm-up, cycling through copies
-of the inputs when they are small enough for L2 to keep them; CUDA-graph replays as well
-for calls shorter than --graph-below-ms; TFLOP/s = 4 B H S_q L D / t. Also recorded: a
+Timing: every provider is checked first; those that pass are then timed in turns (each round
+calls every provider once), so drift in clocks or temperature during the run falls on all
+of them alike. Median of CUDA-event timings of single calls after warm-up, cycling through
+copies of the inputs when they are small enough for L2 to keep them; CUDA-graph replays as
+well (also in turns) for calls shorter than --graph-below-ms; TFLOP/s = 4 B H S_q L D / t. Also recorded: a
 same-run cuBLAS GEMM ceiling, host time per call on a tiny problem, first-call time
 (compile included), GPU, clocks, driver, versions and git commit.
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -372,7 +375,7 @@ def _ikbo_run(p: Problem, st, inp: Inputs):
 
 
 def providers() -> list:
-    """In run order: peers first, ikbo last (a failure there cannot spoil the peers' numbers)."""
+    """In check order: peers first, ikbo last (a failure there cannot spoil the peers' checks)."""
     return [
         Provider("materialize", lambda p, i: _materialized(p, i),
                  lambda p, st, i: _materialize_into(p, st, i), attention=False),
@@ -406,14 +409,14 @@ def _missing_library(prov: Provider) -> Optional[str]:
 
 
 def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng) -> list:
-    """Check, then time, each provider on one problem; returns one row per provider.
+    """Check every provider, then time those that passed in turns; one row per provider.
 
     Raises ContextLost (carrying the rows so far) after a sticky CUDA error."""
     cand = check_candidates(p.B, rng)
     ref = reference_outputs(p, inp, cand)
     n_rot = harness.rotation_count(inp.nbytes(), harness.l2_bytes())
     sets = [inp] + [inp.clone() for _ in range(n_rot - 1)]
-    rows = []
+    rows, timed = [], {}
     for prov in provs:
         row = {**p.fields(), "provider": prov.name, "status": "ok", "note": None}
         rows.append(row)
@@ -431,25 +434,27 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
                 if not row["rel_err"] <= args.tol:
                     row.update(status="wrong", note=f"rel. error {row['rel_err']:.3g} > {args.tol:g}: not timed")
                     continue
-            row["ms"] = harness.bench_ms(lambda x: prov.run(p, st, x), warmup=args.warmup,
-                                         rep=args.rep, rotate=sets)
-            if row["ms"] < args.graph_below_ms:
-                row["graph_ms"] = harness.bench_graph_ms(lambda x: prov.run(p, st, x),
-                                                         rep=args.rep, rotate=sets)
-                if row["graph_ms"] is None:
-                    row["note"] = "CUDA graph capture failed"
-            if prov.attention:
-                row["tflops"] = harness.tflops(p.flops, row["ms"])
-                row["pct_cublas"] = 100.0 * row["tflops"] / ceiling
-            del st
-        except Skip as e:
-            row.update(status="skipped", note=str(e))
-        except (NotImplementedError, ImportError) as e:
-            row.update(status="skipped", note=f"not available yet ({short_error(e)})")
-        except Exception as e:  # report, keep going with the other providers
-            row.update(status="error", note=short_error(e))
-            if context_lost(DEVICE):
-                raise ContextLost(f"{prov.name}: {row['note']}", rows) from e
+            timed[prov.name] = (row, functools.partial(_call, prov, p, st))
+        except Exception as e:
+            harness.record_failure(row, e, rows, DEVICE)
+    times = harness.bench_interleaved({n: fn for n, (_, fn) in timed.items()}, warmup=args.warmup,
+                                      rep=args.rep, rotate=sets)
+    for name, ms in times.items():
+        if isinstance(ms, BaseException):
+            harness.record_failure(timed.pop(name)[0], ms, rows, DEVICE)
+        else:
+            timed[name][0]["ms"] = ms
+    short = {n: fn for n, (row, fn) in timed.items() if row["ms"] < args.graph_below_ms}
+    for name, ms in harness.bench_graph_interleaved(short, rep=args.rep, rotate=sets).items():
+        timed[name][0]["graph_ms"] = ms
+        if ms is None:
+            timed[name][0]["note"] = "CUDA graph capture failed"
+    for prov in provs:
+        if prov.attention and prov.name in timed:
+            row = timed[prov.name][0]
+            row["tflops"] = harness.tflops(p.flops, row["ms"])
+            row["pct_cublas"] = 100.0 * row["tflops"] / ceiling
+    timed.clear()
     ikbo_ms = next((r.get("ms") for r in rows if r["provider"] == "ikbo"), None)
     for r in rows:
         if ikbo_ms and r.get("ms") and r["provider"] not in ("ikbo", "materialize"):
@@ -457,6 +462,10 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
     rows.sort(key=lambda r: DISPLAY_ORDER.index(r["provider"]))
     p.cache.clear()
     return rows
+
+
+def _call(prov: Provider, p: Problem, st, x: Inputs):
+    return prov.run(p, st, x)
 
 
 def host_overheads(args, provs: list, dtype: torch.dtype, broadcast: str) -> dict:

@@ -5,6 +5,9 @@ Timing rules used by every benchmark here:
   ``rotate``, successive calls cycle through copies of the inputs so that L2 does not
   keep one call's inputs for the next.
 - ``bench_graph_ms``: the same on replays of a captured CUDA graph (launch overhead gone).
+- ``bench_interleaved`` / ``bench_graph_interleaved``: the same for several functions timed in
+  turns (one call of each per round), so that drift in clocks or temperature during a run
+  does not favor whichever is timed first; the benchmarks time their providers this way.
 - ``host_overhead_us``: CPU time per call without synchronization, on a tiny problem.
 """
 from __future__ import annotations
@@ -126,6 +129,89 @@ def bench_graph_ms(fn: Callable, *, warmup: int = 3, rep: int = 30,
 
     None when ``fn`` cannot be captured (host synchronization, allocation outside torch, ...).
     """
+    return bench_graph_interleaved({"fn": fn}, warmup=warmup, rep=rep, rotate=rotate)["fn"]
+
+
+def _round_robin(names: list, rep: int, step: Callable[[str, int], None]) -> None:
+    """``rep`` rounds; round i runs ``step(name, i)`` for every name, starting one further along
+    each round, so no name always follows the same neighbour."""
+    for i in range(rep if names else 0):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            step(name, i)
+
+
+def bench_interleaved(fns: dict, *, warmup: int = 5, rep: int = 30,
+                      rotate: Optional[Sequence] = None) -> dict:
+    """Median milliseconds of one call of each ``fns[name](x)``, timed in turns.
+
+    Every round calls each function once (CUDA events around each call), so clock, power and
+    thermal drift during the measurement fall on all of them alike. A function that raises
+    is dropped from later rounds; its entry is the exception.
+    """
+    calls = {name: _caller(fn, rotate)[0] for name, fn in fns.items()}
+    result: dict = {}
+
+    def guarded(name, i):
+        if name in result:
+            return
+        try:
+            calls[name](i)
+        except Exception as e:  # reported by the caller
+            result[name] = e
+
+    _round_robin(list(calls), warmup, guarded)
+    torch.cuda.synchronize()
+    events = {name: [] for name in calls}
+
+    def timed(name, i):
+        if name in result:
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        guarded(name, warmup + i)
+        end.record()
+        events[name].append((start, end))
+
+    _round_robin(list(calls), rep, timed)
+    torch.cuda.synchronize()
+    for name, pairs in events.items():
+        if name not in result:
+            result[name] = statistics.median(s.elapsed_time(e) for s, e in pairs)
+    return result
+
+
+def bench_graph_interleaved(fns: dict, *, warmup: int = 3, rep: int = 30,
+                            rotate: Optional[Sequence] = None) -> dict:
+    """As :func:`bench_interleaved`, on replays of one CUDA graph per function (one call per
+    input set in each); an entry is None when that function cannot be captured."""
+    graphs, result = {}, {}
+    for name, fn in fns.items():
+        graphs[name] = _capture(fn, rotate)
+        if graphs[name] is None:
+            result[name] = None
+    live = [name for name in fns if graphs[name] is not None]
+    _round_robin(live, warmup, lambda name, i: graphs[name][0].replay())
+    torch.cuda.synchronize()
+    events = {name: [] for name in live}
+
+    def timed(name, i):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs[name][0].replay()
+        end.record()
+        events[name].append((start, end))
+
+    _round_robin(live, rep, timed)
+    torch.cuda.synchronize()
+    for name in live:
+        result[name] = statistics.median(s.elapsed_time(e) for s, e in events[name]) / graphs[name][1]
+    graphs.clear()
+    return result
+
+
+def _capture(fn: Callable, rotate: Optional[Sequence]):
+    """(graph holding one call per input set, number of calls), or None if capture fails."""
     call, n = _caller(fn, rotate)
     try:
         side = torch.cuda.Stream()
@@ -139,8 +225,6 @@ def bench_graph_ms(fn: Callable, *, warmup: int = 3, rep: int = 30,
         with torch.cuda.graph(graph):
             for i in range(n):
                 call(i)
-        for _ in range(warmup):
-            graph.replay()
         torch.cuda.synchronize()
     except Exception:
         try:
@@ -148,16 +232,7 @@ def bench_graph_ms(fn: Callable, *, warmup: int = 3, rep: int = 30,
         except Exception:
             pass
         return None
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    for i in range(rep):
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / n
-    del graph
-    return ms
+    return graph, n
 
 
 def _sync() -> None:
@@ -385,6 +460,19 @@ class ContextLost(Exception):
     def __init__(self, note: str, rows: list):
         super().__init__(note)
         self.rows = rows
+
+
+def record_failure(row: dict, e: BaseException, rows: list, device="cuda") -> None:
+    """Mark a provider's row skipped (Skip, not implemented yet) or error, and raise
+    ContextLost, carrying ``rows``, when the CUDA context did not survive ``e``."""
+    if isinstance(e, Skip):
+        row.update(status="skipped", note=str(e))
+    elif isinstance(e, (NotImplementedError, ImportError)):
+        row.update(status="skipped", note=f"not available yet ({short_error(e)})")
+    else:  # reported; the other providers go on
+        row.update(status="error", note=short_error(e))
+        if context_lost(device):
+            raise ContextLost(f"{row['provider']}: {row['note']}", rows) from e
 
 
 def short_error(e: BaseException) -> str:

@@ -216,7 +216,8 @@ def _compile_ids(cfg):
 
 def _check_compiled(cfg):
     ck = attention_mod.compile_config(cfg, keep_ptx=True, ptxas_report=True)
-    for instr in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier"):
+    # griddepcontrol.wait: launched dependent on the work list (programmatic dependent launch)
+    for instr in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier", "griddepcontrol.wait"):
         assert instr in ck.ptx, instr
     assert ck.spill_bytes == 0, ck.ptxas_log
     # ptxas serializes wgmma when the accumulators do not fit: a silent 2x slowdown.
@@ -469,6 +470,6 @@ def test_worklist_kernel_compiles_for_sm90a(idx_dtype):
     from ikbo_fa.worklist_sm90 import compile_worklist
 
     ck = compile_worklist(idx_dtype, keep_ptx=True, ptxas_report=True)
-    for instr in ("match.any.sync", "atom.shared.add", "bar.sync"):
+    for instr in ("match.any.sync", "atom.shared.add", "bar.sync", "griddepcontrol.launch_dependents"):
         assert instr in ck.ptx, instr
     assert ck.spill_bytes == 0, ck.ptxas_log

@@ -317,15 +317,13 @@ def test_without_a_gpu_one_line_and_exit_2(script):
 # --------------------------------------------------------------------------- CPU dry run of main()
 
 @pytest.fixture
-def dry_run(monkeypatch, fake_libs, cpu_ms):
+def dry_run(monkeypatch, fake_libs, cpu_timing):
     """main() end to end on the CPU: timing by perf_counter, FA4 and ikbo replaced by stand-ins."""
     h = cf.harness
     monkeypatch.setattr(cf, "DEVICE", "cpu")
     monkeypatch.setattr(h, "require_hopper_or_exit", lambda *a, **k: None)
     monkeypatch.setattr(cf, "load_fa4", lambda: None)
     monkeypatch.setattr(cf, "load_ikbo", lambda: None)
-    monkeypatch.setattr(h, "bench_ms", cpu_ms)
-    monkeypatch.setattr(h, "bench_graph_ms", lambda fn, **k: 0.5 * cpu_ms(fn, **k))
     real_host_overhead = h.host_overhead_us
     monkeypatch.setattr(h, "host_overhead_us", lambda fn, iters=100: real_host_overhead(fn, 2, 1))
     monkeypatch.setattr(h, "l2_bytes", lambda: 2**20)

@@ -45,6 +45,25 @@ def test_tflops_and_rotation_count():
     assert harness.rotation_count(0, l2) == 8
 
 
+def test_round_robin_rotates_the_start():
+    calls = []
+    harness._round_robin(["a", "b", "c"], 4, lambda name, i: calls.append((i, name)))
+    assert calls == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
+                     (2, "c"), (2, "a"), (2, "b"), (3, "a"), (3, "b"), (3, "c")]
+    harness._round_robin([], 3, lambda name, i: calls.append(name))  # nothing to time: no call
+    assert len(calls) == 12
+
+
+def test_record_failure_kinds():
+    rows = [{"provider": "p"}]
+    harness.record_failure(rows[0], harness.Skip("no page table"), rows, device="cpu")
+    assert rows[0]["status"] == "skipped" and rows[0]["note"] == "no page table"
+    harness.record_failure(rows[0], NotImplementedError("later"), rows, device="cpu")
+    assert rows[0]["status"] == "skipped" and "not available yet" in rows[0]["note"]
+    harness.record_failure(rows[0], RuntimeError("boom"), rows, device="cpu")
+    assert rows[0]["status"] == "error" and "boom" in rows[0]["note"]
+
+
 def test_print_table_aligns(capsys):
     rows = [{"provider": "ikbo", "ms": 0.123456, "tflops": 594.2, "n": 3},
             {"provider": "fa4 materialized", "ms": 12.5, "tflops": None, "status": "wrong"}]
@@ -225,7 +244,7 @@ def test_lce_arguments():
 
 # --------------------------------------------------------------------------- CPU dry run of main()
 
-def test_lce_main_dry_run(monkeypatch, tmp_path, capsys, cpu_ms):
+def test_lce_main_dry_run(monkeypatch, tmp_path, capsys, cpu_timing):
     def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused"):
         if schedule == "two_launch":
             raise NotImplementedError("two_launch: not yet")
@@ -235,7 +254,6 @@ def test_lce_main_dry_run(monkeypatch, tmp_path, capsys, cpu_ms):
     monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
     monkeypatch.setattr(bl, "load_ikbo_gemm", lambda: None)
     monkeypatch.setattr(bl.LIB, "ikbo_gemm", type("M", (), {"lce": staticmethod(lce)}))
-    monkeypatch.setattr(harness, "bench_ms", cpu_ms)
     monkeypatch.setattr(harness, "l2_bytes", lambda: 2**20)
     monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
     argv = ["--M", "9", "--N", "6", "--K-user", "5", "--K-cand", "7", "--dtype", "fp16",
