@@ -212,14 +212,9 @@ def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float
             timed[prov.name] = (row, functools.partial(_call, prov, p, st))
         except Exception as e:
             harness.record_failure(row, e, rows, DEVICE)
-    times = harness.bench_interleaved({n: fn for n, (_, fn) in timed.items()}, warmup=args.warmup,
-                                      rep=args.rep, rotate=sets)
-    for name, ms in times.items():
-        row = timed[name][0]
-        if isinstance(ms, BaseException):
-            harness.record_failure(row, ms, rows, DEVICE)
-            continue
-        row["ms"] = ms
+    timed = harness.time_checked(timed, rows, warmup=args.warmup, rep=args.rep, rotate=sets, device=DEVICE)
+    for row, _ in timed.values():
+        ms = row["ms"]
         row["compile_s"] = max(0.0, row.pop("first_s") - ms * 1e-3)
         row["tflops"] = harness.tflops(p.flops, ms)
         row["pct_ceiling"] = 100.0 * row["tflops"] / ceiling

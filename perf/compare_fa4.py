@@ -437,13 +437,7 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
             timed[prov.name] = (row, functools.partial(_call, prov, p, st))
         except Exception as e:
             harness.record_failure(row, e, rows, DEVICE)
-    times = harness.bench_interleaved({n: fn for n, (_, fn) in timed.items()}, warmup=args.warmup,
-                                      rep=args.rep, rotate=sets)
-    for name, ms in times.items():
-        if isinstance(ms, BaseException):
-            harness.record_failure(timed.pop(name)[0], ms, rows, DEVICE)
-        else:
-            timed[name][0]["ms"] = ms
+    timed = harness.time_checked(timed, rows, warmup=args.warmup, rep=args.rep, rotate=sets, device=DEVICE)
     short = {n: fn for n, (row, fn) in timed.items() if row["ms"] < args.graph_below_ms}
     for name, ms in harness.bench_graph_interleaved(short, rep=args.rep, rotate=sets).items():
         timed[name][0]["graph_ms"] = ms

@@ -367,10 +367,12 @@ def environment() -> dict:
                    l2_mib=round(getattr(props, "L2_cache_size", 0) / 2**20, 1))
         env.update(_nvidia_smi())
         env["driver"] = env.get("smi.driver_version")
+    # IKBO_GIT_COMMIT names the commit of a copied tree (e.g. shipped to a GPU machine), whose
+    # .git may be missing or stale; it wins over what git reports.
+    named = os.environ.get("IKBO_GIT_COMMIT")
     commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
-    # A copy of the tree without its .git (e.g. shipped to a GPU machine) names its commit here.
-    env["git_commit"] = commit or os.environ.get("IKBO_GIT_COMMIT")
-    if commit is not None:
+    env["git_commit"] = named or commit
+    if commit is not None and not named:
         status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
         env["git_dirty"] = bool(status)
     return env
@@ -473,6 +475,25 @@ def record_failure(row: dict, e: BaseException, rows: list, device="cuda") -> No
         row.update(status="error", note=short_error(e))
         if context_lost(device):
             raise ContextLost(f"{row['provider']}: {row['note']}", rows) from e
+
+
+def time_checked(timed: dict, rows: list, *, warmup: int, rep: int, rotate: Optional[Sequence] = None,
+                 device="cuda") -> dict:
+    """Time the providers that passed their check, in turns (``bench_interleaved``).
+
+    ``timed``: name -> (row, fn(x)). Sets each row's "ms"; a provider whose call fails gets its
+    row marked by ``record_failure`` and is left out. Returns the providers that have a time.
+    """
+    times = bench_interleaved({n: fn for n, (_, fn) in timed.items()}, warmup=warmup, rep=rep, rotate=rotate)
+    done = {}
+    for name, ms in times.items():
+        row, fn = timed[name]
+        if isinstance(ms, BaseException):
+            record_failure(row, ms, rows, device)
+        else:
+            row["ms"] = ms
+            done[name] = (row, fn)
+    return done
 
 
 def short_error(e: BaseException) -> str:

@@ -64,6 +64,16 @@ def test_record_failure_kinds():
     assert rows[0]["status"] == "error" and "boom" in rows[0]["note"]
 
 
+def test_time_checked_keeps_the_timed_and_marks_the_failed(monkeypatch):
+    monkeypatch.setattr(harness, "bench_interleaved",
+                        lambda fns, **k: {"a": 1.5, "b": RuntimeError("illegal instruction")})
+    rows = [{"provider": "a", "status": "ok"}, {"provider": "b", "status": "ok"}]
+    timed = {"a": (rows[0], lambda x: None), "b": (rows[1], lambda x: None)}
+    done = harness.time_checked(timed, rows, warmup=1, rep=1, device="cpu")
+    assert list(done) == ["a"] and rows[0]["ms"] == 1.5
+    assert rows[1]["status"] == "error" and "illegal instruction" in rows[1]["note"] and "ms" not in rows[1]
+
+
 def test_print_table_aligns(capsys):
     rows = [{"provider": "ikbo", "ms": 0.123456, "tflops": 594.2, "n": 3},
             {"provider": "fa4 materialized", "ms": 12.5, "tflops": None, "status": "wrong"}]
@@ -104,6 +114,12 @@ def test_environment_without_gpu():
         assert key in env
     if not torch.cuda.is_available():
         assert env["gpu"] is None
+
+
+def test_environment_commit_can_be_named(monkeypatch):
+    monkeypatch.setenv("IKBO_GIT_COMMIT", "0123abc")
+    env = harness.environment()
+    assert env["git_commit"] == "0123abc" and "git_dirty" not in env
 
 
 def test_require_hopper_exits_2_with_one_line(monkeypatch, capsys):
