@@ -506,19 +506,8 @@ class IkboAttentionFwdSm90:
     def mainloop_serial(self, ctx, kv_state, q_stage: Int32, n_blocks: Int32, n_cols: Int32, scale_log2: Float32,
                         tidx: Int32):
         """Per block: S = Q K^T, wait, softmax, O += P V, wait (the first block is masked)."""
-        ctx.pipe_k.consumer_wait(kv_state)
-        acc_S = self.gemm_qk(ctx, q_stage, kv_state.index)
-        warpgroup.wait_group(0)
-        ctx.pipe_k.consumer_release(kv_state)
-        self.mask_keys(ctx, acc_S, n_cols)
-        self.online_softmax(ctx, acc_S, scale_log2)
-        self.convert_p(ctx, acc_S)
-        ctx.pipe_v.consumer_wait(kv_state)
-        self.zero_v_tail(ctx, kv_state.index, n_cols, tidx)
-        self.gemm_pv(ctx, kv_state.index)
-        warpgroup.wait_group(0)
-        ctx.pipe_v.consumer_release(kv_state)
-        kv_state.advance()
+        self.first_block(ctx, kv_state, q_stage, n_cols, scale_log2, tidx)
+        kv_state = self.pv_block(ctx, kv_state)
         for i in cutlass.range(n_blocks - 1, unroll=1):
             ctx.pipe_k.consumer_wait(kv_state)
             acc_S = self.gemm_qk(ctx, q_stage, kv_state.index)
@@ -527,11 +516,7 @@ class IkboAttentionFwdSm90:
             corr = self.online_softmax(ctx, acc_S, scale_log2)
             self.rescale_o(ctx, corr)
             self.convert_p(ctx, acc_S)
-            ctx.pipe_v.consumer_wait(kv_state)
-            self.gemm_pv(ctx, kv_state.index)
-            warpgroup.wait_group(0)
-            ctx.pipe_v.consumer_release(kv_state)
-            kv_state.advance()
+            kv_state = self.pv_block(ctx, kv_state)
         return kv_state
 
     @cute.jit
@@ -539,16 +524,7 @@ class IkboAttentionFwdSm90:
                             scale_log2: Float32, tidx: Int32):
         """S of block j is issued before P V of block j-1; the softmax of j runs while P V
         of j-1 is on the tensor cores (O is rescaled once that P V has landed)."""
-        ctx.pipe_k.consumer_wait(kv_state)
-        acc_S = self.gemm_qk(ctx, q_stage, kv_state.index)
-        warpgroup.wait_group(0)
-        ctx.pipe_k.consumer_release(kv_state)
-        self.mask_keys(ctx, acc_S, n_cols)
-        self.online_softmax(ctx, acc_S, scale_log2)
-        self.convert_p(ctx, acc_S)
-        if const_expr(self.cfg.has_kv_lengths):
-            ctx.pipe_v.consumer_wait(kv_state)
-            self.zero_v_tail(ctx, kv_state.index, n_cols, tidx)
+        self.first_block(ctx, kv_state, q_stage, n_cols, scale_log2, tidx)
         for i in cutlass.range(n_blocks - 1, unroll=1):
             v_state = kv_state.clone()
             kv_state.advance()
@@ -566,6 +542,26 @@ class IkboAttentionFwdSm90:
             ctx.pipe_v.consumer_release(v_state)
             self.convert_p(ctx, acc_S)
             self.rescale_o(ctx, corr)
+        return self.pv_block(ctx, kv_state)
+
+    @cute.jit
+    def first_block(self, ctx, kv_state, q_stage: Int32, n_cols: Int32, scale_log2: Float32, tidx: Int32):
+        """S of the tile's first block (its last keys), masked past ``n_cols``, softmax, P in registers;
+        with kv_lengths, the V rows past ``n_cols`` are zeroed too."""
+        ctx.pipe_k.consumer_wait(kv_state)
+        acc_S = self.gemm_qk(ctx, q_stage, kv_state.index)
+        warpgroup.wait_group(0)
+        ctx.pipe_k.consumer_release(kv_state)
+        self.mask_keys(ctx, acc_S, n_cols)
+        self.online_softmax(ctx, acc_S, scale_log2)
+        self.convert_p(ctx, acc_S)
+        if const_expr(self.cfg.has_kv_lengths):
+            ctx.pipe_v.consumer_wait(kv_state)
+            self.zero_v_tail(ctx, kv_state.index, n_cols, tidx)
+
+    @cute.jit
+    def pv_block(self, ctx, kv_state):
+        """O += P V of the block in ``kv_state``, waited for; its V stage released; the state advanced."""
         ctx.pipe_v.consumer_wait(kv_state)
         self.gemm_pv(ctx, kv_state.index)
         warpgroup.wait_group(0)

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
-import os
 import sys
 import time
 from pathlib import Path
@@ -194,33 +192,19 @@ def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float
     ref = reference_output(p, inp)
     n_rot = harness.rotation_count(inp.activation_bytes(), harness.l2_bytes())
     sets = [inp] + [inp.clone_activations() for _ in range(n_rot - 1)]
-    rows, timed = [], {}
-    for prov in provs:
-        row = {**p.fields(), "provider": prov.name, "status": "ok", "note": None}
-        rows.append(row)
-        if prov.ours and LIB.ikbo_gemm is None:
-            row.update(status="skipped", note=LIB.note)
-            continue
-        try:
-            st = prov.setup(p, inp)
-            row["first_s"], out = harness.first_call_s(lambda: prov.run(p, st, inp))
-            row["rel_err"] = harness.rel_error(out.float(), ref)
-            del out
-            if not row["rel_err"] <= args.tol:
-                row.update(status="wrong", note=f"rel. error {row['rel_err']:.3g} > {args.tol:g}: not timed")
-                continue
-            timed[prov.name] = (row, functools.partial(_call, prov, p, st))
-        except Exception as e:
-            harness.record_failure(row, e, rows, DEVICE)
+    rows, timed = harness.check_providers(
+        provs, p, inp, fields=p.fields(), rel_error_of=lambda prov, out: harness.rel_error(out.float(), ref),
+        tol=args.tol, skip_note=lambda prov: LIB.note if prov.ours and LIB.ikbo_gemm is None else None,
+        device=DEVICE)
     timed = harness.time_checked(timed, rows, warmup=args.warmup, rep=args.rep, rotate=sets, device=DEVICE)
     for row, _ in timed.values():
         ms = row["ms"]
-        row["compile_s"] = max(0.0, row.pop("first_s") - ms * 1e-3)
+        row["compile_s"] = max(0.0, row.pop("first_call_s") - ms * 1e-3)
         row["tflops"] = harness.tflops(p.flops, ms)
         row["pct_ceiling"] = 100.0 * row["tflops"] / ceiling
     timed.clear()
     for r in rows:
-        r.pop("first_s", None)
+        r.pop("first_call_s", None)
     base = {r["provider"]: r.get("ms") for r in rows if r["provider"] in TORCH_PROVIDERS}
     for r in rows:
         for name, col in SPEEDUP_COLUMNS.items():
@@ -228,10 +212,6 @@ def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float
                 r[col] = base[name] / r["ms"]
     p.cache.clear()
     return rows
-
-
-def _call(prov: Provider, p: LceProblem, st, x: LceInputs):
-    return prov.run(p, st, x)
 
 
 # --------------------------------------------------------------------------- configurations
@@ -286,21 +266,15 @@ COLUMNS = ["provider", "status", "rel_err", "compile_s", "ms", "tflops", "pct_ce
 
 def print_problem(p: LceProblem, rows: list) -> None:
     f = p.fields()
-    print(f"\nB={f['B']} ratio={f['ratio']} (U={f['U']}) M={f['M']} N={f['N']} K_user={f['K_user']} "
-          f"K_cand={f['K_cand']} {f['dtype']}  [{p.flops / 1e9:.1f} GFLOP; x_* = that torch "
-          f"provider's ms / this ms]")
-    harness.print_table(rows, COLUMNS)
-    for r in rows:
-        if r.get("note"):
-            print(f"  {r['provider']}: {r['note']}")
+    harness.print_rows(f"B={f['B']} ratio={f['ratio']} (U={f['U']}) M={f['M']} N={f['N']} K_user={f['K_user']} "
+                       f"K_cand={f['K_cand']} {f['dtype']}  [{p.flops / 1e9:.1f} GFLOP; x_* = that torch "
+                       f"provider's ms / this ms]", rows, COLUMNS)
 
 
 @torch.no_grad()  # inference: no autograd bookkeeping in any provider
 def main(argv=None) -> int:
     args = parse_args(argv)
-    harness.require_hopper_or_exit(name=NAME)
-    os.environ["IKBO_VALIDATE"] = "0"  # no host-synchronizing index check inside timed calls
-    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
+    harness.start_benchmark(NAME)
     load_ikbo_gemm()
     if LIB.note:
         print(f"{NAME}: {LIB.note}; its rows are skipped", flush=True)
@@ -308,13 +282,8 @@ def main(argv=None) -> int:
     shape = {"M": args.M, "N": args.N, "K_user": args.K_user, "K_cand": args.K_cand}
     keys, groups = build_configs(args)
     env = harness.environment()
-    print(f"{env.get('gpu')} | SM clock {env.get('smi.clocks.sm')} MHz (max {env.get('smi.clocks.max.sm')}) | "
-          f"driver {env.get('driver')} | torch {env['torch']} | cutlass-dsl {env['nvidia-cutlass-dsl']} | "
-          f"commit {str(env.get('git_commit'))[:12]}{' (dirty)' if env.get('git_dirty') else ''}", flush=True)
-    ceilings = {}
-    for dt in dict.fromkeys(k[2] for k in keys):
-        ceilings[dt] = harness.cublas_ceiling_tflops(harness.DTYPES[dt])
-        print(f"cuBLAS {dt} 8192^3 GEMM ceiling: {ceilings[dt]:.0f} TFLOP/s", flush=True)
+    harness.print_environment(env)
+    ceilings = harness.ceilings_tflops(k[2] for k in keys)
 
     stamp = harness.utc_stamp()
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
@@ -341,10 +310,7 @@ def main(argv=None) -> int:
             del p, inp
             torch.cuda.empty_cache()
     except ContextLost as e:
-        payload["rows"] += e.rows
-        msg = f"the CUDA context is lost after {e}; stopping (results so far are saved)"
-        print(f"{NAME}: {msg}", flush=True)
-        payload["notes"].append(msg)
+        harness.note_lost_context(NAME, payload, e)
     payload["seconds"] = time.perf_counter() - start
     for name, ks in groups.items():
         sel = [r for r in payload["rows"] if (r["B"], r["ratio"], r["dtype"]) in set(ks)]

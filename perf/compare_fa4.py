@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import itertools
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -416,27 +414,16 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
     ref = reference_outputs(p, inp, cand)
     n_rot = harness.rotation_count(inp.nbytes(), harness.l2_bytes())
     sets = [inp] + [inp.clone() for _ in range(n_rot - 1)]
-    rows, timed = [], {}
-    for prov in provs:
-        row = {**p.fields(), "provider": prov.name, "status": "ok", "note": None}
-        rows.append(row)
-        missing = _missing_library(prov)
-        if missing:
-            row.update(status="skipped", note=missing)
-            continue
-        try:
-            st = prov.setup(p, inp)
-            row["first_call_s"], out = harness.first_call_s(lambda: prov.run(p, st, inp))
-            if prov.attention:
-                row["rel_err"] = harness.rel_error(out[cand.to(out.device)].float(), ref) \
-                    if out is not None and tuple(out.shape) == (p.B, p.S_q, p.H, p.D) else math.inf
-                del out
-                if not row["rel_err"] <= args.tol:
-                    row.update(status="wrong", note=f"rel. error {row['rel_err']:.3g} > {args.tol:g}: not timed")
-                    continue
-            timed[prov.name] = (row, functools.partial(_call, prov, p, st))
-        except Exception as e:
-            harness.record_failure(row, e, rows, DEVICE)
+
+    def rel_error_of(prov, out):
+        if not prov.attention:
+            return None
+        if out is None or tuple(out.shape) != (p.B, p.S_q, p.H, p.D):
+            return math.inf
+        return harness.rel_error(out[cand.to(out.device)].float(), ref)
+
+    rows, timed = harness.check_providers(provs, p, inp, fields=p.fields(), rel_error_of=rel_error_of,
+                                          tol=args.tol, skip_note=_missing_library, device=DEVICE)
     timed = harness.time_checked(timed, rows, warmup=args.warmup, rep=args.rep, rotate=sets, device=DEVICE)
     short = {n: fn for n, (row, fn) in timed.items() if row["ms"] < args.graph_below_ms}
     for name, ms in harness.bench_graph_interleaved(short, rep=args.rep, rotate=sets).items():
@@ -456,10 +443,6 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
     rows.sort(key=lambda r: DISPLAY_ORDER.index(r["provider"]))
     p.cache.clear()
     return rows
-
-
-def _call(prov: Provider, p: Problem, st, x: Inputs):
-    return prov.run(p, st, x)
 
 
 def host_overheads(args, provs: list, dtype: torch.dtype, broadcast: str) -> dict:
@@ -556,13 +539,9 @@ TABLE_COLUMNS = ["provider", "status", "rel_err", "first_call_s", "ms", "graph_m
 
 def print_problem(p: Problem, rows: list) -> None:
     f = p.fields()
-    print(f"\nB={f['B']} ratio={f['ratio']} (U={f['U']}) S_q={f['S_q']} L={f['L']} H={f['H']} "
-          f"D={f['D']} {f['dtype']} broadcast={f['broadcast']} {f['order']}  "
-          f"[{p.flops / 1e9:.1f} GFLOP; ikbo_speedup = peer ms / ikbo ms]")
-    harness.print_table(rows, TABLE_COLUMNS)
-    for r in rows:
-        if r.get("note"):
-            print(f"  {r['provider']}: {r['note']}")
+    harness.print_rows(f"B={f['B']} ratio={f['ratio']} (U={f['U']}) S_q={f['S_q']} L={f['L']} H={f['H']} "
+                       f"D={f['D']} {f['dtype']} broadcast={f['broadcast']} {f['order']}  "
+                       f"[{p.flops / 1e9:.1f} GFLOP; ikbo_speedup = peer ms / ikbo ms]", rows, TABLE_COLUMNS)
 
 
 def summary(rows: list, sweeps: dict) -> None:
@@ -642,9 +621,7 @@ def plot(rows: list, sweeps: dict, ceilings: dict, path: Path) -> Optional[str]:
 @torch.no_grad()  # inference: no autograd bookkeeping in any provider
 def main(argv=None) -> int:
     args = parse_args(argv)
-    harness.require_hopper_or_exit(name=NAME)
-    os.environ["IKBO_VALIDATE"] = "0"  # no host-synchronizing index check inside timed calls
-    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
+    harness.start_benchmark(NAME)
     load_fa4()
     load_ikbo()
     for note in (LIBS.fa4_note, LIBS.ikbo_note):
@@ -653,14 +630,8 @@ def main(argv=None) -> int:
     provs = [pr for pr in providers() if not args.providers or pr.name in args.providers]
     keys, sweeps = build_configs(args)
     env = harness.environment()
-    print(f"{env.get('gpu')} | SM clock {env.get('smi.clocks.sm')} MHz (max {env.get('smi.clocks.max.sm')}) | "
-          f"driver {env.get('driver')} | torch {env['torch']} | cutlass-dsl {env['nvidia-cutlass-dsl']} | "
-          f"flash-attn-4 {env['flash-attn-4']} | commit {str(env.get('git_commit'))[:12]}"
-          f"{' (dirty)' if env.get('git_dirty') else ''}", flush=True)
-    ceilings = {}
-    for dt in dict.fromkeys(k[4] for k in keys):
-        ceilings[dt] = harness.cublas_ceiling_tflops(harness.DTYPES[dt])
-        print(f"cuBLAS {dt} 8192^3 GEMM ceiling: {ceilings[dt]:.0f} TFLOP/s", flush=True)
+    harness.print_environment(env, ("nvidia-cutlass-dsl", "flash-attn-4"))
+    ceilings = harness.ceilings_tflops(k[4] for k in keys)
     bandwidth = harness.copy_bandwidth_tbps()
     print(f"device copy bandwidth: {bandwidth:.2f} TB/s", flush=True)
 
@@ -686,10 +657,7 @@ def main(argv=None) -> int:
         first = keys[0]
         payload["host_overhead_us"] = host_overheads(args, provs, harness.DTYPES[first[4]], first[5])
     except ContextLost as e:
-        payload["rows"] += e.rows
-        msg = f"the CUDA context is lost after {e}; stopping (results so far are saved)"
-        print(f"{NAME}: {msg}", flush=True)
-        payload["notes"].append(msg)
+        harness.note_lost_context(NAME, payload, e)
     payload["seconds"] = time.perf_counter() - start
     if payload.get("host_overhead_us"):
         print("\nhost time per call, tiny problem (B=4, ratio 2, L=128):")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -72,6 +73,14 @@ def require_hopper_or_exit(need_fa4: bool = False, *, name: Optional[str] = None
 
 
 # --------------------------------------------------------------------------- workloads
+
+def start_benchmark(name: str) -> None:
+    """Exit with status 2 unless the benchmark can run here; then the settings every benchmark
+    runs with: no host-synchronizing index checks inside timed calls, fp32 references in fp32."""
+    require_hopper_or_exit(name=name)
+    os.environ["IKBO_VALIDATE"] = "0"
+    torch.backends.cuda.matmul.allow_tf32 = False
+
 
 def user_counts(B: int, ratio: int, rng=None) -> list[int]:
     """Candidates per user: ``ratio`` each (``ratio`` or ``ratio + 1`` drawn from the numpy
@@ -464,6 +473,40 @@ class ContextLost(Exception):
         self.rows = rows
 
 
+def print_environment(env: dict, libraries: Sequence[str] = ("nvidia-cutlass-dsl",)) -> None:
+    """One line: GPU, clocks, driver, torch and ``libraries`` versions, commit."""
+    libs = " | ".join(f"{lib} {env.get(lib)}" for lib in libraries)
+    print(f"{env.get('gpu')} | SM clock {env.get('smi.clocks.sm')} MHz (max {env.get('smi.clocks.max.sm')}) | "
+          f"driver {env.get('driver')} | torch {env['torch']} | {libs} | "
+          f"commit {str(env.get('git_commit'))[:12]}{' (dirty)' if env.get('git_dirty') else ''}", flush=True)
+
+
+def ceilings_tflops(dtype_names) -> dict:
+    """Same-run cuBLAS 8192^3 GEMM TFLOP/s for each dtype name (printed as measured)."""
+    result = {}
+    for dt in dict.fromkeys(dtype_names):
+        result[dt] = cublas_ceiling_tflops(DTYPES[dt])
+        print(f"cuBLAS {dt} 8192^3 GEMM ceiling: {result[dt]:.0f} TFLOP/s", flush=True)
+    return result
+
+
+def print_rows(title: str, rows: list, columns: list) -> None:
+    """A problem's title line, its table, then each row's note."""
+    print(f"\n{title}")
+    print_table(rows, columns)
+    for r in rows:
+        if r.get("note"):
+            print(f"  {r['provider']}: {r['note']}")
+
+
+def note_lost_context(name: str, payload: dict, e: "ContextLost") -> None:
+    """Keep the rows measured before the CUDA context was lost, and say why the run stopped."""
+    payload["rows"] += e.rows
+    msg = f"the CUDA context is lost after {e}; stopping (results so far are saved)"
+    print(f"{name}: {msg}", flush=True)
+    payload["notes"].append(msg)
+
+
 def record_failure(row: dict, e: BaseException, rows: list, device="cuda") -> None:
     """Mark a provider's row skipped (Skip, not implemented yet) or error, and raise
     ContextLost, carrying ``rows``, when the CUDA context did not survive ``e``."""
@@ -475,6 +518,43 @@ def record_failure(row: dict, e: BaseException, rows: list, device="cuda") -> No
         row.update(status="error", note=short_error(e))
         if context_lost(device):
             raise ContextLost(f"{row['provider']}: {row['note']}", rows) from e
+
+
+def check_providers(provs: list, p, inp, *, fields: dict, rel_error_of: Callable, tol: float,
+                    skip_note: Callable, device="cuda") -> tuple[list, dict]:
+    """One row per provider (``fields`` plus its name and status), checked before any timing.
+
+    A provider is skipped when ``skip_note(prov)`` says why; otherwise it is set up
+    (``prov.setup(p, inp)``) and called once (``prov.run(p, state, inp)``, row "first_call_s",
+    compile included); ``rel_error_of(prov, out)`` is its error against the reference, or None
+    for an output not to check. Over ``tol`` the row is "wrong" and the provider is not timed.
+    Returns (rows, timed: name -> (row, fn(x)) for ``time_checked``)."""
+    rows, timed = [], {}
+    for prov in provs:
+        row = {**fields, "provider": prov.name, "status": "ok", "note": None}
+        rows.append(row)
+        note = skip_note(prov)
+        if note:
+            row.update(status="skipped", note=note)
+            continue
+        try:
+            st = prov.setup(p, inp)
+            row["first_call_s"], out = first_call_s(lambda: prov.run(p, st, inp))
+            err = rel_error_of(prov, out)
+            del out
+            if err is not None:
+                row["rel_err"] = err
+                if not err <= tol:
+                    row.update(status="wrong", note=f"rel. error {err:.3g} > {tol:g}: not timed")
+                    continue
+            timed[prov.name] = (row, functools.partial(_run_provider, prov, p, st))
+        except Exception as e:
+            record_failure(row, e, rows, device)
+    return rows, timed
+
+
+def _run_provider(prov, p, state, x):
+    return prov.run(p, state, x)
 
 
 def time_checked(timed: dict, rows: list, *, warmup: int, rep: int, rotate: Optional[Sequence] = None,

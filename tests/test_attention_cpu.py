@@ -11,44 +11,18 @@ attention_mod = importlib.import_module("ikbo_fa.attention")  # the module, not 
 from ikbo_fa.reference import attention_reference, naive_attention
 from ikbo_fa.worklist import kv_worklist, max_tiles_per_head
 
-
-def _gen(seed):
-    g = torch.Generator().manual_seed(seed)
-    return g
+from attention_inputs import materialize, random_problem
 
 
 def _problem(seed, *, direction, B, U, S_q, H, H_kv, D, L, dtype=torch.float32, packed=False,
              jagged=False, sort=False):
-    g = _gen(seed)
-    idx = torch.randint(0, U, (B,), generator=g)
-    idx[torch.randperm(B, generator=g)[: min(B, U)]] = torch.arange(min(B, U))  # every user appears
-    if sort:
-        idx = idx.sort().values
-    n_q, n_kv = (B, U) if direction == "kv" else (U, B)
-    q = torch.randn(n_q, S_q, H, D, generator=g).to(dtype)
-    if packed:
-        kv = torch.randn(n_kv, L, 2, H_kv, D, generator=g).to(dtype)
-        k, v = kv[:, :, 0], kv[:, :, 1]
-    else:
-        k = torch.randn(n_kv, L, H_kv, D, generator=g).to(dtype)
-        v = torch.randn(n_kv, L, H_kv, D, generator=g).to(dtype)
-        kv = (k, v)
-    lengths = None
-    if jagged:
-        lengths = torch.randint(0, L + 1, (n_kv,), generator=g)
-        lengths[0] = 0
-        lengths[-1] = L
+    q, kv, k, v, idx, lengths = random_problem(seed, direction, B, U, S_q, H, H_kv, D, L, dtype,
+                                               packed=packed, jagged=jagged, sort=sort)
     return q, kv, k, v, idx.to(torch.int32), lengths
 
 
 def _materialized_truth(q, k, v, idx, direction, scale, lengths):
-    idx = idx.long()
-    if direction == "kv":
-        qm, km, vm = q, k[idx], v[idx]
-        lm = None if lengths is None else lengths[idx]
-    else:
-        qm, km, vm = q[idx], k, v
-        lm = lengths
+    qm, km, vm, lm = materialize(q, k, v, idx, direction, lengths)
     return naive_attention(qm.double(), km.double(), vm.double(), scale, lm)
 
 
@@ -252,7 +226,7 @@ def test_worklist_reference_out_of_range_and_edges(idx_dtype):
 
 
 def test_worklist_reference_random_against_python():
-    g = _gen(11)
+    g = torch.Generator().manual_seed(11)
     U, B, per_tile = 37, 500, 4
     idx = torch.randint(-5, U + 5, (B,), generator=g)
     order, cand_start, tile_start = kv_worklist(idx, U, per_tile, 1)
@@ -366,7 +340,7 @@ def test_gpu_path_matches_reference_out_of_range_unvalidated(emulated, monkeypat
     B, U, L = 11, 3, 9
     q, kv, idx, _ = _gpu_path_problem(21, direction, B, U, idx_dtype, L=L, packed=direction == "kv")
     n_kv = U if direction == "kv" else B
-    g = _gen(22)
+    g = torch.Generator().manual_seed(22)
     lengths = torch.randint(-4, L + 6, (n_kv,), generator=g).to(idx_dtype)  # out of [0, L]: clamped
     for call in range(3):
         bad_idx = idx.clone()

@@ -8,43 +8,14 @@ import torch.nn.functional as F
 
 import ikbo_fa
 
+from attention_inputs import materialize, random_problem
+
 pytestmark = pytest.mark.gpu
 
 
-def _indices(B, U, g, sort=False):
-    idx = torch.randint(0, U, (B,), generator=g)
-    idx[torch.randperm(B, generator=g)[: min(B, U)]] = torch.arange(min(B, U))
-    if sort:
-        idx = idx.sort().values
-    return idx
-
-
 def _make(direction, B, U, S_q, H, H_kv, D, L, dtype, *, jagged, packed, seed, sort=False):
-    g = torch.Generator().manual_seed(seed)
-    idx = _indices(B, U, g, sort)
-    n_q, n_kv = (B, U) if direction == "kv" else (U, B)
-    q = torch.randn(n_q, S_q, H, D, generator=g)
-    if packed:
-        kv = torch.randn(n_kv, L, 2, H_kv, D, generator=g).to(dtype).cuda()
-        k, v = kv[:, :, 0], kv[:, :, 1]
-    else:
-        k = torch.randn(n_kv, L, H_kv, D, generator=g).to(dtype).cuda()
-        v = torch.randn(n_kv, L, H_kv, D, generator=g).to(dtype).cuda()
-        kv = (k, v)
-    lengths = None
-    if jagged:
-        lengths = torch.randint(0, L + 1, (n_kv,), generator=g)
-        lengths[0] = 0
-        lengths[-1] = L
-        lengths = lengths.cuda()
-    return q.to(dtype).cuda(), kv, k, v, idx.cuda(), lengths
-
-
-def _materialize(q, k, v, idx, direction, lengths):
-    idx = idx.long()
-    if direction == "kv":
-        return q, k[idx], v[idx], (None if lengths is None else lengths[idx])
-    return q[idx], k, v, lengths
+    return random_problem(seed, direction, B, U, S_q, H, H_kv, D, L, dtype, packed=packed, jagged=jagged,
+                          sort=sort, device="cuda")
 
 
 def _attention_fp32(q, k, v, scale, lengths, chunk=64):
@@ -116,7 +87,7 @@ def test_matches_fp32_within_sdpa_error(case):
     if want_lse:
         res, lse = res
     assert res is out
-    qm, km, vm, lm = _materialize(q, k, v, idx, direction, lengths)
+    qm, km, vm, lm = materialize(q, k, v, idx, direction, lengths)
     ref, ref_lse = _attention_fp32(qm, km, vm, scale, lm)
     assert not out.isnan().any()
     if lm is not None:
