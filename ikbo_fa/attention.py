@@ -240,6 +240,7 @@ def attention(
     (dtypes, shapes, strides, devices, options); later calls with the same
     signature reuse the launch plan and only check the index ranges (when
     validating). No host synchronization otherwise; CUDA-graph capturable.
+    A ``scale`` <= 0 costs one extra pass over q (negated, or zeros for 0).
     """
     if not _on_gpu(q):
         from .reference import attention_reference
@@ -261,6 +262,11 @@ def attention(
         scale = plan.default_scale
     elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    if scale <= 0.0:
+        # The kernel takes each row's running max over the raw scores, so it needs scale > 0:
+        # softmax(scale Q K^T) = softmax(-scale (-Q) K^T), and scale 0 is Q = 0 with scale 1.
+        q = torch.zeros_like(q) if scale == 0.0 else torch.neg(q)
+        scale = 1.0 if scale == 0.0 else -scale
 
     validated = checks.validation_enabled(validate)
     if validated:

@@ -466,7 +466,8 @@ class IkboAttentionFwdSm90:
         ctx = SimpleNamespace(
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, tOrP=tOrP,
             acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, col_offset=col_offset,
-            row_max=row_max, row_sum=row_sum, pipe_k=pipe_k, pipe_v=pipe_v, sV=sV, wg=wg)
+            row_max=row_max, row_sum=row_sum, corr=cute.make_rmem_tensor((n_rows,), Float32),
+            pipe_k=pipe_k, pipe_v=pipe_v, sV=sV, wg=wg)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -513,8 +514,8 @@ class IkboAttentionFwdSm90:
             acc_S = self.gemm_qk(ctx, q_stage, kv_state.index)
             warpgroup.wait_group(0)
             ctx.pipe_k.consumer_release(kv_state)
-            corr = self.online_softmax(ctx, acc_S, scale_log2)
-            self.rescale_o(ctx, corr)
+            self.online_softmax(ctx, acc_S, scale_log2)
+            self.rescale_o(ctx, ctx.corr)
             self.convert_p(ctx, acc_S)
             kv_state = self.pv_block(ctx, kv_state)
         return kv_state
@@ -523,7 +524,9 @@ class IkboAttentionFwdSm90:
     def mainloop_overlapped(self, ctx, kv_state, q_stage: Int32, n_blocks: Int32, n_cols: Int32,
                             scale_log2: Float32, tidx: Int32):
         """S of block j is issued before P V of block j-1; the softmax of j runs while P V
-        of j-1 is on the tensor cores (O is rescaled once that P V has landed)."""
+        of j-1 is on the tensor cores. O is rescaled for block j-1 right after S of j is
+        issued, under that GEMM, rather than at the end of the softmax: the end of the
+        softmax is the path to this warpgroup's next GEMM turn."""
         self.first_block(ctx, kv_state, q_stage, n_cols, scale_log2, tidx)
         for i in cutlass.range(n_blocks - 1, unroll=1):
             v_state = kv_state.clone()
@@ -532,16 +535,17 @@ class IkboAttentionFwdSm90:
             # This warpgroup's turn: the other one is between its GEMM issues and its softmax.
             cute.arch.barrier(barrier_id=_Bar.SCHED_WG0 + ctx.wg, number_of_threads=256)
             acc_S = self.gemm_qk(ctx, q_stage, kv_state.index)
+            self.rescale_o(ctx, ctx.corr)
             ctx.pipe_v.consumer_wait(v_state)
             self.gemm_pv(ctx, v_state.index)
             cute.arch.barrier_arrive(barrier_id=_Bar.SCHED_WG0 + 1 - ctx.wg, number_of_threads=256)
             warpgroup.wait_group(1)
             ctx.pipe_k.consumer_release(kv_state)
-            corr = self.online_softmax(ctx, acc_S, scale_log2)
+            self.online_softmax(ctx, acc_S, scale_log2)
             warpgroup.wait_group(0)
             ctx.pipe_v.consumer_release(v_state)
             self.convert_p(ctx, acc_S)
-            self.rescale_o(ctx, corr)
+        self.rescale_o(ctx, ctx.corr)
         return self.pv_block(ctx, kv_state)
 
     @cute.jit
@@ -553,7 +557,7 @@ class IkboAttentionFwdSm90:
         warpgroup.wait_group(0)
         ctx.pipe_k.consumer_release(kv_state)
         self.mask_keys(ctx, acc_S, n_cols)
-        self.online_softmax(ctx, acc_S, scale_log2)
+        self.online_softmax(ctx, acc_S, scale_log2, first=True)
         self.convert_p(ctx, acc_S)
         if const_expr(self.cfg.has_kv_lengths):
             ctx.pipe_v.consumer_wait(kv_state)
@@ -595,11 +599,12 @@ class IkboAttentionFwdSm90:
                 acc_S_mn[m, c] = acc_S_mn[m, c] if keep else -Float32.inf
 
     @cute.jit
-    def online_softmax(self, ctx, acc_S, scale_log2: Float32):
+    def online_softmax(self, ctx, acc_S, scale_log2: Float32, first: bool = False):
         """S -> unnormalized P = exp2(S * scale_log2 - max * scale_log2) in place; updates the
-        running row max and (per-thread partial) row sum; returns the factor O must be scaled by."""
-        acc_S_mn, row_max, row_sum = _acc_mn_view(acc_S), ctx.row_max, ctx.row_sum
-        corr = cute.make_rmem_tensor((cute.size(acc_S_mn, mode=[0]),), Float32)
+        running row max and (per-thread partial) row sum, and ``ctx.corr``, the factor O must be
+        scaled by before this block's P V. ``first``: the tile's first block (nothing to rescale;
+        exp2(-inf * scale) would be NaN for scale 0)."""
+        acc_S_mn, row_max, row_sum, corr = _acc_mn_view(acc_S), ctx.row_max, ctx.row_sum, ctx.corr
         n_cols = cute.size(acc_S_mn, mode=[1])
         assert n_cols % 4 == 0
         for m in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
@@ -611,11 +616,13 @@ class IkboAttentionFwdSm90:
             blk_max = cute.arch.fmax(cute.arch.fmax(mx[0], mx[1]), cute.arch.fmax(mx[2], mx[3]))
             blk_max = cute.arch.fmax(blk_max, cute.arch.shuffle_sync_bfly(blk_max, offset=1))
             blk_max = cute.arch.fmax(blk_max, cute.arch.shuffle_sync_bfly(blk_max, offset=2))
-            # row_max is -inf before the first block, so the first block needs no special case.
             new_max = cute.arch.fmax(row_max[m], blk_max)
             # A row with no unmasked score yet keeps max -inf: offset 0, so exp2 gives 0, not NaN.
             max_scaled = new_max * scale_log2 if new_max != -Float32.inf else Float32(0.0)
-            corr[m] = cute.math.exp2(row_max[m] * scale_log2 - max_scaled, fastmath=True)
+            if const_expr(first):
+                corr[m] = Float32(1.0)
+            else:
+                corr[m] = cute.math.exp2(row_max[m] * scale_log2 - max_scaled, fastmath=True)
             row_max[m] = new_max
             sums = [Float32(0.0)] * 4
             for c in cutlass.range_constexpr(0, n_cols, 4):
@@ -623,8 +630,11 @@ class IkboAttentionFwdSm90:
                     p = cute.math.exp2(acc_S_mn[m, c + i] * scale_log2 - max_scaled, fastmath=True)
                     acc_S_mn[m, c + i] = p
                     sums[i] = sums[i] + p
-            row_sum[m] = row_sum[m] * corr[m] + ((sums[0] + sums[1]) + (sums[2] + sums[3]))
-        return corr
+            blk_sum = (sums[0] + sums[1]) + (sums[2] + sums[3])
+            if const_expr(first):
+                row_sum[m] = blk_sum
+            else:
+                row_sum[m] = row_sum[m] * corr[m] + blk_sum
 
     @cute.jit
     def rescale_o(self, ctx, corr):

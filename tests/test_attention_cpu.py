@@ -265,6 +265,7 @@ class _EmulatedKernels:
     def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, scale_log2, scale, n_ctas):
         self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k))
         assert scale_log2 == pytest.approx(scale * LOG2E)
+        assert scale > 0  # the kernel's running max assumes it
         assert cand.dtype == torch.int32 and cand.is_contiguous() and 1 <= n_ctas <= 132
         L = k.shape[1]
         if kvl is not None:
@@ -388,9 +389,9 @@ def test_gpu_path_cached_plan_still_checks_ranges_and_scale(emulated):
         ikbo_fa.attention(q, kv, bad, kv_lengths=lengths, validate=True)
     with pytest.raises(IndexError, match=r"kv_lengths\[1\] = 10"):
         ikbo_fa.attention(q, kv, idx, kv_lengths=torch.tensor([1, 10, 2, 3]), validate=True)
-    for scale in (0.5, 0.25):
+    for scale in (0.5, 0.25, 0.0, -0.3):
         out = ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, scale=scale)
-        assert emulated.fwd_calls[-1]["scale"] == scale
+        assert emulated.fwd_calls[-1]["scale"] == (abs(scale) or 1.0)
         torch.testing.assert_close(out, attention_reference(q, kv, idx, kv_lengths=lengths, scale=scale),
                                    rtol=1e-2, atol=1e-2)
     ikbo_fa.attention(q, kv, idx, kv_lengths=lengths)

@@ -148,6 +148,24 @@ def test_jagged_padding_not_finite_is_ignored():
     assert _rel(out, ref.float()) < 1e-2
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.05, 0.5])
+def test_scale_zero_negative_and_large(scale):
+    # scale 0: every valid key weighs the same (O = mean of V); the rescale of the tile's
+    # first block must not produce exp2(-inf * 0).
+    B, U, S_q, H, D, L = 300, 5, 64, 2, 128, 700
+    q, kv, k, v, idx, lengths = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=True, packed=False,
+                                      seed=8)
+    out = torch.full((B, S_q, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, scale=scale, out=out)
+    qm, km, vm, lm = materialize(q, k, v, idx, "kv", lengths)
+    ref, _ = _attention_fp32(qm, km, vm, scale, lm)
+    keep = lm != 0
+    assert (out[~keep] == 0).all()
+    err = _rel(out[keep], ref[keep])
+    sdpa_err = _rel(_sdpa(qm, km, vm, scale, lm)[keep], ref[keep])
+    assert err <= 1.5 * sdpa_err + 1e-6, (err, sdpa_err)
+
+
 def test_unsorted_equals_sorted():
     B, U, S_q, H, D, L = 1000, 16, 64, 2, 128, 333
     q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=6)
