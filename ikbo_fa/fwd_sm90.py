@@ -48,6 +48,9 @@ def row_packing(s_q: int):
     return 64, 1, (s_q + 127) // 128
 
 
+_META = 8  # Int32 fields of tile_info, as handed from the producer to the consumers
+
+
 class _Bar:
     """Named barrier ids (0 is __syncthreads); the class docstring says who uses each."""
 
@@ -80,7 +83,10 @@ class IkboAttentionFwdSm90:
     consumer warp on release):
       Q: ``q_stages`` = 2 stages (the CTA's i-th tile in stage i % 2, so the
          next tile's Q loads while this one runs), bytes = every slot of the 128-row tile;
-         released by both consumer warpgroups after the tile's main loop.
+         released by both consumer warpgroups after the tile's main loop. Each stage
+         also carries the tile's info (tile_info: head, user, candidates, key count),
+         written to shared memory by the producer between its wait for the free stage
+         and its arrive, so the consumers never search the work list themselves.
       K, V: ``stages`` stages each, one shared state; K released after S of a
          block, V after its P V.
     Named barriers (id: thread count; who arrives / syncs):
@@ -200,6 +206,7 @@ class IkboAttentionFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, self.q_stages * 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            tile_meta: cute.struct.MemRange[Int32, self.q_stages * _META]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -278,6 +285,8 @@ class IkboAttentionFwdSm90:
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # The producer's tile_info for the tile in each Q stage, handed to the consumers with its Q.
+        sMeta = storage.tile_meta.get_tensor(cute.make_layout((_META, self.q_stages)))
         # (D, n, stage) view of V: the MN-major B operand of O += P V.
         sVt = cute.composition(
             sV, cute.make_ordered_layout((self.head_dim, self.tile_n, self.stages), order=(1, 0, 2)))
@@ -292,11 +301,11 @@ class IkboAttentionFwdSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
+                self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
                           pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, sched)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.mma(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sVt, sO,
+            self.mma(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sVt, sO, sMeta,
                      pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, sched,
                      scale_log2, scale, tidx - 128)
 
@@ -378,7 +387,7 @@ class IkboAttentionFwdSm90:
 
     # ------------------------------------------------------------- producer
     @cute.jit
-    def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
+    def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
              pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, sched):
         total_tiles, tiles_per_head, n_q_batch, n_kv_batch, n_heads, n_kv_heads, kv_len = sched
         group = n_heads // n_kv_heads
@@ -401,7 +410,13 @@ class IkboAttentionFwdSm90:
             # Q first: its other stage was released when the tile before the previous one
             # ended, so this does not wait and the load runs under the previous tile's
             # last blocks. The K stage below waits for the previous tile's K releases.
-            pipe_q.producer_acquire(q_state)
+            # The stage's meta slot is free once its Q is: wait, write the tile's info, then arrive
+            # (with the Q bytes to expect), so the consumers' Q wait also covers the info.
+            pipeline.PipelineAsync.producer_acquire(pipe_q, q_state)
+            meta = (h, kv_coord, first, n_valid, chunk, q_coord, Int32(1) if invalid else Int32(0), n_keys)
+            for i in cutlass.range_constexpr(_META):
+                sMeta[i, q_state.index] = meta[i]
+            pipe_q.producer_acquire(q_state, try_acquire_token=True)
             for s in cutlass.range_constexpr(self.slots):
                 valid, q_b, out_b, row_block = self.slot_info(s, first, n_valid, chunk, q_coord, mCand)
                 gQ = cute.local_tile(mQ[None, None, h, q_b], (r, d), (row_block, 0))
@@ -437,7 +452,7 @@ class IkboAttentionFwdSm90:
 
     # ------------------------------------------------------------ consumers
     @cute.jit
-    def mma(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sVt, sO,
+    def mma(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sVt, sO, sMeta,
             pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, sched,
             scale_log2: Float32, scale: Float32, tidx: Int32):
         total_tiles, tiles_per_head, n_q_batch, n_kv_batch, n_heads, n_kv_heads, kv_len = sched
@@ -478,14 +493,17 @@ class IkboAttentionFwdSm90:
         t = cute.arch.block_idx()[0]
         n_ctas = cute.arch.grid_dim()[0]
         while t < total_tiles:
-            # Looked up once per tile: the epilogue reuses it (registers are not short here).
-            info = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, sched)
+            # The producer looked the tile up (a binary search over dependent loads, off the
+            # consumers' path); its info arrives with the tile's Q and stays in registers for
+            # the epilogue.
+            pipe_q.consumer_wait(q_state)
+            m = [sMeta[i, q_state.index] for i in range(_META)]
+            info = (m[0], m[1], m[2], m[3], m[4], m[5], m[6] != 0, m[7])
             n_keys = info[7]
             n_blocks = (n_keys + n - 1) // n
             acc_O.fill(0.0)
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
-            pipe_q.consumer_wait(q_state)
             if n_blocks > 0:
                 # Blocks run last to first: only the first one processed needs the key mask.
                 n_cols = n_keys - (n_blocks - 1) * n
