@@ -17,6 +17,10 @@ broadcast, B for Q broadcast): only the first ``kv_lengths[r]`` keys of row r
 take part. A length of 0 gives output 0 and log-sum-exp -inf. With
 validation on, lengths outside [0, L] raise; with it off they are clamped.
 
+``scale`` defaults to 1/sqrt(D); any finite value is accepted. The kernel needs
+scale > 0, so a scale <= 0 runs it on -q (or on zeros for 0) with |scale| (or 1):
+the same scores, for one extra pass over q.
+
 An index outside the broadcast side's batch raises ``IndexError`` with
 validation on (``validate=True`` or ``IKBO_VALIDATE=1``); with it off, that
 candidate's output and log-sum-exp are NaN, nothing is read out of bounds,
@@ -240,7 +244,7 @@ def attention(
     (dtypes, shapes, strides, devices, options); later calls with the same
     signature reuse the launch plan and only check the index ranges (when
     validating). No host synchronization otherwise; CUDA-graph capturable.
-    A ``scale`` <= 0 costs one extra pass over q (negated, or zeros for 0).
+    A ``scale`` <= 0 costs one extra pass over q (see the module docstring).
     """
     if not _on_gpu(q):
         from .reference import attention_reference
