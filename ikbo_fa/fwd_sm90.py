@@ -74,6 +74,10 @@ class IkboAttentionFwdSm90:
         their GEMMs (named barriers 4, 5 below). Epilogue: O / row_sum into the
         warpgroup's 64 rows of sO (stmatrix), one TMA store per stored slot.
 
+    Scale: ``scale_log2`` must be > 0. Masked keys are -inf before scaling and each
+    row's running max is taken over the raw scores; the op maps a scale <= 0 onto
+    this (ikbo_fa.attention).
+
     Launch: programmatic dependent launch, so the CTAs start and set up their
     barriers while the kernel before them (the work list) finishes; every thread
     waits for that grid (griddepcontrol.wait) before touching global memory.
