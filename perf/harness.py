@@ -118,18 +118,10 @@ def _caller(fn: Callable, rotate: Optional[Sequence]) -> tuple[Callable[[int], A
 
 def bench_ms(fn: Callable, *, warmup: int = 5, rep: int = 30, rotate: Optional[Sequence] = None) -> float:
     """Median milliseconds of one call of ``fn`` (``fn(x)`` for x cycling over ``rotate``)."""
-    call, _ = _caller(fn, rotate)
-    for i in range(warmup):
-        call(i)
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    for i in range(rep):
-        starts[i].record()
-        call(warmup + i)
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    ms = bench_interleaved({"fn": fn}, warmup=warmup, rep=rep, rotate=rotate)["fn"]
+    if isinstance(ms, BaseException):
+        raise ms
+    return ms
 
 
 def bench_graph_ms(fn: Callable, *, warmup: int = 3, rep: int = 30,
