@@ -18,6 +18,13 @@ from cute_kernels.interop import fake_stream, fake_tensor
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+# After a tile's first block the main loop exponentiates each block against the running row
+# max as it stands (log2 units, scale applied), without the block's own max, and rescales
+# only when a P may exceed 2^STALE_MAX. A move of the max past REDO_MAX (P could overflow,
+# or its rescale factor underflow) marks the warp's rows for an exact recompute at the end
+# of the tile (``exact_rows``).
+STALE_MAX = 8.0
+REDO_MAX = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +78,12 @@ class IkboAttentionFwdSm90:
         online softmax in exp2 on fp32 row max/sum. With ``overlap`` the S of
         block j is issued before the P V of block j-1 and the softmax of j runs
         while that P V is in flight; the two warpgroups take turns issuing
-        their GEMMs (named barriers 4, 5 below). Epilogue: O / row_sum into the
-        warpgroup's 64 rows of sO (stmatrix), one TMA store per stored slot.
+        their GEMMs (named barriers 4, 5 below), and after a tile's first block the
+        softmax runs against the running max as it stands (rescaling P and O only when a
+        P may exceed 2^STALE_MAX). A warp whose max moved by more than REDO_MAX (log2
+        units) recomputes its rows exactly on the CUDA cores after the main loop.
+        Epilogue: O / row_sum into the warpgroup's 64 rows of sO (stmatrix), one TMA
+        store per stored slot.
 
     Scale: ``scale_log2`` must be > 0. Masked keys are -inf before scaling and each
     row's running max is taken over the raw scores; the op maps a scale <= 0 onto
@@ -220,7 +231,7 @@ class IkboAttentionFwdSm90:
 
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
-            mLSE, mCand, mCandStart, mTileStart, mKvLen,
+            mLSE, mCand, mCandStart, mTileStart, mKvLen, mK, mV,
             mQ.shape[3], mK.shape[3], mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
             scale_log2, scale,
             tiled_mma_qk, tiled_mma_pv, sQ_layout, sO_layout, slot_layout, sK_layout, sV_layout,
@@ -244,6 +255,8 @@ class IkboAttentionFwdSm90:
         mCandStart: cute.Tensor | None,
         mTileStart: cute.Tensor | None,
         mKvLen: cute.Tensor | None,
+        mKg: cute.Tensor,
+        mVg: cute.Tensor,
         n_q_batch: Int32,
         n_kv_batch: Int32,
         n_heads: Int32,
@@ -310,7 +323,7 @@ class IkboAttentionFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.mma(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sVt, sO, sMeta,
-                     pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, sched,
+                     pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKg, mVg, sched,
                      scale_log2, scale, tidx - 128)
 
     # ------------------------------------------------------------ work list
@@ -457,7 +470,7 @@ class IkboAttentionFwdSm90:
     # ------------------------------------------------------------ consumers
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sVt, sO, sMeta,
-            pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, sched,
+            pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKg, mVg, sched,
             scale_log2: Float32, scale: Float32, tidx: Int32):
         total_tiles, tiles_per_head, n_q_batch, n_kv_batch, n_heads, n_kv_heads, kv_len = sched
         d, r, n = self.head_dim, self.slot_rows, self.tile_n
@@ -486,7 +499,10 @@ class IkboAttentionFwdSm90:
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, tOrP=tOrP,
             acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, col_offset=col_offset,
             row_max=row_max, row_sum=row_sum, corr=cute.make_rmem_tensor((n_rows,), Float32),
-            pipe_k=pipe_k, pipe_v=pipe_v, sV=sV, wg=wg)
+            pipe_k=pipe_k, pipe_v=pipe_v, sV=sV, wg=wg,
+            # The largest move of the running max in one rescale of this tile (log2 units).
+            jump=cute.make_rmem_tensor((1,), Float32), sQ=sQ, mKg=mKg, mVg=mVg,
+            tOcO_mn=_acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, d)))))
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -508,6 +524,7 @@ class IkboAttentionFwdSm90:
             acc_O.fill(0.0)
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
+            ctx.jump[0] = Float32(0.0)
             if n_blocks > 0:
                 # Blocks run last to first: only the first one processed needs the key mask.
                 n_cols = n_keys - (n_blocks - 1) * n
@@ -517,6 +534,10 @@ class IkboAttentionFwdSm90:
                 else:
                     kv_state = self.mainloop_serial(ctx, kv_state, q_state.index, n_blocks, n_cols,
                                                     scale_log2, tidx)
+            if const_expr(self.cfg.overlap):
+                if cute.arch.vote_any_sync(ctx.jump[0] > Float32(REDO_MAX)):
+                    self.exact_rows(ctx, q_state.index, n_keys, info[0] // (n_heads // n_kv_heads), info[1],
+                                    scale_log2, tidx)
             pipe_q.consumer_release(q_state)
             q_state.advance()
             self.epilogue(acc_O, acc_O_mn, row_max, row_sum, info, tiled_mma_pv, tidx, tma_atom_O, mO, mLSE, sO,
@@ -546,9 +567,10 @@ class IkboAttentionFwdSm90:
     def mainloop_overlapped(self, ctx, kv_state, q_stage: Int32, n_blocks: Int32, n_cols: Int32,
                             scale_log2: Float32, tidx: Int32):
         """S of block j is issued before P V of block j-1; the softmax of j runs while P V
-        of j-1 is on the tensor cores. O is rescaled for block j-1 right after S of j is
-        issued, under that GEMM, rather than at the end of the softmax: the end of the
-        softmax is the path to this warpgroup's next GEMM turn."""
+        of j-1 is on the tensor cores. The end of the softmax is the path to this
+        warpgroup's next GEMM turn, so after the tile's first block it exponentiates against
+        the running max as it stands (``softmax_stale_max``) and O is rescaled only in the
+        rare block where a P may exceed 2^STALE_MAX (``stale_max_grew``)."""
         self.first_block(ctx, kv_state, q_stage, n_cols, scale_log2, tidx)
         for i in cutlass.range(n_blocks - 1, unroll=1):
             v_state = kv_state.clone()
@@ -557,17 +579,18 @@ class IkboAttentionFwdSm90:
             # This warpgroup's turn: the other one is between its GEMM issues and its softmax.
             cute.arch.barrier(barrier_id=_Bar.SCHED_WG0 + ctx.wg, number_of_threads=256)
             acc_S = self.gemm_qk(ctx, q_stage, kv_state.index)
-            self.rescale_o(ctx, ctx.corr)
             ctx.pipe_v.consumer_wait(v_state)
             self.gemm_pv(ctx, v_state.index)
             cute.arch.barrier_arrive(barrier_id=_Bar.SCHED_WG0 + 1 - ctx.wg, number_of_threads=256)
             warpgroup.wait_group(1)
             ctx.pipe_k.consumer_release(kv_state)
-            self.online_softmax(ctx, acc_S, scale_log2)
+            grew = self.softmax_stale_max(ctx, acc_S, scale_log2)
             warpgroup.wait_group(0)
             ctx.pipe_v.consumer_release(v_state)
             self.convert_p(ctx, acc_S)
-        self.rescale_o(ctx, ctx.corr)
+            if grew:
+                self.stale_max_grew(ctx, acc_S, scale_log2)
+                self.convert_p(ctx, acc_S)
         return self.pv_block(ctx, kv_state)
 
     @cute.jit
@@ -657,6 +680,94 @@ class IkboAttentionFwdSm90:
                 row_sum[m] = blk_sum
             else:
                 row_sum[m] = row_sum[m] * corr[m] + blk_sum
+
+    @cute.jit
+    def softmax_stale_max(self, ctx, acc_S, scale_log2: Float32):
+        """S -> P = exp2(S * scale_log2 - running max * scale_log2) in place, the row sums
+        updated, without this block's max: the exponentials start at once. Returns whether
+        in some row of this warp P may exceed 2^STALE_MAX (``stale_max_grew`` then rescales)."""
+        acc_S_mn, row_max, row_sum = _acc_mn_view(acc_S), ctx.row_max, ctx.row_sum
+        n_cols = cute.size(acc_S_mn, mode=[1])
+        n_rows = cute.size(acc_S_mn, mode=[0])
+        grew = False
+        for m in cutlass.range_constexpr(n_rows):
+            # After the first block the running max is finite (it holds a valid key).
+            ms = row_max[m] * scale_log2
+            sums = [Float32(0.0)] * 4
+            for c in cutlass.range_constexpr(0, n_cols, 4):
+                for i in cutlass.range_constexpr(4):
+                    p = cute.math.exp2(acc_S_mn[m, c + i] * scale_log2 - ms, fastmath=True)
+                    acc_S_mn[m, c + i] = p
+                    sums[i] = sums[i] + p
+            blk_sum = (sums[0] + sums[1]) + (sums[2] + sums[3])
+            # No P exceeds this thread's sum of them, so a sum within 2^STALE_MAX bounds them
+            # all without a max (an inf P makes the sum inf).
+            grew = grew | (blk_sum > Float32(2.0 ** STALE_MAX))
+            row_sum[m] = row_sum[m] + blk_sum
+        return cute.arch.vote_any_sync(grew)
+
+    @cute.jit
+    def stale_max_grew(self, ctx, acc_S, scale_log2: Float32):
+        """The rare step after ``softmax_stale_max`` when a P may exceed 2^STALE_MAX: the
+        running max moves up by log2 of the row's largest P, and P, the row sums and O (its
+        P V of the blocks before, waited for) are rescaled to it. The largest move is kept in
+        ``ctx.jump``: past REDO_MAX (P may have overflowed), ``exact_rows`` recomputes the
+        warp's rows at the end of the tile."""
+        acc_S_mn, row_max, row_sum = _acc_mn_view(acc_S), ctx.row_max, ctx.row_sum
+        n_cols = cute.size(acc_S_mn, mode=[1])
+        for m in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            p_max = acc_S_mn[m, 0]
+            for c in cutlass.range_constexpr(1, n_cols):
+                p_max = cute.arch.fmax(p_max, acc_S_mn[m, c])
+            p_max = cute.arch.fmax(p_max, cute.arch.shuffle_sync_bfly(p_max, offset=1))
+            p_max = cute.arch.fmax(p_max, cute.arch.shuffle_sync_bfly(p_max, offset=2))
+            jump = cute.arch.fmax(cute.math.log2(p_max, fastmath=True), Float32(0.0))
+            ctx.jump[0] = cute.arch.fmax(ctx.jump[0], jump)
+            new_max = row_max[m] + jump / scale_log2
+            f = cute.math.exp2(row_max[m] * scale_log2 - new_max * scale_log2, fastmath=True)
+            for c in cutlass.range_constexpr(n_cols):
+                acc_S_mn[m, c] = acc_S_mn[m, c] * f
+            row_sum[m] = row_sum[m] * f
+            row_max[m] = new_max
+            for c in cutlass.range_constexpr(cute.size(ctx.acc_O_mn, mode=[1])):
+                ctx.acc_O_mn[m, c] = ctx.acc_O_mn[m, c] * f
+
+    @cute.jit
+    def exact_rows(self, ctx, q_stage: Int32, n_keys: Int32, h_kv: Int32, kv_coord: Int32,
+                   scale_log2: Float32, tidx: Int32):
+        """This thread's rows of O, their max and sum, recomputed on the CUDA cores in fp32
+        over all ``n_keys`` keys (Q from shared memory, K and V from global memory). Runs only
+        for a warp whose running max moved by more than REDO_MAX in one rescale (scores far
+        outside the usual range), after the tile's main loop. The four lanes sharing a row
+        split each dot product."""
+        acc_O_mn, row_max, row_sum, tOcO = ctx.acc_O_mn, ctx.row_max, ctx.row_sum, ctx.tOcO_mn
+        n_rows = cute.size(acc_O_mn, mode=[0])
+        n_cols = cute.size(acc_O_mn, mode=[1])
+        quarter = self.head_dim // 4
+        lane = tidx % 4
+        acc_O_mn.fill(0.0)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        for key in cutlass.range(n_keys, unroll=1):
+            s = [Float32(0.0)] * n_rows
+            for j in cutlass.range_constexpr(quarter):
+                kk = Float32(ctx.mKg[key, lane * quarter + j, h_kv, kv_coord])
+                for m in cutlass.range_constexpr(n_rows):
+                    s[m] = s[m] + Float32(ctx.sQ[tOcO[m, 0][0], lane * quarter + j, q_stage]) * kk
+            v = [Float32(ctx.mVg[key, tOcO[0, c][1], h_kv, kv_coord]) for c in range(n_cols)]
+            for m in cutlass.range_constexpr(n_rows):
+                s[m] = s[m] + cute.arch.shuffle_sync_bfly(s[m], offset=1)
+                s[m] = s[m] + cute.arch.shuffle_sync_bfly(s[m], offset=2)
+                new_max = cute.arch.fmax(row_max[m], s[m])
+                f = cute.math.exp2((row_max[m] - new_max) * scale_log2, fastmath=True)
+                p = cute.math.exp2((s[m] - new_max) * scale_log2, fastmath=True)
+                row_sum[m] = row_sum[m] * f + p
+                row_max[m] = new_max
+                for c in cutlass.range_constexpr(n_cols):
+                    acc_O_mn[m, c] = acc_O_mn[m, c] * f + p * v[c]
+        # The epilogue adds the row sum over the four lanes of a row.
+        if lane != 0:
+            row_sum.fill(0.0)
 
     @cute.jit
     def rescale_o(self, ctx, corr):

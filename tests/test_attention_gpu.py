@@ -105,26 +105,35 @@ def test_matches_fp32_within_sdpa_error(case):
         torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)
 
 
+JUMP_CASES = [
+    # direction, B, U, S_q, H, H_kv, D, L, dtype, jagged
+    ("kv", 96, 3, 64, 2, 2, 128, 1000, torch.bfloat16, False),
+    ("q", 64, 4, 100, 4, 1, 64, 1000, torch.float16, True),
+]
+
+
+@pytest.mark.parametrize("case", JUMP_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
 @pytest.mark.parametrize("factor", [4.0, 60.0])
 @pytest.mark.parametrize("keys", [(0, 200), (300, 420)])
-def test_scores_jump_in_a_later_block(keys, factor):
+def test_scores_jump_in_a_later_block(keys, factor, case):
     # Blocks run from the last keys to the first; keys scaled up here make the row max jump
-    # in a later block. Factor 4: by about 2^13 in the exponent; factor 60: by more than
-    # float32's range (exp2 against the earlier max would overflow).
-    B, U, S_q, H, D, L = 96, 3, 64, 2, 128, 1000
-    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False,
-                                seed=keys[0] + int(factor))
+    # in a later block. Factor 4: by about 2^13 in the exponent (P and O rescaled in the
+    # loop); factor 60: by more than float32's range (the rows recomputed exactly).
+    direction, B, U, S_q, H, H_kv, D, L, dtype, jagged = case
+    q, kv, k, v, idx, lengths = _make(direction, B, U, S_q, H, H_kv, D, L, dtype, jagged=jagged, packed=False,
+                                      seed=keys[0] + int(factor) + D)
     k[:, keys[0]:keys[1]] *= factor
     scale = 1.0 / math.sqrt(D)
-    out = torch.full((B, S_q, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    _, lse = ikbo_fa.attention(q, kv, idx, out=out, return_lse=True)
-    qm, km, vm, _ = materialize(q, k, v, idx, "kv", None)
-    ref, ref_lse = _attention_fp32(qm, km, vm, scale, None)
+    out = torch.full((B, S_q, H, D), float("nan"), dtype=dtype, device="cuda")
+    _, lse = ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, out=out, return_lse=True)
+    qm, km, vm, lm = materialize(q, k, v, idx, direction, lengths)
+    ref, ref_lse = _attention_fp32(qm, km, vm, scale, lm)
     assert not out.isnan().any()
-    err = _rel(out, ref)
-    sdpa_err = _rel(_sdpa(qm, km, vm, scale, None), ref)
+    keep = torch.ones(B, dtype=torch.bool, device="cuda") if lm is None else lm > 0
+    err = _rel(out[keep], ref[keep])
+    sdpa_err = _rel(_sdpa(qm, km, vm, scale, lm)[keep], ref[keep])
     assert err <= 1.5 * sdpa_err + 1e-6, (err, sdpa_err)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("direction", ["kv", "q"])
