@@ -669,13 +669,7 @@ class IkboAttentionFwdSm90:
             else:
                 corr[m] = cute.math.exp2(row_max[m] * scale_log2 - max_scaled, fastmath=True)
             row_max[m] = new_max
-            sums = [Float32(0.0)] * 4
-            for c in cutlass.range_constexpr(0, n_cols, 4):
-                for i in cutlass.range_constexpr(4):
-                    p = cute.math.exp2(acc_S_mn[m, c + i] * scale_log2 - max_scaled, fastmath=True)
-                    acc_S_mn[m, c + i] = p
-                    sums[i] = sums[i] + p
-            blk_sum = (sums[0] + sums[1]) + (sums[2] + sums[3])
+            blk_sum = _exp2_row(acc_S_mn, m, scale_log2, max_scaled)
             if const_expr(first):
                 row_sum[m] = blk_sum
             else:
@@ -687,19 +681,10 @@ class IkboAttentionFwdSm90:
         updated, without this block's max: the exponentials start at once. Returns whether
         in some row of this warp P may exceed 2^STALE_MAX (``stale_max_grew`` then rescales)."""
         acc_S_mn, row_max, row_sum = _acc_mn_view(acc_S), ctx.row_max, ctx.row_sum
-        n_cols = cute.size(acc_S_mn, mode=[1])
-        n_rows = cute.size(acc_S_mn, mode=[0])
         grew = False
-        for m in cutlass.range_constexpr(n_rows):
+        for m in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             # After the first block the running max is finite (it holds a valid key).
-            ms = row_max[m] * scale_log2
-            sums = [Float32(0.0)] * 4
-            for c in cutlass.range_constexpr(0, n_cols, 4):
-                for i in cutlass.range_constexpr(4):
-                    p = cute.math.exp2(acc_S_mn[m, c + i] * scale_log2 - ms, fastmath=True)
-                    acc_S_mn[m, c + i] = p
-                    sums[i] = sums[i] + p
-            blk_sum = (sums[0] + sums[1]) + (sums[2] + sums[3])
+            blk_sum = _exp2_row(acc_S_mn, m, scale_log2, row_max[m] * scale_log2)
             # No P exceeds this thread's sum of them, so a sum within 2^STALE_MAX bounds them
             # all without a max (an inf P makes the sum inf).
             grew = grew | (blk_sum > Float32(2.0 ** STALE_MAX))
@@ -864,6 +849,19 @@ def _gemm(tiled_mma, acc, tA, tB, zero_init: bool):
         cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
+
+
+def _exp2_row(acc_S_mn, m: int, scale_log2: Float32, offset: Float32):
+    """Row m of S -> exp2(S * scale_log2 - offset) in place; returns this thread's sum of the row
+    (four independent chains: a single one is latency bound)."""
+    n_cols = cute.size(acc_S_mn, mode=[1])
+    sums = [Float32(0.0)] * 4
+    for c in range(0, n_cols, 4):
+        for i in range(4):
+            p = cute.math.exp2(acc_S_mn[m, c + i] * scale_log2 - offset, fastmath=True)
+            acc_S_mn[m, c + i] = p
+            sums[i] = sums[i] + p
+    return (sums[0] + sums[1]) + (sums[2] + sums[3])
 
 
 def _acc_mn_view(acc):
