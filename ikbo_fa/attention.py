@@ -21,6 +21,11 @@ validation on, lengths outside [0, L] raise; with it off they are clamped.
 scale > 0, so a scale <= 0 runs it on -q (or on zeros for 0) with |scale| (or 1):
 the same scores, for one extra pass over q.
 
+Speed depends on the scores only in one extreme: a query row whose scaled scores
+in some block of 128 keys exceed every score processed before them by more than
+about 83 (blocks run from the last keys to the first) is recomputed exactly on
+the CUDA cores: correct, but slow.
+
 An index outside the broadcast side's batch raises ``IndexError`` with
 validation on (``validate=True`` or ``IKBO_VALIDATE=1``); with it off, that
 candidate's output and log-sum-exp are NaN, nothing is read out of bounds,

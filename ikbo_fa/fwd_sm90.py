@@ -255,8 +255,8 @@ class IkboAttentionFwdSm90:
         mCandStart: cute.Tensor | None,
         mTileStart: cute.Tensor | None,
         mKvLen: cute.Tensor | None,
-        mKg: cute.Tensor,
-        mVg: cute.Tensor,
+        mKg: cute.Tensor,  # (L, D, H_kv, batch) view of K in global memory, for exact_rows
+        mVg: cute.Tensor,  # ... and of V
         n_q_batch: Int32,
         n_kv_batch: Int32,
         n_heads: Int32,
