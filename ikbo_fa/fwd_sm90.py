@@ -709,6 +709,8 @@ class IkboAttentionFwdSm90:
             jump = cute.arch.fmax(cute.math.log2(p_max, fastmath=True), Float32(0.0))
             ctx.jump[0] = cute.arch.fmax(ctx.jump[0], jump)
             new_max = row_max[m] + jump / scale_log2
+            # Through new_max * scale_log2, the offset later blocks exponentiate against, so the
+            # rescaled P and the later P share one offset to the last bit.
             f = cute.math.exp2(row_max[m] * scale_log2 - new_max * scale_log2, fastmath=True)
             for c in cutlass.range_constexpr(n_cols):
                 acc_S_mn[m, c] = acc_S_mn[m, c] * f
