@@ -300,6 +300,103 @@ def copy_bandwidth_tbps(nbytes: int = 2**30, *, warmup: int = 3, rep: int = 20) 
     return 2.0 * nbytes / (ms * 1e-3) / 1e12
 
 
+# --------------------------------------------------------------------------- power
+
+POWER_CAP_BIT = 0x4  # nvidia-smi clocks_throttle_reasons.active: software power cap
+
+
+def parse_power_samples(text: str) -> list[tuple[float, float, int]]:
+    """(watts, SM MHz, throttle-reason bits) per line of ``nvidia-smi --format=csv,noheader,nounits``
+    output for power, SM clock and active throttle reasons; lines that do not parse are dropped."""
+    samples = []
+    for line in text.splitlines():
+        parts = [v.strip() for v in line.split(",")]
+        try:
+            samples.append((float(parts[0]), float(parts[1]), int(parts[2], 16)))
+        except (IndexError, ValueError):
+            continue
+    return samples
+
+
+class PowerSampler:
+    """Samples the board's power draw, SM clock and throttle reasons with nvidia-smi every
+    ``period_ms`` while the ``with`` block runs; ``samples`` holds them afterwards."""
+
+    def __init__(self, period_ms: int = 100):
+        self.period_ms = period_ms
+        self.samples: list[tuple[float, float, int]] = []
+        self._proc = None
+
+    def __enter__(self) -> "PowerSampler":
+        index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        # power.draw is a one-second average on recent drivers; the instant reading follows
+        # a back-to-back loop more closely where the driver has it.
+        power = "power.draw.instant" if _run(["nvidia-smi", f"--id={index}", "--query-gpu=power.draw.instant",
+                                              "--format=csv,noheader"]) else "power.draw"
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", f"--id={index}", f"--query-gpu={power},clocks.sm,clocks_throttle_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", str(self.period_ms)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:  # no nvidia-smi: no samples
+            self._proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.kill()
+        try:
+            out = self._proc.communicate(timeout=10)[0]
+        except subprocess.SubprocessError:
+            out = ""
+        self.samples = parse_power_samples(out or "")
+
+
+def sustained(fn: Callable, seconds: float, *, warm_s: float = 1.5, trim: int = 3) -> dict:
+    """``fn`` called back to back for ``warm_s`` (clocks and power settle), then for ``seconds``
+    under a PowerSampler. Returns ms per call, mean watts, median SM MHz, whether the power cap
+    throttled the clock, mJ per call (mean power x time per call) and the sample count; the
+    first and last ``trim`` samples (start-up, tail) are dropped when enough remain."""
+    start = time.perf_counter()
+    fn()
+    _sync()
+    chunk = max(1, round(0.05 / max(time.perf_counter() - start, 1e-6)))  # ~50 ms between syncs
+
+    def loop(limit: float) -> int:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < limit:
+            for _ in range(chunk):
+                fn()
+            n += chunk
+            _sync()
+        return n
+
+    loop(warm_s)
+    with PowerSampler() as sampler:
+        time.sleep(0.2)
+        t0 = time.perf_counter()
+        calls = loop(seconds)
+        elapsed = time.perf_counter() - t0
+    samples = sampler.samples
+    if len(samples) > 4 * trim:
+        samples = samples[trim:-trim]
+    ms = elapsed / calls * 1e3
+    watts = statistics.fmean(s[0] for s in samples) if samples else None
+    return {"ms": ms, "W": watts, "MHz": statistics.median(s[1] for s in samples) if samples else None,
+            "power_capped": any(s[2] & POWER_CAP_BIT for s in samples) if samples else None,
+            "mJ": watts * ms if watts is not None else None, "samples": len(samples)}
+
+
+def idle_watts(seconds: float = 3.0) -> Optional[float]:
+    """Mean board power with nothing running."""
+    _sync()
+    with PowerSampler() as sampler:
+        time.sleep(seconds)
+    samples = sampler.samples[2:]
+    return statistics.fmean(s[0] for s in samples) if samples else None
+
+
 # --------------------------------------------------------------------------- accuracy
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,0 +1,166 @@
+"""Energy per call of the LCE providers at the board's power limit, and the floor it implies.
+
+    python perf/energy_lce.py                     # published shape, fp16, 5 s per workload
+    python perf/energy_lce.py --dtype bf16 --seconds 8
+
+Under sustained load an H200 draws its power limit (700 W) and lowers its clock until it
+fits, so time per call is energy per call over that limit: the ratio of two providers' energy
+is the ratio of their times. Each workload here runs back to back for --seconds after a
+warm-up while nvidia-smi samples the board's power and SM clock every 100 ms; energy per call
+is mean power x time per call. Workloads, in order:
+  idle                     nothing running
+  device copy 1 GiB        DRAM read + write: energy per byte moved, above idle
+  cuBLAS 8192^3 GEMM       energy per FLOP of a compute-bound GEMM, all in (idle included)
+  perf/bench_lce.py's providers, each checked against an fp32 reference first
+
+Floor estimate for the op: its useful FLOPs at the GEMM's energy per FLOP plus its compulsory
+DRAM bytes (every input read once, the output written once) at the copy's energy per byte.
+A kernel at the floor would take floor / cap seconds per call; `x_*_floor` is the best speedup
+over each torch provider that this estimate allows at the power limit.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `perf` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from perf import bench_lce, harness  # noqa: E402
+
+NAME = "energy_lce"
+DEVICE = "cuda"  # a CPU dry run swaps it (tests)
+COPY_BYTES = 2**30
+GEMM_N = 8192
+COLUMNS = ["workload", "ms", "W", "MHz", "power_capped", "mJ", "tflops", "pJ_per_flop", "pJ_per_byte",
+           "x_decomp", "x_decomp_energy"]
+
+
+def compulsory_bytes(p: bench_lce.LceProblem) -> int:
+    """Every input read once and the output written once."""
+    elems = (p.M * (p.K_cand + p.K_user) + p.B * p.K_cand * p.N + p.U * p.K_user * p.N
+             + p.B * p.M * p.N)
+    return elems * torch.finfo(p.dtype).bits // 8
+
+
+def floor_mj(flops: float, nbytes: float, pj_per_flop: float, pj_per_byte: float) -> float:
+    return (flops * pj_per_flop + nbytes * pj_per_byte) * 1e-9
+
+
+def summarize(rows: list, idle_w: float, flops: int, nbytes: int) -> dict:
+    """Fill the per-row energy columns; returns the floor estimate (None where an input is missing)."""
+    by = {r["workload"]: r for r in rows}
+    copy, gemm = by.get("device copy 1 GiB"), by.get(f"cuBLAS {GEMM_N}^3 GEMM")
+    if copy and copy.get("W") is not None and idle_w is not None:
+        copy["pJ_per_byte"] = (copy["W"] - idle_w) / (2 * COPY_BYTES / (copy["ms"] * 1e-3)) * 1e12
+    for r in rows:
+        if r.get("flops") and r.get("mJ") is not None:
+            r["pJ_per_flop"] = r["mJ"] * 1e-3 / r["flops"] * 1e12
+        if r.get("flops"):
+            r["tflops"] = harness.tflops(r["flops"], r["ms"])
+    decomp = by.get("torch decomposition")
+    for r in rows:
+        if decomp and r.get("flops") == flops and r is not decomp:
+            r["x_decomp"] = decomp["ms"] / r["ms"]
+            if r.get("mJ") is not None and decomp.get("mJ") is not None:
+                r["x_decomp_energy"] = decomp["mJ"] / r["mJ"]
+    capped = [r["W"] for r in rows if r.get("power_capped") and r.get("W") is not None]
+    floor = {"flops": flops, "bytes": nbytes, "cap_W": sum(capped) / len(capped) if capped else None}
+    if copy and gemm and copy.get("pJ_per_byte") is not None and gemm.get("pJ_per_flop") is not None:
+        floor["mJ"] = floor_mj(flops, nbytes, gemm["pJ_per_flop"], copy["pJ_per_byte"])
+        floor["flops_only_mJ"] = floor_mj(flops, 0, gemm["pJ_per_flop"], 0)
+        if floor["cap_W"]:
+            floor["ms_at_cap"] = floor["mJ"] / floor["cap_W"]
+        for name, col in bench_lce.SPEEDUP_COLUMNS.items():
+            if by.get(name, {}).get("mJ") is not None:
+                floor[f"{col}_floor"] = by[name]["mJ"] / floor["mJ"]
+    return floor
+
+
+def workloads(p: bench_lce.LceProblem, inp: bench_lce.LceInputs, args) -> list:
+    """(name, fn, flops): the reference workloads, then the providers that pass their check."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=DEVICE).random_()
+    dst = torch.empty_like(src)
+    a = torch.randn(GEMM_N, GEMM_N, device=DEVICE, dtype=p.dtype)
+    b = torch.randn(GEMM_N, GEMM_N, device=DEVICE, dtype=p.dtype)
+    c = torch.empty_like(a)
+    work = [("device copy 1 GiB", lambda: dst.copy_(src), 0),
+            (f"cuBLAS {GEMM_N}^3 GEMM", lambda: torch.matmul(a, b, out=c), 2 * GEMM_N**3)]
+    ref = bench_lce.reference_output(p, inp)
+    for prov in bench_lce.providers():
+        if args.providers and prov.name not in args.providers:
+            continue
+        if prov.ours and bench_lce.LIB.ikbo_gemm is None:
+            print(f"{NAME}: {prov.name} skipped: {bench_lce.LIB.note}", flush=True)
+            continue
+        try:
+            st = prov.setup(p, inp)
+            err = harness.rel_error(prov.run(p, st, inp).float(), ref)
+        except Exception as e:
+            print(f"{NAME}: {prov.name} skipped: {harness.short_error(e)}", flush=True)
+            continue
+        if err > args.tol:
+            print(f"{NAME}: {prov.name} skipped: rel. error {err:.3g} > {args.tol:g}", flush=True)
+            continue
+        work.append((prov.name, lambda prov=prov, st=st: prov.run(p, st, inp), p.flops))
+    return work
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="energy_lce.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--B", type=int, default=bench_lce.PUBLISHED["B"])
+    ap.add_argument("--ratio", type=int, default=bench_lce.PUBLISHED["ratio"])
+    ap.add_argument("--dtype", choices=sorted(harness.DTYPES), default="fp16")
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per workload")
+    ap.add_argument("--providers", nargs="+", metavar="NAME",
+                    help=f"subset of: {', '.join(p.name for p in bench_lce.providers())}")
+    ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
+    ap.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    harness.start_benchmark(NAME)
+    bench_lce.load_ikbo_gemm()
+    env = harness.environment()
+    harness.print_environment(env)
+    p = bench_lce.make_problem(args.B, args.ratio, harness.DTYPES[args.dtype], device=DEVICE)
+    inp = bench_lce.make_inputs(p, torch.Generator(device=DEVICE).manual_seed(args.seed), device=DEVICE)
+    start = time.perf_counter()
+    idle_w = harness.idle_watts()
+    rows = [{"workload": "idle", "W": idle_w}]
+    for name, fn, flops in workloads(p, inp, args):
+        row = {"workload": name, "flops": flops, **harness.sustained(fn, args.seconds)}
+        rows.append(row)
+        print(f"{NAME}: {name}: {harness.fmt(row['ms'])} ms, {harness.fmt(row['W'])} W", flush=True)
+    nbytes = compulsory_bytes(p)
+    floor = summarize(rows, idle_w, p.flops, nbytes)
+    f = p.fields()
+    print(f"\nB={f['B']} ratio={f['ratio']} (U={f['U']}) M={f['M']} N={f['N']} K_user={f['K_user']} "
+          f"K_cand={f['K_cand']} {f['dtype']}, run back to back [{p.flops / 1e9:.1f} GFLOP, "
+          f"{nbytes / 1e9:.3f} GB compulsory; x_decomp = decomposition ms / this ms]")
+    harness.print_table(rows, COLUMNS)
+    if "mJ" in floor:
+        print(f"floor estimate: {floor['mJ']:.0f} mJ per call ({floor['flops_only_mJ']:.0f} mJ of it the FLOPs)"
+              + (f", {floor['ms_at_cap']:.3f} ms at {floor['cap_W']:.0f} W" if "ms_at_cap" in floor else "")
+              + "".join(f"; best x over {n}: {floor[c + '_floor']:.2f}"
+                        for n, c in bench_lce.SPEEDUP_COLUMNS.items() if c + "_floor" in floor))
+    payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv), "environment": env,
+               "problem": f, "settings": {"seconds": args.seconds, "tol": args.tol, "copy_bytes": COPY_BYTES,
+                                          "gemm_n": GEMM_N},
+               "rows": rows, "floor": floor, "seconds": time.perf_counter() - start}
+    path = harness.write_results(NAME, payload, args.out_dir)
+    print(f"\nresults: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
