@@ -35,9 +35,10 @@ def test_summarize_energy_columns_and_floor():
          "mJ": 300.0},
         {"workload": f"cuBLAS {el.GEMM_N}^3 GEMM", "flops": 1e12, "ms": 1.5, "W": 700.0, "power_capped": True,
          "mJ": 1050.0},
-        {"workload": "torch decomposition", "flops": flops, "ms": 0.6, "W": 700.0, "power_capped": True,
-         "mJ": 420.0},
-        {"workload": "ikbo fused", "flops": flops, "ms": 0.45, "W": 680.0, "power_capped": True, "mJ": 306.0},
+        {"workload": "torch decomposition", "flops": flops, "burst_ms": 0.56, "ms": 0.6, "W": 700.0,
+         "power_capped": True, "mJ": 420.0},
+        {"workload": "ikbo fused", "flops": flops, "burst_ms": 0.4, "ms": 0.45, "W": 680.0, "power_capped": True,
+         "mJ": 306.0},
     ]
     floor = el.summarize(rows, 100.0, flops, nbytes)
     copy, gemm, ours = rows[1], rows[2], rows[4]
@@ -45,6 +46,7 @@ def test_summarize_energy_columns_and_floor():
     assert copy["pJ_per_byte"] == pytest.approx(pj_byte)
     assert gemm["pJ_per_flop"] == pytest.approx(1.05)
     assert ours["x_decomp"] == pytest.approx(0.6 / 0.45)
+    assert ours["x_decomp_burst"] == pytest.approx(0.56 / 0.4)
     assert ours["x_decomp_energy"] == pytest.approx(420.0 / 306.0)
     assert ours["tflops"] == pytest.approx(200e9 / 0.45e-3 / 1e12)
     assert "x_decomp" not in rows[3] and "x_decomp" not in gemm
@@ -83,6 +85,7 @@ def test_main_dry_run(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
     monkeypatch.setattr(harness, "idle_watts", lambda: 100.0)
     monkeypatch.setattr(harness, "sustained", sustained)
+    monkeypatch.setattr(harness, "burst_ms", lambda fn: 1.5)
     monkeypatch.setattr(bl, "load_ikbo_gemm", lambda: None)
     monkeypatch.setattr(bl.LIB, "ikbo_gemm", type("M", (), {"lce": staticmethod(lce)}))
     torch.matmul(torch.ones(2, 2, dtype=torch.float16), torch.ones(2, 2, dtype=torch.float16))
@@ -98,6 +101,7 @@ def test_main_dry_run(monkeypatch, tmp_path, capsys):
     assert names == ["idle", "device copy 1 GiB", "cuBLAS 16^3 GEMM", "torch decomposition", "ikbo fused"]
     ours = data["rows"][-1]
     assert ours["x_decomp"] == pytest.approx(1.0) and ours["x_decomp_energy"] > 0
+    assert ours["burst_ms"] == 1.5 and ours["x_decomp_burst"] == pytest.approx(1.0)
     assert data["floor"]["mJ"] > 0 and data["problem"]["B"] == 20
     assert "floor estimate" in capsys.readouterr().out
 
