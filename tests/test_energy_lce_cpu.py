@@ -27,7 +27,7 @@ def test_compulsory_bytes_published():
     assert 0.68e9 < el.compulsory_bytes(p) < 0.70e9  # e_cand 457 MB + out 227 MB + the small rest
 
 
-def test_summarize_energy_columns_and_floor():
+def test_summarize_energy_columns_and_estimates():
     flops, nbytes = 200e9, 0.7e9
     rows = [
         {"workload": "idle", "W": 100.0},
@@ -40,7 +40,7 @@ def test_summarize_energy_columns_and_floor():
         {"workload": "ikbo fused", "flops": flops, "burst_ms": 0.4, "ms": 0.45, "W": 680.0, "power_capped": True,
          "mJ": 306.0},
     ]
-    floor = el.summarize(rows, 100.0, flops, nbytes)
+    est = el.summarize(rows, 100.0, flops, nbytes)
     copy, gemm, ours = rows[1], rows[2], rows[4]
     pj_byte = (600.0 - 100.0) / (2 * el.COPY_BYTES / 0.5e-3) * 1e12
     assert copy["pJ_per_byte"] == pytest.approx(pj_byte)
@@ -51,18 +51,19 @@ def test_summarize_energy_columns_and_floor():
     assert ours["tflops"] == pytest.approx(200e9 / 0.45e-3 / 1e12)
     assert "x_decomp" not in rows[3] and "x_decomp" not in gemm
     want = (flops * 1.05 + nbytes * pj_byte) * 1e-9
-    assert floor["mJ"] == pytest.approx(want)
-    assert floor["flops_only_mJ"] == pytest.approx(flops * 1.05e-9)
-    assert floor["cap_W"] == pytest.approx((700.0 + 700.0 + 680.0) / 3)
-    assert floor["ms_at_cap"] == pytest.approx(want / floor["cap_W"])
-    assert floor["x_decomp_floor"] == pytest.approx(420.0 / want)
+    assert est["with_dram_mJ"] == pytest.approx(want)
+    assert est["flops_only_mJ"] == pytest.approx(flops * 1.05e-9)
+    assert est["cap_W"] == pytest.approx((700.0 + 700.0 + 680.0) / 3)
+    assert est["ms_at_cap"] == pytest.approx(want / est["cap_W"])
+    assert est["x_decomp_with_dram"] == pytest.approx(420.0 / want)
+    assert est["x_decomp_flops_only"] == pytest.approx(420.0 / (flops * 1.05e-9))
 
 
 def test_summarize_without_power_readings():
     rows = [{"workload": "idle", "W": None},
             {"workload": "ikbo fused", "flops": 10, "ms": 1.0, "W": None, "power_capped": None, "mJ": None}]
-    floor = el.summarize(rows, None, 10, 100)
-    assert "mJ" not in floor and floor["cap_W"] is None
+    est = el.summarize(rows, None, 10, 100)
+    assert "with_dram_mJ" not in est and est["cap_W"] is None
     assert rows[1]["tflops"] == pytest.approx(10 / 1e-3 / 1e12)
 
 
@@ -102,8 +103,9 @@ def test_main_dry_run(monkeypatch, tmp_path, capsys):
     ours = data["rows"][-1]
     assert ours["x_decomp"] == pytest.approx(1.0) and ours["x_decomp_energy"] > 0
     assert ours["burst_ms"] == 1.5 and ours["x_decomp_burst"] == pytest.approx(1.0)
-    assert data["floor"]["mJ"] > 0 and data["problem"]["B"] == 20
-    assert "floor estimate" in capsys.readouterr().out
+    assert data["estimate"]["with_dram_mJ"] > 0 and data["problem"]["B"] == 20
+    out = capsys.readouterr().out
+    assert "energy per call: FLOPs only" in out and "best x over torch decomposition" in out
 
 
 class _FakeSmi:
