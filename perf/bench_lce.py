@@ -187,15 +187,20 @@ def providers() -> list:
 # --------------------------------------------------------------------------- one configuration
 
 
+def check_providers(p: LceProblem, inp: LceInputs, provs: list, tol: float) -> tuple[list, dict]:
+    """``harness.check_providers`` against the fp32 reference; ours skipped when not importable."""
+    ref = reference_output(p, inp)
+    return harness.check_providers(
+        provs, p, inp, fields=p.fields(), rel_error_of=lambda prov, out: harness.rel_error(out.float(), ref),
+        tol=tol, skip_note=lambda prov: LIB.note if prov.ours and LIB.ikbo_gemm is None else None,
+        device=DEVICE)
+
+
 def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float) -> list:
     """Check every provider, then time those that passed in turns; one row per provider."""
-    ref = reference_output(p, inp)
     n_rot = harness.rotation_count(inp.activation_bytes(), harness.l2_bytes())
     sets = [inp] + [inp.clone_activations() for _ in range(n_rot - 1)]
-    rows, timed = harness.check_providers(
-        provs, p, inp, fields=p.fields(), rel_error_of=lambda prov, out: harness.rel_error(out.float(), ref),
-        tol=args.tol, skip_note=lambda prov: LIB.note if prov.ours and LIB.ikbo_gemm is None else None,
-        device=DEVICE)
+    rows, timed = check_providers(p, inp, provs, args.tol)
     timed = harness.time_checked(timed, rows, warmup=args.warmup, rep=args.rep, rotate=sets, device=DEVICE)
     for row, _ in timed.values():
         ms = row["ms"]

@@ -39,7 +39,6 @@ if __package__ in (None, ""):  # run as a script: make `perf` importable
 from perf import bench_lce, harness  # noqa: E402
 
 NAME = "energy_lce"
-DEVICE = "cuda"  # a CPU dry run swaps it (tests)
 COPY_BYTES = 2**30
 GEMM_N = 8192
 COLUMNS = ["workload", "burst_ms", "ms", "W", "MHz", "power_capped", "mJ", "tflops", "pJ_per_flop", "pJ_per_byte",
@@ -92,30 +91,19 @@ def summarize(rows: list, idle_w: float, flops: int, nbytes: int) -> dict:
 
 def workloads(p: bench_lce.LceProblem, inp: bench_lce.LceInputs, args) -> list:
     """(name, fn, flops): the reference workloads, then the providers that pass their check."""
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=DEVICE).random_()
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=bench_lce.DEVICE).random_()
     dst = torch.empty_like(src)
-    a = torch.randn(GEMM_N, GEMM_N, device=DEVICE, dtype=p.dtype)
-    b = torch.randn(GEMM_N, GEMM_N, device=DEVICE, dtype=p.dtype)
+    a = torch.randn(GEMM_N, GEMM_N, device=bench_lce.DEVICE, dtype=p.dtype)
+    b = torch.randn(GEMM_N, GEMM_N, device=bench_lce.DEVICE, dtype=p.dtype)
     c = torch.empty_like(a)
     work = [("device copy 1 GiB", lambda: dst.copy_(src), 0),
             (f"cuBLAS {GEMM_N}^3 GEMM", lambda: torch.matmul(a, b, out=c), 2 * GEMM_N**3)]
-    ref = bench_lce.reference_output(p, inp)
-    for prov in bench_lce.providers():
-        if args.providers and prov.name not in args.providers:
-            continue
-        if prov.ours and bench_lce.LIB.ikbo_gemm is None:
-            print(f"{NAME}: {prov.name} skipped: {bench_lce.LIB.note}", flush=True)
-            continue
-        try:
-            st = prov.setup(p, inp)
-            err = harness.rel_error(prov.run(p, st, inp).float(), ref)
-        except Exception as e:
-            print(f"{NAME}: {prov.name} skipped: {harness.short_error(e)}", flush=True)
-            continue
-        if err > args.tol:
-            print(f"{NAME}: {prov.name} skipped: rel. error {err:.3g} > {args.tol:g}", flush=True)
-            continue
-        work.append((prov.name, lambda prov=prov, st=st: prov.run(p, st, inp), p.flops))
+    provs = [pr for pr in bench_lce.providers() if not args.providers or pr.name in args.providers]
+    rows, timed = bench_lce.check_providers(p, inp, provs, args.tol)
+    for row in rows:
+        if row["status"] != "ok":
+            print(f"{NAME}: {row['provider']} {row['status']}: {row['note']}", flush=True)
+    work += [(name, lambda fn=fn: fn(inp), p.flops) for name, (_, fn) in timed.items()]
     return work
 
 
@@ -141,8 +129,8 @@ def main(argv=None) -> int:
     bench_lce.load_ikbo_gemm()
     env = harness.environment()
     harness.print_environment(env)
-    p = bench_lce.make_problem(args.B, args.ratio, harness.DTYPES[args.dtype], device=DEVICE)
-    inp = bench_lce.make_inputs(p, torch.Generator(device=DEVICE).manual_seed(args.seed), device=DEVICE)
+    p = bench_lce.make_problem(args.B, args.ratio, harness.DTYPES[args.dtype])
+    inp = bench_lce.make_inputs(p, torch.Generator(device=bench_lce.DEVICE).manual_seed(args.seed))
     start = time.perf_counter()
     idle_w = harness.idle_watts()
     rows = [{"workload": "idle", "W": idle_w}]

@@ -328,7 +328,7 @@ class PowerSampler:
         self._proc = None
 
     def __enter__(self) -> "PowerSampler":
-        index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        index = _smi_index()
         # power.draw is a one-second average on recent drivers; the instant reading follows
         # a back-to-back loop more closely where the driver has it.
         power = "power.draw.instant" if _run(["nvidia-smi", f"--id={index}", "--query-gpu=power.draw.instant",
@@ -452,8 +452,13 @@ _SMI_FIELDS = ("name", "driver_version", "clocks.sm", "clocks.mem", "clocks.max.
                "clocks.max.mem", "power.limit", "temperature.gpu")
 
 
+def _smi_index() -> str:
+    """nvidia-smi's index of the GPU torch uses first."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+
+
 def _nvidia_smi() -> dict:
-    index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    index = _smi_index()
     out = _run(["nvidia-smi", f"--id={index}", f"--query-gpu={','.join(_SMI_FIELDS)}",
                 "--format=csv,noheader,nounits"])
     if not out:

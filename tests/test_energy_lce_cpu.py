@@ -79,7 +79,6 @@ def test_main_dry_run(monkeypatch, tmp_path, capsys):
         w = float(next(watts))
         return {"ms": 2.0, "W": w, "MHz": 1500.0, "power_capped": True, "mJ": 2.0 * w, "samples": 9}
 
-    monkeypatch.setattr(el, "DEVICE", "cpu")
     monkeypatch.setattr(bl, "DEVICE", "cpu")
     monkeypatch.setattr(el, "COPY_BYTES", 1024)
     monkeypatch.setattr(el, "GEMM_N", 16)
