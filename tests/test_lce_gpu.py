@@ -104,6 +104,10 @@ CASES = {
     "b256-ratio10-m1": (F16, 256, 10, 1, 256, 1025, 1, "two_launch", torch.int32, True, True),
     "b4096-ratio1000-int64": (BF16, 4096, 1000, 64, 256, 872, 1184, "fused", torch.int64, True, True),
     "b1024-one-user-n260": (F16, 1024, 10000, 433, 260, 1184, 872, "two_launch", torch.int32, False, True),
+    # K that ends on a k-block boundary (1024) or fills most of one lone block (56), and lone
+    # short blocks (24, 40).
+    "k-tail-4-steps": (BF16, 300, 3, 200, 136, 1024, 56, "fused", torch.int32, True, True),
+    "k-tail-2-3-steps": (F16, 200, 5, 433, 64, 24, 40, "two_launch", torch.int64, True, True),
 }
 
 
