@@ -45,38 +45,59 @@ class LceConfig:
     tile_w: int  # rows of w (output rows) per tile
     cluster_n: int  # CTAs on neighbouring 64-column slices sharing each w tile (TMA multicast)
     cluster_b: int  # ... and on neighbouring batches
+    tile_n: int = 64  # output columns per tile (one or two wgmma atoms of 64)
 
     def __str__(self) -> str:
-        return f"{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-w{self.tile_w}-c{self.cluster_n}x{self.cluster_b}"
+        return (f"{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-n{self.tile_n}-w{self.tile_w}"
+                f"-c{self.cluster_n}x{self.cluster_b}")
 
 
-TILE_WS = (128, 192, 224, 256)
-CLUSTERS = ((1, 1), (2, 1), (4, 1), (4, 2))
+# (tile_n, tile_w) pairs; a consumer's accumulator holds tile_n * tile_w / 128 fp32 per thread.
+TILES = ((64, 128), (64, 192), (64, 224), (64, 256), (128, 128), (128, 160))
+CLUSTERS = {64: ((1, 1), (2, 1), (4, 1), (4, 2)), 128: ((1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (4, 2))}
 
 SHIPPED_CONFIGS = [
-    LceConfig(dtype, idx_dtype, tile_w, cn, cb)
+    LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n)
     for dtype in (torch.float16, torch.bfloat16)
     for idx_dtype in (torch.int32, torch.int64)
-    for tile_w in TILE_WS
-    for cn, cb in CLUSTERS
+    for tile_n, tile_w in TILES
+    for cn, cb in CLUSTERS[tile_n]
 ]
+
+# Each k-block a CTA's shared memory takes in (tile_n + tile_w) x 64 operand elements for
+# tile_n x tile_w x 64 MACs. Above 64 bytes per SM cycle at the tensor cores' full rate, i.e.
+# when 1/tile_n + 1/tile_w > 1/64, the main loop waits on its loads: on an H200 at the
+# published shape, 64 x 224 tiles took 19% longer per executed MAC than 128 x 160 ones.
+LOAD_BOUND_COST = 1.2
+
+
+def tile_cost(tile_n: int, tile_w: int, m: int, n: int) -> float:
+    """Relative time of one batch's tiles: the executed (padded) output, weighted when load-bound."""
+    executed = -(-n // tile_n) * tile_n * -(-m // tile_w) * tile_w
+    return executed * (LOAD_BOUND_COST if 1 / tile_n + 1 / tile_w > 1 / 64 else 1.0)
 
 
 def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: int) -> LceConfig:
-    """A cluster as wide as the 64-column tiles of N allow (up to 4), two batches
-    deep when N fills it (each w tile then feeds 8 CTAs), and the tile height
-    with the least padding of M (ties: the taller)."""
-    column_tiles = -(-n // LceSm90.TILE_N)
-    cn = max(c for c, _ in CLUSTERS if c <= column_tiles)
-    cb = 2 if cn == 4 and b > 1 else 1
-    tile_w = min(TILE_WS, key=lambda t: (-(-m // t) * t, -t))
-    return LceConfig(dtype, idx_dtype, tile_w, cn, cb)
+    """The tile of least ``tile_cost`` (ties: the wider, then the taller); a cluster as wide
+    as the tile's column slices of N allow (up to 4) and, with more than one batch, deep in
+    batches: 128-column tiles fill 4 or 8 CTAs (each w tile then feeds all of them), 64-column
+    tiles go two batches deep when 4 slices wide."""
+    tile_n, tile_w = min(TILES, key=lambda t: (tile_cost(*t, m, n), -t[0], -t[1]))
+    column_tiles = -(-n // tile_n)
+    cn = max(c for c in (1, 2, 4) if c <= column_tiles)
+    if b == 1:
+        cb = 1
+    elif tile_n == 128:
+        cb = min(4, 8 // cn)
+    else:
+        cb = 2 if cn == 4 else 1
+    return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n)
 
 
 def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool = False) -> CompiledKernel:
     """Compile one configuration for sm_90a (no GPU needed)."""
     dt = cutlass_dtype(cfg.dtype)
-    kernel = LceSm90(dt, cutlass_dtype(cfg.idx_dtype), cfg.tile_w, cfg.cluster_n, cfg.cluster_b)
+    kernel = LceSm90(dt, cutlass_dtype(cfg.idx_dtype), cfg.tile_w, cfg.cluster_n, cfg.cluster_b, cfg.tile_n)
     operand = dict(divisibility=8, align=16)
     args = (
         fake_tensor(dt, (1, None, None), **operand),  # w_cand [1, M, K_cand_pad]
@@ -155,7 +176,7 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
         cfg = pick_config(e_cand.dtype, idx.dtype, M, N, B)
         n8 = _ceil(N, 8)
         w_tiles = -(-M // cfg.tile_w)
-        groups = -(-n8 // (LceSm90.TILE_N * cfg.cluster_n))
+        groups = -(-n8 // (cfg.tile_n * cfg.cluster_n))
         column_tiles = groups * cfg.cluster_n
         u_groups = -(-U // cfg.cluster_b)
         user_tiles = u_groups * w_tiles * groups  # cluster tiles
@@ -171,7 +192,7 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
             k8_cand=_ceil(K_cand, 8),
             k8_user=_ceil(K_user, 8),
             # fp32 user tiles, in the kernel's fragment order.
-            ws_shape=(u_groups * cfg.cluster_b * column_tiles * w_tiles * LceSm90.TILE_N * cfg.tile_w,),
+            ws_shape=(u_groups * cfg.cluster_b * column_tiles * w_tiles * cfg.tile_n * cfg.tile_w,),
             n_flags=u_groups * cfg.cluster_b * w_tiles * column_tiles,
             launches=tuple((b, e, min(clusters, e - b) * cluster) for b, e in ranges),
         )

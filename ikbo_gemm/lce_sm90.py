@@ -26,14 +26,14 @@ class LceSm90:
     """Persistent warp-specialized ping-pong GEMM with the IKBO broadcast epilogue.
 
     Each product is computed transposed, ``out[b]^T = e[b]^T @ w^T`` (wgmma A =
-    a 64-column slice of e[b], B = ``tile_w`` rows of w), so the operand that
-    every batch shares (w) is the large one of a tile and is multicast by TMA to
-    the CTAs of a cluster: ``cluster_n`` neighbouring 64-column slices of
-    ``cluster_b`` neighbouring batches:
+    a ``tile_n``-column slice of e[b], one or two 64-row wgmma atoms; B =
+    ``tile_w`` rows of w), so the operand that every batch shares (w) is
+    multicast by TMA to the CTAs of a cluster: ``cluster_n`` neighbouring
+    column slices of ``cluster_b`` neighbouring batches:
         user phase:      ws[u]  = w_user @ e_user[u]         (fp32 workspace)
         candidate phase: out[b] = w_cand @ e_cand[b] + ws[idx[b]], added in fp32, rounded once
 
-    Tiles. A CTA tile is 64 output columns x ``tile_w`` output rows of one batch;
+    Tiles. A CTA tile is ``tile_n`` output columns x ``tile_w`` output rows of one batch;
     a cluster tile is cluster_n x cluster_b CTA tiles (rank r: column slice
     r % cluster_n, batch r // cluster_n of the cluster tile). Cluster tiles
     are numbered user phase first ([0, T_user)), then candidate phase; within a
@@ -45,8 +45,9 @@ class LceSm90:
 
     Warp roles (384 threads, 1 CTA per SM):
       warpgroup 0, producer (setmaxnreg 24): warp 0 issues the TMA loads of each
-        k-block: its own e slice, and its 32-row chunks of the w tile (chunks
-        rank, rank + cluster, ...), each multicast to every CTA of the cluster.
+        k-block: its own e slice, and its chunks of the w tile (``epi_w`` rows
+        each; chunks rank, rank + cluster, ...), each multicast to every CTA of
+        the cluster.
       warpgroups 1, 2, consumers (setmaxnreg 240): wgmma main loop on their tile,
         then its epilogue while the other consumer runs its main loop.
 
@@ -74,41 +75,47 @@ class LceSm90:
     output is NaN.
     """
 
-    TILE_N = 64  # output columns per CTA tile (the wgmma M side)
+    ATOM_N = 64  # output columns of one wgmma (its M side)
     TILE_K = 64
-    EPI_W = 32  # output rows per staged epilogue sub-tile
     EPI_STAGES = 2
     PRODUCER_REGS = 24
     CONSUMER_REGS = 240
     THREADS = 384
 
-    def __init__(self, dtype, idx_dtype, tile_w: int = 224, cluster_n: int = 4, cluster_b: int = 1):
+    def __init__(
+        self, dtype, idx_dtype, tile_w: int = 224, cluster_n: int = 4, cluster_b: int = 1, tile_n: int = 64
+    ):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise TypeError(f"LceSm90: dtype must be Float16 or BFloat16, got {dtype}")
         if idx_dtype not in (cutlass.Int32, cutlass.Int64):
             raise TypeError(f"LceSm90: idx dtype must be Int32 or Int64, got {idx_dtype}")
-        if tile_w % 32 or not 64 <= tile_w <= 256:
-            raise ValueError(f"LceSm90: tile_w must be a multiple of 32 in [64, 256], got {tile_w}")
+        if tile_w % 16 or not 64 <= tile_w <= 256:
+            raise ValueError(f"LceSm90: tile_w must be a multiple of 16 in [64, 256], got {tile_w}")
+        if tile_n not in (64, 128):
+            raise ValueError(f"LceSm90: tile_n must be 64 or 128, got {tile_n}")
         cluster = cluster_n * cluster_b
-        if cluster_n not in (1, 2, 4) or cluster_b not in (1, 2):
-            raise ValueError(f"LceSm90: cluster {cluster_n}x{cluster_b} must be (1|2|4)x(1|2)")
+        if cluster_n not in (1, 2, 4) or cluster_b not in (1, 2, 4) or cluster > 8:
+            raise ValueError(f"LceSm90: cluster {cluster_n}x{cluster_b} must be (1|2|4)x(1|2|4), at most 8")
         self.dtype = dtype
         self.idx_dtype = idx_dtype
         self.tile_w = tile_w
+        self.tile_n = tile_n
         self.cluster_n = cluster_n
         self.cluster_b = cluster_b
         self.cluster = cluster
-        self.tile_mnk = (self.TILE_N, tile_w, self.TILE_K)  # GEMM view: M = out columns, N = out rows
-        # A cluster loads each w tile in 32-row chunks, CTA r taking chunks r,
-        # r + cluster, ..., each multicast to the whole cluster.
-        self.w_chunk = tile_w if cluster == 1 else 32
+        self.tile_mnk = (tile_n, tile_w, self.TILE_K)  # GEMM view: M = out columns, N = out rows
+        # Output rows per staged epilogue sub-tile, and per multicast chunk of w: a
+        # cluster loads each w tile in chunks, CTA r taking chunks r, r + cluster, ...
+        self.epi_w = math.gcd(tile_w, 32)
+        self.w_chunk = tile_w if cluster == 1 else self.epi_w
         self.w_chunks = tile_w // self.w_chunk
         self.chunks_per_cta = -(-self.w_chunks // cluster)
-        self.epi_tile = (self.TILE_N, self.EPI_W)
+        self.epi_tile = (self.ATOM_N, self.epi_w)
+        self.epi_subtiles = tile_n // self.ATOM_N * tile_w // self.epi_w
 
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
-        self.stage_bytes = (self.TILE_N + tile_w) * self.TILE_K * dtype.width // 8
-        epi_bytes = 2 * self.EPI_STAGES * self.TILE_N * self.EPI_W * dtype.width // 8
+        self.stage_bytes = (tile_n + tile_w) * self.TILE_K * dtype.width // 8
+        epi_bytes = 2 * self.EPI_STAGES * self.ATOM_N * self.epi_w * dtype.width // 8
         self.ab_stages = min(12, (smem - epi_bytes - 1024) // self.stage_bytes)
 
     # ------------------------------------------------------------------ host
@@ -121,7 +128,7 @@ class LceSm90:
         e_user: cute.Tensor,  # [U, K_user, N]
         idx: cute.Tensor,  # [B]
         out: cute.Tensor,  # [B, M, N]
-        workspace: cute.Tensor,  # [U_pad * column tiles * w tiles * 64 * tile_w] fp32
+        workspace: cute.Tensor,  # [U_pad * column tiles * w tiles * tile_n * tile_w] fp32
         flags: cute.Tensor,  # [U * w_tiles * n_tiles] int32
         tile_begin: Int32,  # cluster tiles [tile_begin, tile_end)
         tile_end: Int32,
@@ -137,7 +144,7 @@ class LceSm90:
         b_cand = cute.make_tensor(w_cand.iterator, cute.select(w_cand.layout, mode=[1, 2, 0]))
         b_user = cute.make_tensor(w_user.iterator, cute.select(w_user.layout, mode=[1, 2, 0]))
         c_out = cute.make_tensor(out.iterator, cute.select(out.layout, mode=[2, 1, 0]))
-        tile_elems = self.TILE_N * self.tile_w
+        tile_elems = self.tile_n * self.tile_w
         c_ws = cute.make_tensor(
             workspace.iterator,
             cute.make_layout(
@@ -153,7 +160,7 @@ class LceSm90:
             cute.nvgpu.OperandMajorMode.K,
             Float32,
             (1, 1, 1),
-            tiler_mn=(self.TILE_N, self.tile_w),
+            tiler_mn=(self.ATOM_N, self.tile_w),
         )
         a_smem = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
         b_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
@@ -162,11 +169,11 @@ class LceSm90:
         a_one = cute.slice_(a_smem, (None, None, 0))
         b_chunk = cute.slice_(
             sm90_utils.make_smem_layout_b(
-                LayoutEnum.ROW_MAJOR, (self.TILE_N, self.w_chunk, self.TILE_K), self.dtype, 1
+                LayoutEnum.ROW_MAJOR, (self.tile_n, self.w_chunk, self.TILE_K), self.dtype, 1
             ),
             (None, None, 0),
         )
-        a_box = (self.TILE_N, self.TILE_K)
+        a_box = (self.tile_n, self.TILE_K)
         b_box = (self.w_chunk, self.TILE_K)
         a_load = cpasync.CopyBulkTensorTileG2SOp()
         b_load = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster > 1) else a_load
@@ -274,7 +281,7 @@ class LceSm90:
         """(w tiles, column groups, user cluster tiles, user k-blocks, candidate k-blocks, U,
         column tiles, B)."""
         w_tiles = cute.ceil_div(cute.size(mOut, mode=[1]), self.tile_w)
-        n_tiles = cute.ceil_div(cute.size(mOut, mode=[0]), self.TILE_N)
+        n_tiles = cute.ceil_div(cute.size(mOut, mode=[0]), self.tile_n)
         groups = cute.ceil_div(n_tiles, self.cluster_n)
         n_users = cute.size(mA_user, mode=[2])
         user_tiles = cute.ceil_div(n_users, self.cluster_b) * w_tiles * groups
@@ -313,7 +320,7 @@ class LceSm90:
         tma_a_cand, mA_cand, tma_b_cand, mB_cand,
         tile_begin: Int32, tile_end: Int32,
     ):
-        a_box = (self.TILE_N, self.TILE_K)
+        a_box = (self.tile_n, self.TILE_K)
         b_box = (self.w_chunk, self.TILE_K)
         sA_ = cute.group_modes(sA, 0, 2)
         # (chunk rows, K, chunk, stage): the w tile of a stage as w_loaders chunks.
@@ -377,7 +384,7 @@ class LceSm90:
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.TILE_N, self.tile_w)), Float32)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.tile_w)), Float32)
 
         # Register -> shared staging of the output (transposing stmatrix), per-consumer buffers.
         r2s = cute.make_tiled_copy_S(
@@ -418,7 +425,7 @@ class LceSm90:
                     tRS_acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
                     w, n, batch, epi_count, consumer_idx, warp_in_wg,
                 )
-                epi_count += self.tile_w // self.EPI_W
+                epi_count += self.epi_subtiles
             # Skip the other consumer's next tile in the ring.
             t_other = t + grid
             if t_other < tile_end:
@@ -497,7 +504,7 @@ class LceSm90:
         n_users = geom[5]
         u = Int32(0)
         valid = is_user
-        if (not is_user) & (b < geom[7]):  # a cluster tile can reach one batch past B
+        if (not is_user) & (b < geom[7]):  # a cluster tile can reach cluster_b - 1 batches past B
             u_raw = mIdx[b]  # compared in its own width: an int64 index must not wrap into range
             valid = (u_raw >= 0) & (u_raw < n_users)
             if valid:
@@ -521,22 +528,26 @@ class LceSm90:
         self, tRS_acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
         w, n, b, epi_count, consumer_idx, warp_in_wg,
     ):
-        """Round once, stage 64 x EPI_W sub-tiles in shared memory, TMA-store them."""
-        gOut = cute.local_tile(mOut, (self.TILE_N, self.tile_w), (n, w, b))
+        """Round once, stage 64 x epi_w sub-tiles in shared memory, TMA-store them."""
+        gOut = cute.local_tile(mOut, (self.tile_n, self.tile_w), (n, w, b))
         bSG_sC, bSG_gOut = cpasync.tma_partition(
             tma_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), cute.zipped_divide(gOut, self.epi_tile)
         )
         per_sub = cute.size(tRS_rD)
-        for j in cutlass.range_constexpr(self.tile_w // self.EPI_W):
+        subs_per_atom = self.tile_w // self.epi_w
+        # Sub-tile j of the atom's 64 columns h: the accumulator holds each atom's
+        # fragment whole, its rows (the wgmma N side) outermost.
+        for s in cutlass.range_constexpr(self.epi_subtiles):
+            h, j = s // subs_per_atom, s % subs_per_atom
             for v in cutlass.range_constexpr(per_sub):
-                tRS_rD[v] = tRS_acc[j * per_sub + v]
+                tRS_rD[v] = tRS_acc[s * per_sub + v]
             tRS_rOut.store(tRS_rD.load().to(self.dtype))
-            buf = consumer_idx * self.EPI_STAGES + (epi_count + j) % self.EPI_STAGES
+            buf = consumer_idx * self.EPI_STAGES + (epi_count + s) % self.EPI_STAGES
             cute.copy(r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
             cute.arch.fence_proxy("async.shared", space="cta")
             self.epi_sync(consumer_idx)
             if warp_in_wg == 0:
-                cute.copy(tma_out, bSG_sC[(None, buf)], bSG_gOut[(None, (0, j))])
+                cute.copy(tma_out, bSG_sC[(None, buf)], bSG_gOut[(None, (h, j))])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(self.EPI_STAGES - 1, read=True)
             self.epi_sync(consumer_idx)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ikbo_gemm.lce import SHIPPED_CONFIGS, compile_config, lce
+from ikbo_gemm.lce import SHIPPED_CONFIGS, compile_config, lce, pick_config
 from ikbo_gemm.reference import lce_reference
 
 # Unit roundoff (half an ulp, relative) of one rounding to the dtype.
@@ -287,3 +287,21 @@ def test_compile_sm90a(cfg, tmp_path, monkeypatch):
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"):
         assert instruction in kernel.ptx, f"{cfg}: no {instruction} in the PTX"
     assert kernel.spill_bytes == 0, kernel.ptxas_log
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_picked_configs_are_shipped(dtype, idx_dtype):
+    """Every shape runs a configuration that the compile test above covers."""
+    for m in (1, 64, 100, 128, 160, 200, 433, 512, 1000, 4097):
+        for n in (1, 8, 64, 65, 128, 130, 256, 264, 512, 1000):
+            for b in (1, 2, 3, 1024):
+                assert pick_config(dtype, idx_dtype, m, n, b) in SHIPPED_CONFIGS, (m, n, b)
+
+
+def test_published_shape_tile_is_not_load_bound():
+    """At the published shape a tile's operand loads per MAC stay under the limit
+    (1/tile_n + 1/tile_w <= 1/64) and each w tile feeds a full cluster of 8 CTAs."""
+    cfg = pick_config(torch.float16, torch.int32, 433, 256, 1024)
+    assert 1 / cfg.tile_n + 1 / cfg.tile_w <= 1 / 64
+    assert cfg.cluster_n * cfg.cluster_b == 8

@@ -108,6 +108,10 @@ CASES = {
     # short blocks (24, 40).
     "k-tail-4-steps": (BF16, 300, 3, 200, 136, 1024, 56, "fused", torch.int32, True, True),
     "k-tail-2-3-steps": (F16, 200, 5, 433, 64, 24, 40, "two_launch", torch.int64, True, True),
+    # 128-column tiles: one batch (cluster 2 x 1), and N of one such tile (cluster 1 x 4, B not
+    # a multiple of 4).
+    "one-candidate-n256": (F16, 1, 1, 433, 256, 872, 1184, "fused", torch.int32, False, True),
+    "b100-n128": (BF16, 100, 7, 433, 128, 200, 300, "fused", torch.int64, True, True),
 }
 
 
