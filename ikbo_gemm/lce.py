@@ -43,7 +43,7 @@ class LceConfig:
     dtype: torch.dtype
     idx_dtype: torch.dtype
     tile_w: int  # rows of w (output rows) per tile
-    cluster_n: int  # CTAs on neighbouring 64-column slices sharing each w tile (TMA multicast)
+    cluster_n: int  # CTAs on neighbouring column slices sharing each w tile (TMA multicast)
     cluster_b: int  # ... and on neighbouring batches
     tile_n: int = 64  # output columns per tile (one or two wgmma atoms of 64)
 
