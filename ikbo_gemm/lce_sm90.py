@@ -45,9 +45,8 @@ class LceSm90:
 
     Warp roles (384 threads, 1 CTA per SM):
       warpgroup 0, producer (setmaxnreg 24): warp 0 issues the TMA loads of each
-        k-block: its own e slice, and its chunks of the w tile (``epi_w`` rows
-        each; chunks rank, rank + cluster, ...), each multicast to every CTA of
-        the cluster.
+        k-block: its own e slice, and its 32-row chunks of the w tile (chunks
+        rank, rank + cluster, ...), each multicast to every CTA of the cluster.
       warpgroups 1, 2, consumers (setmaxnreg 240): wgmma main loop on their tile,
         then its epilogue while the other consumer runs its main loop.
 
@@ -77,6 +76,7 @@ class LceSm90:
 
     ATOM_N = 64  # output columns of one wgmma (its M side)
     TILE_K = 64
+    EPI_W = 32  # output rows per staged epilogue sub-tile
     EPI_STAGES = 2
     PRODUCER_REGS = 24
     CONSUMER_REGS = 240
@@ -89,8 +89,8 @@ class LceSm90:
             raise TypeError(f"LceSm90: dtype must be Float16 or BFloat16, got {dtype}")
         if idx_dtype not in (cutlass.Int32, cutlass.Int64):
             raise TypeError(f"LceSm90: idx dtype must be Int32 or Int64, got {idx_dtype}")
-        if tile_w % 16 or not 64 <= tile_w <= 256:
-            raise ValueError(f"LceSm90: tile_w must be a multiple of 16 in [64, 256], got {tile_w}")
+        if tile_w % 32 or not 64 <= tile_w <= 256:
+            raise ValueError(f"LceSm90: tile_w must be a multiple of 32 in [64, 256], got {tile_w}")
         if tile_n not in (64, 128):
             raise ValueError(f"LceSm90: tile_n must be 64 or 128, got {tile_n}")
         cluster = cluster_n * cluster_b
@@ -104,18 +104,17 @@ class LceSm90:
         self.cluster_b = cluster_b
         self.cluster = cluster
         self.tile_mnk = (tile_n, tile_w, self.TILE_K)  # GEMM view: M = out columns, N = out rows
-        # Output rows per staged epilogue sub-tile, and per multicast chunk of w: a
-        # cluster loads each w tile in chunks, CTA r taking chunks r, r + cluster, ...
-        self.epi_w = math.gcd(tile_w, 32)
-        self.w_chunk = tile_w if cluster == 1 else self.epi_w
+        # A cluster loads each w tile in 32-row chunks, CTA r taking chunks r,
+        # r + cluster, ..., each multicast to the whole cluster.
+        self.w_chunk = tile_w if cluster == 1 else 32
         self.w_chunks = tile_w // self.w_chunk
         self.chunks_per_cta = -(-self.w_chunks // cluster)
-        self.epi_tile = (self.ATOM_N, self.epi_w)
-        self.epi_subtiles = tile_n // self.ATOM_N * tile_w // self.epi_w
+        self.epi_tile = (self.ATOM_N, self.EPI_W)
+        self.epi_subtiles = tile_n // self.ATOM_N * tile_w // self.EPI_W
 
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.stage_bytes = (tile_n + tile_w) * self.TILE_K * dtype.width // 8
-        epi_bytes = 2 * self.EPI_STAGES * self.ATOM_N * self.epi_w * dtype.width // 8
+        epi_bytes = 2 * self.EPI_STAGES * self.ATOM_N * self.EPI_W * dtype.width // 8
         self.ab_stages = min(12, (smem - epi_bytes - 1024) // self.stage_bytes)
 
     # ------------------------------------------------------------------ host
@@ -528,13 +527,13 @@ class LceSm90:
         self, tRS_acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
         w, n, b, epi_count, consumer_idx, warp_in_wg,
     ):
-        """Round once, stage 64 x epi_w sub-tiles in shared memory, TMA-store them."""
+        """Round once, stage 64 x EPI_W sub-tiles in shared memory, TMA-store them."""
         gOut = cute.local_tile(mOut, (self.tile_n, self.tile_w), (n, w, b))
         bSG_sC, bSG_gOut = cpasync.tma_partition(
             tma_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), cute.zipped_divide(gOut, self.epi_tile)
         )
         per_sub = cute.size(tRS_rD)
-        subs_per_atom = self.tile_w // self.epi_w
+        subs_per_atom = self.tile_w // self.EPI_W
         # Sub-tile j of the atom's 64 columns h: the accumulator holds each atom's
         # fragment whole, its rows (the wgmma N side) outermost.
         for s in cutlass.range_constexpr(self.epi_subtiles):

@@ -106,8 +106,8 @@ CASES = {
     "b1024-one-user-n260": (F16, 1024, 10000, 433, 260, 1184, 872, "two_launch", torch.int32, False, True),
     # K that ends on a k-block boundary (1024) or fills most of one lone block (56), and lone
     # short blocks (24, 40).
-    "k-tail-4-steps": (BF16, 300, 3, 200, 136, 1024, 56, "fused", torch.int32, True, True),
-    "k-tail-2-3-steps": (F16, 200, 5, 433, 64, 24, 40, "two_launch", torch.int64, True, True),
+    "k1024-k56": (BF16, 300, 3, 200, 136, 1024, 56, "fused", torch.int32, True, True),
+    "k24-k40": (F16, 200, 5, 433, 64, 24, 40, "two_launch", torch.int64, True, True),
     # 128-column tiles: one batch (cluster 2 x 1), and N of one such tile (cluster 1 x 4, B not
     # a multiple of 4).
     "one-candidate-n256": (F16, 1, 1, 433, 256, 872, 1184, "fused", torch.int32, False, True),
