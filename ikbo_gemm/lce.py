@@ -52,8 +52,10 @@ class LceConfig:
                 f"-c{self.cluster_n}x{self.cluster_b}")
 
 
-# (tile_n, tile_w) pairs; a consumer's accumulator holds tile_n * tile_w / 128 fp32 per thread.
-TILES = ((64, 128), (64, 192), (64, 224), (64, 256), (128, 128), (128, 160))
+# (tile_n, tile_w) pairs; a consumer's accumulator holds tile_n * tile_w / 128 fp32 per thread
+# (at most 192 without spills). 128-column tiles come in every height of 8 rows from 128 to
+# 192, so that M pads to little.
+TILES = ((64, 128), (64, 192), (64, 224), (64, 256)) + tuple((128, w) for w in range(128, 193, 8))
 CLUSTERS = {64: ((1, 1), (2, 1), (4, 1), (4, 2)), 128: ((1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (4, 2))}
 
 SHIPPED_CONFIGS = [
@@ -108,9 +110,10 @@ def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool
         fake_tensor(dt, (None, None, None), **operand),  # out [B, M, N]
         fake_tensor(cutlass.Float32, (None,), align=16),  # workspace
         fake_tensor(cutlass.Int32, (None,), align=4),  # flags
-        cutlass.Int32(0),
-        cutlass.Int32(1),
-        cutlass.Int32(1),
+        cutlass.Int32(0),  # tile_begin
+        cutlass.Int32(1),  # tile_end
+        cutlass.Int32(1),  # grid_size
+        cutlass.Int32(1),  # wait_prior
         fake_stream(),
     )
     return compile_kernel(kernel, *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
@@ -139,10 +142,50 @@ def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Launch:
+    kernel: CompiledKernel
+    batches: tuple  # (first, end): the candidates this launch sees
+    tiles: tuple  # (tile_begin, tile_end): cluster tiles of its own tile walk
+    grid: int  # CTAs
+    wait_prior: int  # 1: waits for the previous grid before it starts; 0: before it ends
+
+
+def _spare_sm_split(cfg, device, B, U, kb_user, kb_cand):
+    """(B_main, spare CTAs) where a batch-deep cluster leaves SMs idle, else None.
+
+    Clusters of 4 or 8 CTAs fit on fewer SMs than the GPU has (120 of 132 on an H200).
+    The fused launch then runs the user tiles and the first B_main candidates, and a
+    second launch of the same tile with clusters one batch deep takes the last
+    candidates on the SMs left over. It is launched dependent on the first (PDL), so it
+    starts once every CTA of the first is resident, and spins on the user tiles' ready
+    flags like the first launch's own candidate tiles. The candidates are split in
+    proportion to the SMs, in k-blocks of work."""
+    if cfg.cluster_b == 1 or cfg.cluster_n > 2:
+        return None  # only pairs fit in what an 8-CTA grid leaves
+    cluster = cfg.cluster_n * cfg.cluster_b
+    sms = max_active_clusters(device, 1)
+    spare = sms - max_active_clusters(device, cluster) * cluster
+    spare -= spare % cfg.cluster_n
+    if spare <= 0:
+        return None
+    work = U * kb_user + B * kb_cand
+    b_spare = round(work * spare / sms / kb_cand)
+    b_main = -(-(B - b_spare) // cfg.cluster_b) * cfg.cluster_b
+    if not 0 < b_main < B:
+        return None
+    return b_main, spare
+
+
+def _spare_config(cfg: LceConfig) -> LceConfig:
+    """The spare SMs' configuration: the same tile, clusters one batch deep (same column
+    slices, so the same workspace layout)."""
+    return dataclasses.replace(cfg, cluster_b=1)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Plan:
     """Everything a call needs that depends only on shapes, dtypes and device."""
 
-    kernel: CompiledKernel
     out_shape: tuple
     dtype: torch.dtype
     n8: int
@@ -150,7 +193,7 @@ class _Plan:
     k8_user: int
     ws_shape: tuple
     n_flags: int
-    launches: tuple  # (tile_begin, tile_end, grid) per launch
+    launches: tuple  # of _Launch
 
 
 def _signature(tensors) -> tuple:
@@ -179,13 +222,33 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
         groups = -(-n8 // (cfg.tile_n * cfg.cluster_n))
         column_tiles = groups * cfg.cluster_n
         u_groups = -(-U // cfg.cluster_b)
-        user_tiles = u_groups * w_tiles * groups  # cluster tiles
-        all_tiles = user_tiles + -(-B // cfg.cluster_b) * w_tiles * groups
-        cluster = cfg.cluster_n * cfg.cluster_b
-        clusters = max_active_clusters(device, cluster)
-        ranges = [(0, all_tiles)] if schedule == "fused" else [(0, user_tiles), (user_tiles, all_tiles)]
+
+        def launch(c, b0, b1, phases, wait_prior):
+            """A launch of config c over candidates [b0, b1): its user tiles, candidate tiles or both."""
+            c_groups = -(-n8 // (c.tile_n * c.cluster_n))
+            user_tiles = -(-U // c.cluster_b) * w_tiles * c_groups  # cluster tiles
+            cand_tiles = -(-(b1 - b0) // c.cluster_b) * w_tiles * c_groups
+            begin = 0 if "user" in phases else user_tiles
+            end = user_tiles + cand_tiles if "cand" in phases else user_tiles
+            cluster = c.cluster_n * c.cluster_b
+            grid = min(max_active_clusters(device, cluster), end - begin) * cluster
+            return _Launch(_kernel(c), (b0, b1), (begin, end), grid, wait_prior)
+
+        split = None
+        if schedule == "fused":
+            split = _spare_sm_split(cfg, device, B, U, -(-K_user // 64), -(-K_cand // 64))
+        if split is None and schedule == "fused":
+            launches = (launch(cfg, 0, B, ("user", "cand"), 1),)
+        elif split is None:
+            launches = (launch(cfg, 0, B, ("user",), 1), launch(cfg, 0, B, ("cand",), 1))
+        else:
+            b_main, spare = split
+            second = launch(_spare_config(cfg), b_main, B, ("cand",), 0)
+            launches = (
+                launch(cfg, 0, b_main, ("user", "cand"), 1),
+                dataclasses.replace(second, grid=min(second.grid, spare)),
+            )
         plan = _Plan(
-            kernel=_kernel(cfg),
             out_shape=(B, M, N),
             dtype=e_cand.dtype,
             n8=n8,
@@ -194,7 +257,7 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
             # fp32 user tiles, in the kernel's fragment order.
             ws_shape=(u_groups * cfg.cluster_b * column_tiles * w_tiles * cfg.tile_n * cfg.tile_w,),
             n_flags=u_groups * cfg.cluster_b * w_tiles * column_tiles,
-            launches=tuple((b, e, min(clusters, e - b) * cluster) for b, e in ranges),
+            launches=launches,
         )
     _plans[key] = plan
     return plan
@@ -214,8 +277,10 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     reads or writes outside the tensors: that candidate's output is NaN.
 
     ``schedule``: "fused" (one persistent launch: user tiles first, candidate
-    tiles wait on per-tile ready flags) or "two_launch" (the same kernel run
-    over the user tiles, then over the candidate tiles).
+    tiles wait on per-tile ready flags; where its clusters leave SMs idle, a second
+    launch on those SMs takes the last candidates, see ``_spare_sm_split``) or
+    "two_launch" (the same kernel run over the user tiles, then over the candidate
+    tiles).
 
     CPU tensors run :func:`lce_reference`; a CUDA GPU other than sm_90 raises.
     No host synchronization (unless validating); CUDA-graph capturable.
@@ -241,8 +306,14 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
         target = torch.empty((*plan.out_shape[:2], n8), dtype=plan.dtype, device=device)
     workspace = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
     flags = torch.zeros(plan.n_flags, dtype=torch.int32, device=device)
-    for begin, end, grid in plan.launches:
-        plan.kernel(w_c, w_u, e_c, e_u, idx_k, target, workspace, flags, begin, end, grid)
+    B = plan.out_shape[0]
+    for launch in plan.launches:
+        b0, b1 = launch.batches
+        part = slice(b0, b1) if (b0, b1) != (0, B) else slice(None)
+        launch.kernel(
+            w_c, w_u, e_c[part], e_u, idx_k[part], target[part], workspace, flags,
+            *launch.tiles, launch.grid, launch.wait_prior,
+        )
     if target is not out:
         out.copy_(target[..., : plan.out_shape[2]])
     return out

@@ -47,6 +47,9 @@ class LceSm90:
       warpgroup 0, producer (setmaxnreg 24): warp 0 issues the TMA loads of each
         k-block: its own e slice, and its 32-row chunks of the w tile (chunks
         rank, rank + cluster, ...), each multicast to every CTA of the cluster.
+        Where 32 does not divide tile_w, the last chunk is the tile's last 32 rows
+        and overlaps the one before it: both write the same values, and the
+        stage's byte count includes the overlap.
       warpgroups 1, 2, consumers (setmaxnreg 240): wgmma main loop on their tile,
         then its epilogue while the other consumer runs its main loop.
 
@@ -61,14 +64,25 @@ class LceSm90:
         issuing its last wgmma (consumer 0 arrives once on its own at the start),
         so the consumers walk the ring in tile order.
       epilogue (named barrier 1+c, 128 threads, per-consumer staging buffers):
-        the consumer's warp 0 TMA-stores each staged sub-tile and reuses a
-        buffer only after the bulk group that read it completed.
+        the consumer's warp 0 TMA-stores each staged 64 x 32 sub-tile and reuses
+        a buffer only after the bulk group that read it completed. As with the
+        w chunks, a tile_w that 32 does not divide ends on an overlapping sub-tile
+        (its rows are stored twice, with the same values, by the same CTA).
       user-tile ready flags (global int32 per user CTA tile, zeroed by the op):
         a user epilogue stores its fp32 tile, fences, syncs its warpgroup, then
         one thread sets the flag with st.release.gpu. Before a candidate tile's
         main loop (while the other consumer's main loop runs), one thread spins
         on ld.acquire.gpu of the user tile's flag, the warpgroup syncs, and the
         user tile is loaded into the accumulator that the main loop adds onto.
+
+    Launch: programmatic dependent launch. With ``wait_prior`` 1 the CTAs set up
+    their barriers while the previous grid on the stream finishes, then wait for it
+    (griddepcontrol.wait). Every CTA then lets a dependent grid start
+    (griddepcontrol.launch_dependents): the op launches a second grid this way to run
+    the last candidates on SMs that this grid's clusters leave idle. That grid has
+    ``wait_prior`` 0: it spins on the ready flags of user tiles this grid computes,
+    and waits for this grid only before it exits, so what follows on the stream
+    still runs after both.
 
     Candidates whose idx is outside [0, U) never read past the workspace: their
     output is NaN.
@@ -89,8 +103,8 @@ class LceSm90:
             raise TypeError(f"LceSm90: dtype must be Float16 or BFloat16, got {dtype}")
         if idx_dtype not in (cutlass.Int32, cutlass.Int64):
             raise TypeError(f"LceSm90: idx dtype must be Int32 or Int64, got {idx_dtype}")
-        if tile_w % 32 or not 64 <= tile_w <= 256:
-            raise ValueError(f"LceSm90: tile_w must be a multiple of 32 in [64, 256], got {tile_w}")
+        if tile_w % 8 or not 64 <= tile_w <= 256:
+            raise ValueError(f"LceSm90: tile_w must be a multiple of 8 in [64, 256], got {tile_w}")
         if tile_n not in (64, 128):
             raise ValueError(f"LceSm90: tile_n must be 64 or 128, got {tile_n}")
         cluster = cluster_n * cluster_b
@@ -106,14 +120,19 @@ class LceSm90:
         self.tile_mnk = (tile_n, tile_w, self.TILE_K)  # GEMM view: M = out columns, N = out rows
         # A cluster loads each w tile in 32-row chunks, CTA r taking chunks r,
         # r + cluster, ..., each multicast to the whole cluster.
+        # Where 32 does not divide the tile, the last chunk is the tile's last 32 rows, overlapping
+        # the one before it (both write the same values there).
         self.w_chunk = tile_w if cluster == 1 else 32
-        self.w_chunks = tile_w // self.w_chunk
+        self.w_chunks = -(-tile_w // self.w_chunk)
         self.chunks_per_cta = -(-self.w_chunks // cluster)
         self.epi_tile = (self.ATOM_N, self.EPI_W)
-        self.epi_subtiles = tile_n // self.ATOM_N * tile_w // self.EPI_W
+        # Where 32 does not divide the tile, its last sub-tile is its last 32 rows, overlapping the
+        # one before it (both store the same values there).
+        self.subs_per_atom = -(-tile_w // self.EPI_W)
+        self.epi_subtiles = tile_n // self.ATOM_N * self.subs_per_atom
 
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
-        self.stage_bytes = (tile_n + tile_w) * self.TILE_K * dtype.width // 8
+        self.stage_bytes = (tile_n + self.w_chunks * self.w_chunk) * self.TILE_K * dtype.width // 8
         epi_bytes = 2 * self.EPI_STAGES * self.ATOM_N * self.EPI_W * dtype.width // 8
         self.ab_stages = min(12, (smem - epi_bytes - 1024) // self.stage_bytes)
 
@@ -132,6 +151,7 @@ class LceSm90:
         tile_begin: Int32,  # cluster tiles [tile_begin, tile_end)
         tile_end: Int32,
         grid_size: Int32,  # CTAs, a multiple of the cluster size
+        wait_prior: Int32,  # 1: wait for the previous grid on the stream before starting; 0: at the end
         stream,
     ):
         # GEMM views: A = e^T (N, K, batch) N-major, B = w^T (M, K, 1) K-major,
@@ -165,12 +185,12 @@ class LceSm90:
         b_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
         epi_smem = sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.COL_MAJOR, self.epi_tile, 2 * self.EPI_STAGES)
 
-        a_one = cute.slice_(a_smem, (None, None, 0))
-        b_chunk = cute.slice_(
+        a_one = cute.select(a_smem, mode=[0, 1])
+        b_chunk = cute.select(
             sm90_utils.make_smem_layout_b(
                 LayoutEnum.ROW_MAJOR, (self.tile_n, self.w_chunk, self.TILE_K), self.dtype, 1
             ),
-            (None, None, 0),
+            mode=[0, 1],
         )
         a_box = (self.tile_n, self.TILE_K)
         b_box = (self.w_chunk, self.TILE_K)
@@ -181,7 +201,7 @@ class LceSm90:
         tma_b_cand, tb_cand = cpasync.make_tiled_tma_atom(b_load, b_cand, b_chunk, b_box)
         tma_b_user, tb_user = cpasync.make_tiled_tma_atom(b_load, b_user, b_chunk, b_box)
         tma_out, t_out = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), c_out, cute.slice_(epi_smem, (None, None, 0)), self.epi_tile
+            cpasync.CopyBulkTensorTileS2GOp(), c_out, cute.select(epi_smem, mode=[0, 1]), self.epi_tile
         )
 
         @cute.struct
@@ -198,13 +218,14 @@ class LceSm90:
             tma_a_cand, ta_cand, tma_b_cand, tb_cand,
             tma_out, t_out, c_ws, idx, flags,
             tiled_mma, a_smem, b_smem, epi_smem,
-            tile_begin, tile_end,
+            tile_begin, tile_end, wait_prior,
         ).launch(
             grid=[grid_size, 1, 1],
             block=[self.THREADS, 1, 1],
             cluster=[self.cluster, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=True,
         )
 
     # ---------------------------------------------------------------- device
@@ -230,6 +251,7 @@ class LceSm90:
         epi_smem: cute.ComposedLayout,
         tile_begin: Int32,
         tile_end: Int32,
+        wait_prior: Int32,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -257,6 +279,12 @@ class LceSm90:
         sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
         geom = self.geometry(mA_user, mB_user, mB_cand, mOut)
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster, 1))
+        # Launched with programmatic dependent launch: the setup above overlaps the previous
+        # grid on the stream; no global memory is touched before this wait.
+        if wait_prior != 0:
+            cute.arch.griddepcontrol_wait()
+        # Every CTA of this grid is resident: a dependent grid may start on the SMs left free.
+        cute.arch.griddepcontrol_launch_dependents()
 
         warpgroup_idx = warp_idx // 4
         if warpgroup_idx == 0:
@@ -350,10 +378,16 @@ class LceSm90:
                 bar = ab_pipeline.producer_get_barrier(state)
                 if is_user:
                     cute.copy(tma_a_user, tAgA_user[(None, n, k, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    self.load_w(tma_b_user, tBgB_user, tBsB, w, k, rank, state.index, bar, mcast)
+                    if const_expr(self.tile_w % self.w_chunk == 0):
+                        self.load_w(tma_b_user, tBgB_user, tBsB, w, k, rank, state.index, bar, mcast)
+                    else:
+                        self.load_w_overlapping(tma_b_user, mB_user, sB, w, k, rank, state.index, bar, mcast)
                 else:
                     cute.copy(tma_a_cand, tAgA_cand[(None, n, k, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    self.load_w(tma_b_cand, tBgB_cand, tBsB, w, k, rank, state.index, bar, mcast)
+                    if const_expr(self.tile_w % self.w_chunk == 0):
+                        self.load_w(tma_b_cand, tBgB_cand, tBsB, w, k, rank, state.index, bar, mcast)
+                    else:
+                        self.load_w_overlapping(tma_b_cand, mB_cand, sB, w, k, rank, state.index, bar, mcast)
                 ab_pipeline.producer_commit(state)
                 state.advance()
             t += stride
@@ -370,6 +404,23 @@ class LceSm90:
                     cute.copy(atom, src, tBsB[(None, j, stage)], tma_bar_ptr=bar, mcast_mask=mcast)
                 else:
                     cute.copy(atom, src, tBsB[(None, j, stage)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def load_w_overlapping(self, atom, mB, sB, w, k, rank, stage, bar, mcast):
+        """load_w for a tile that 32 does not divide: chunk j starts at row min(32 j, tile_w - 32)."""
+        b_box = (self.w_chunk, self.TILE_K)
+        for i in cutlass.range_constexpr(self.chunks_per_cta):
+            j = rank + i * self.cluster
+            if j < self.w_chunks:
+                r = j * self.w_chunk
+                if j == self.w_chunks - 1:
+                    r = self.tile_w - self.w_chunk
+                g = cute.local_tile(cute.domain_offset((w * self.tile_w + r, 0, 0), mB), b_box, (0, k, 0))
+                s = cute.local_tile(cute.domain_offset((r, 0, 0), sB), b_box, (0, 0, stage))
+                tBs, tBg = cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+                )
+                cute.copy(atom, tBg, tBs, tma_bar_ptr=bar, mcast_mask=mcast)
 
     # ----------------------------------------------------------- consumers
     @cute.jit
@@ -394,7 +445,6 @@ class LceSm90:
         )
         thr_r2s = r2s.get_slice(tidx)
         tRS_sC = thr_r2s.partition_D(sC)
-        tRS_acc = r2s.retile(acc)
         rD_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
         tRS_rD = cute.make_rmem_tensor(rD_shape, Float32)
         tRS_rOut = cute.make_rmem_tensor(rD_shape, self.dtype)
@@ -421,7 +471,7 @@ class LceSm90:
                 self.store_user_tile(acc, thr_mma, mWs, mFlags, w, n, batch, geom, consumer_idx, tidx)
             else:
                 self.store_output_tile(
-                    tRS_acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
+                    acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
                     w, n, batch, epi_count, consumer_idx, warp_in_wg,
                 )
                 epi_count += self.epi_subtiles
@@ -432,6 +482,9 @@ class LceSm90:
             t += stride
         if warp_in_wg == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # A grid that did not wait at its start (wait_prior 0) ends only after the previous
+        # grid, so what follows on the stream sees both.
+        cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def mainloop(self, ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks: Int32, zero_init, consumer_idx: Int32):
@@ -524,7 +577,7 @@ class LceSm90:
 
     @cute.jit
     def store_output_tile(
-        self, tRS_acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
+        self, acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
         w, n, b, epi_count, consumer_idx, warp_in_wg,
     ):
         """Round once, stage 64 x EPI_W sub-tiles in shared memory, TMA-store them."""
@@ -532,21 +585,31 @@ class LceSm90:
         bSG_sC, bSG_gOut = cpasync.tma_partition(
             tma_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), cute.zipped_divide(gOut, self.epi_tile)
         )
+        last_row = self.tile_w - self.EPI_W
+        if const_expr(self.tile_w % self.EPI_W):
+            # The overlapping last sub-tile of each atom: rows [last_row, tile_w).
+            _, bSG_gLast = cpasync.tma_partition(
+                tma_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                cute.zipped_divide(cute.domain_offset((0, last_row), gOut), self.epi_tile),
+            )
         per_sub = cute.size(tRS_rD)
-        subs_per_atom = self.tile_w // self.EPI_W
-        # Sub-tile j of the atom's 64 columns h: the accumulator holds each atom's
-        # fragment whole, its rows (the wgmma N side) outermost.
+        # acc holds each atom's fragment whole (tile_w / 2 values), its rows (the wgmma N
+        # side) outermost, 4 values per 8 rows.
         for s in cutlass.range_constexpr(self.epi_subtiles):
-            h, j = s // subs_per_atom, s % subs_per_atom
+            h, j = s // self.subs_per_atom, s % self.subs_per_atom
+            row = min(j * self.EPI_W, last_row)
             for v in cutlass.range_constexpr(per_sub):
-                tRS_rD[v] = tRS_acc[s * per_sub + v]
+                tRS_rD[v] = acc[h * self.tile_w // 2 + row // 2 + v]
             tRS_rOut.store(tRS_rD.load().to(self.dtype))
             buf = consumer_idx * self.EPI_STAGES + (epi_count + s) % self.EPI_STAGES
             cute.copy(r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
             cute.arch.fence_proxy("async.shared", space="cta")
             self.epi_sync(consumer_idx)
             if warp_in_wg == 0:
-                cute.copy(tma_out, bSG_sC[(None, buf)], bSG_gOut[(None, (h, j))])
+                if const_expr(row % self.EPI_W):
+                    cute.copy(tma_out, bSG_sC[(None, buf)], bSG_gLast[(None, (h, 0))])
+                else:
+                    cute.copy(tma_out, bSG_sC[(None, buf)], bSG_gOut[(None, (h, j))])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(self.EPI_STAGES - 1, read=True)
             self.epi_sync(consumer_idx)

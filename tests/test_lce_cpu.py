@@ -3,6 +3,7 @@ formula in float64, the input checks, and the sm_90a compile of every shipped
 kernel configuration."""
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -305,3 +306,38 @@ def test_published_shape_tile_is_not_load_bound():
     cfg = pick_config(torch.float16, torch.int32, 433, 256, 1024)
     assert 1 / cfg.tile_n + 1 / cfg.tile_w <= 1 / 64
     assert cfg.cluster_n * cfg.cluster_b == 8
+
+
+@pytest.mark.parametrize("B", [2, 3, 64, 1024, 4096])
+def test_spare_sm_split(B, monkeypatch):
+    """Where 8-CTA clusters leave SMs idle (an H200: 15 clusters on 132 SMs), the last
+    candidates go to a second launch on the 12 spare SMs, in proportion to the SMs."""
+    lce_mod = importlib.import_module("ikbo_gemm.lce")  # the package exports the op under the same name
+
+    monkeypatch.setattr(lce_mod, "max_active_clusters", lambda device, size: 132 // size if size < 4 else 120 // size)
+    cfg = pick_config(torch.float16, torch.int32, 433, 256, B)
+    assert (cfg.cluster_n, cfg.cluster_b) == (2, 4)
+    U, kb_user, kb_cand = 15, 19, 14
+    split = lce_mod._spare_sm_split(cfg, None, B, U, kb_user, kb_cand)
+    if B < 8:
+        assert split is None  # the user tiles alone outweigh the spare SMs' share
+        return
+    b_main, spare = split
+    assert spare == 12 and b_main % cfg.cluster_b == 0 and 0 < b_main < B
+    # Work per SM within one batch's share of each other.
+    main_per_sm = (U * kb_user + b_main * kb_cand) / 120
+    spare_per_sm = (B - b_main) * kb_cand / 12
+    assert abs(main_per_sm - spare_per_sm) <= kb_cand * cfg.cluster_b / 12
+
+
+def test_no_spare_sm_split_without_idle_sms(monkeypatch):
+    lce_mod = importlib.import_module("ikbo_gemm.lce")
+
+    cfg = pick_config(torch.float16, torch.int32, 433, 256, 1024)
+    monkeypatch.setattr(lce_mod, "max_active_clusters", lambda device, size: 128 // size)
+    assert lce_mod._spare_sm_split(cfg, None, 1024, 15, 19, 14) is None  # clusters fill every SM
+    monkeypatch.setattr(lce_mod, "max_active_clusters", lambda device, size: 132 // size if size < 4 else 120 // size)
+    one_deep = pick_config(torch.float16, torch.int32, 433, 256, 1)
+    assert one_deep.cluster_b == 1 and lce_mod._spare_sm_split(one_deep, None, 1, 15, 19, 14) is None
+    wide = pick_config(torch.float16, torch.int32, 433, 1000, 1024)  # 4-slice clusters: no pairs left
+    assert wide.cluster_n == 4 and lce_mod._spare_sm_split(wide, None, 1024, 15, 19, 14) is None
