@@ -151,15 +151,16 @@ class _Launch:
 
 
 def _spare_sm_split(cfg, device, B, U, kb_user, kb_cand):
-    """(B_main, spare CTAs) where a batch-deep cluster leaves SMs idle, else None.
+    """(B_spare, spare CTAs) where a batch-deep cluster leaves SMs idle, else None.
 
     Clusters of 4 or 8 CTAs fit on fewer SMs than the GPU has (120 of 132 on an H200).
-    The fused launch then runs the user tiles and the first B_main candidates, and a
-    second launch of the same tile with clusters one batch deep takes the last
-    candidates on the SMs left over. It is launched dependent on the first (PDL), so it
-    starts once every CTA of the first is resident, and spins on the user tiles' ready
-    flags like the first launch's own candidate tiles. The candidates are split in
-    proportion to the SMs, in k-blocks of work."""
+    The fused launch then runs the user tiles and candidates [B_spare, B), and a second
+    launch of the same tile with clusters one batch deep takes candidates [0, B_spare)
+    on the SMs left over: with candidates sorted by user, their user tiles are the first
+    to be ready. It is launched dependent on the first (PDL), so it starts once every CTA
+    of the first is resident, and spins on the user tiles' ready flags like the first
+    launch's own candidate tiles. The candidates are split in proportion to the SMs, in
+    k-blocks of work."""
     if cfg.cluster_b == 1 or cfg.cluster_n > 2:
         return None  # only pairs fit in what an 8-CTA grid leaves
     cluster = cfg.cluster_n * cfg.cluster_b
@@ -169,11 +170,10 @@ def _spare_sm_split(cfg, device, B, U, kb_user, kb_cand):
     if spare <= 0:
         return None
     work = U * kb_user + B * kb_cand
-    b_spare = round(work * spare / sms / kb_cand)
-    b_main = -(-(B - b_spare) // cfg.cluster_b) * cfg.cluster_b
+    b_main = -(-(B - round(work * spare / sms / kb_cand)) // cfg.cluster_b) * cfg.cluster_b
     if not 0 < b_main < B:
         return None
-    return b_main, spare
+    return B - b_main, spare
 
 
 def _spare_config(cfg: LceConfig) -> LceConfig:
@@ -242,10 +242,10 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
         elif split is None:
             launches = (launch(cfg, 0, B, ("user",), 1), launch(cfg, 0, B, ("cand",), 1))
         else:
-            b_main, spare = split
-            second = launch(_spare_config(cfg), b_main, B, ("cand",), 0)
+            b_spare, spare = split
+            second = launch(_spare_config(cfg), 0, b_spare, ("cand",), 0)
             launches = (
-                launch(cfg, 0, b_main, ("user", "cand"), 1),
+                launch(cfg, b_spare, B, ("user", "cand"), 1),
                 dataclasses.replace(second, grid=min(second.grid, spare)),
             )
         plan = _Plan(
@@ -278,7 +278,7 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
 
     ``schedule``: "fused" (one persistent launch: user tiles first, candidate
     tiles wait on per-tile ready flags; where its clusters leave SMs idle, a second
-    launch on those SMs takes the last candidates, see ``_spare_sm_split``) or
+    launch on those SMs takes the first candidates, see ``_spare_sm_split``) or
     "two_launch" (the same kernel run over the user tiles, then over the candidate
     tiles).
 

@@ -79,7 +79,7 @@ class LceSm90:
     their barriers while the previous grid on the stream finishes, then wait for it
     (griddepcontrol.wait). Every CTA then lets a dependent grid start
     (griddepcontrol.launch_dependents): the op launches a second grid this way to run
-    the last candidates on SMs that this grid's clusters leave idle. That grid has
+    the first candidates on SMs that this grid's clusters leave idle. That grid has
     ``wait_prior`` 0: it spins on the ready flags of user tiles this grid computes,
     and waits for this grid only before it exits, so what follows on the stream
     still runs after both.

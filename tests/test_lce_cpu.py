@@ -310,7 +310,7 @@ def test_published_shape_tile_is_not_load_bound():
 
 @pytest.mark.parametrize("B", [2, 3, 64, 1024, 4096])
 def test_spare_sm_split(B, monkeypatch):
-    """Where 8-CTA clusters leave SMs idle (an H200: 15 clusters on 132 SMs), the last
+    """Where 8-CTA clusters leave SMs idle (an H200: 15 clusters on 132 SMs), the first
     candidates go to a second launch on the 12 spare SMs, in proportion to the SMs."""
     lce_mod = importlib.import_module("ikbo_gemm.lce")  # the package exports the op under the same name
 
@@ -322,7 +322,8 @@ def test_spare_sm_split(B, monkeypatch):
     if B < 8:
         assert split is None  # the user tiles alone outweigh the spare SMs' share
         return
-    b_main, spare = split
+    b_spare, spare = split
+    b_main = B - b_spare
     assert spare == 12 and b_main % cfg.cluster_b == 0 and 0 < b_main < B
     # Work per SM within one batch's share of each other.
     main_per_sm = (U * kb_user + b_main * kb_cand) / 120
