@@ -176,12 +176,6 @@ def _spare_sm_split(cfg, device, B, U, kb_user, kb_cand):
     return B - b_main, spare
 
 
-def _spare_config(cfg: LceConfig) -> LceConfig:
-    """The spare SMs' configuration: the same tile, clusters one batch deep (same column
-    slices, so the same workspace layout)."""
-    return dataclasses.replace(cfg, cluster_b=1)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """Everything a call needs that depends only on shapes, dtypes and device."""
@@ -243,7 +237,8 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
             launches = (launch(cfg, 0, B, ("user",), 1), launch(cfg, 0, B, ("cand",), 1))
         else:
             b_spare, spare = split
-            second = launch(_spare_config(cfg), 0, b_spare, ("cand",), 0)
+            # The same tile and column slices (so the same workspace layout), one batch deep.
+            second = launch(dataclasses.replace(cfg, cluster_b=1), 0, b_spare, ("cand",), 0)
             launches = (
                 launch(cfg, b_spare, B, ("user", "cand"), 1),
                 dataclasses.replace(second, grid=min(second.grid, spare)),
@@ -306,10 +301,8 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
         target = torch.empty((*plan.out_shape[:2], n8), dtype=plan.dtype, device=device)
     workspace = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
     flags = torch.zeros(plan.n_flags, dtype=torch.int32, device=device)
-    B = plan.out_shape[0]
     for launch in plan.launches:
-        b0, b1 = launch.batches
-        part = slice(b0, b1) if (b0, b1) != (0, B) else slice(None)
+        part = slice(*launch.batches)
         launch.kernel(
             w_c, w_u, e_c[part], e_u, idx_k[part], target[part], workspace, flags,
             *launch.tiles, launch.grid, launch.wait_prior,

@@ -118,16 +118,12 @@ class LceSm90:
         self.cluster_b = cluster_b
         self.cluster = cluster
         self.tile_mnk = (tile_n, tile_w, self.TILE_K)  # GEMM view: M = out columns, N = out rows
-        # A cluster loads each w tile in 32-row chunks, CTA r taking chunks r,
-        # r + cluster, ..., each multicast to the whole cluster.
-        # Where 32 does not divide the tile, the last chunk is the tile's last 32 rows, overlapping
-        # the one before it (both write the same values there).
+        # A cluster loads each w tile in 32-row chunks (the last one overlapping where 32 does
+        # not divide the tile), CTA r taking chunks r, r + cluster, ..., each multicast.
         self.w_chunk = tile_w if cluster == 1 else 32
         self.w_chunks = -(-tile_w // self.w_chunk)
         self.chunks_per_cta = -(-self.w_chunks // cluster)
         self.epi_tile = (self.ATOM_N, self.EPI_W)
-        # Where 32 does not divide the tile, its last sub-tile is its last 32 rows, overlapping the
-        # one before it (both store the same values there).
         self.subs_per_atom = -(-tile_w // self.EPI_W)
         self.epi_subtiles = tile_n // self.ATOM_N * self.subs_per_atom
 
@@ -348,23 +344,14 @@ class LceSm90:
         tile_begin: Int32, tile_end: Int32,
     ):
         a_box = (self.tile_n, self.TILE_K)
-        b_box = (self.w_chunk, self.TILE_K)
         sA_ = cute.group_modes(sA, 0, 2)
-        # (chunk rows, K, chunk, stage): the w tile of a stage as w_loaders chunks.
-        sB_ = cute.group_modes(cute.local_tile(sB, b_box, (None, 0, None)), 0, 2)
         one = cute.make_layout(1)
-        # A: this CTA's own e slice. B: this CTA's share of the w rows, multicast.
+        # A: this CTA's own e slice. B: this CTA's share of the w rows, multicast (load_w).
         tAsA, tAgA_user = cpasync.tma_partition(
             tma_a_user, 0, one, sA_, cute.group_modes(cute.local_tile(mA_user, a_box, (None, None, None)), 0, 2)
         )
         _, tAgA_cand = cpasync.tma_partition(
             tma_a_cand, 0, one, sA_, cute.group_modes(cute.local_tile(mA_cand, a_box, (None, None, None)), 0, 2)
-        )
-        tBsB, tBgB_user = cpasync.tma_partition(
-            tma_b_user, 0, one, sB_, cute.group_modes(cute.local_tile(mB_user, b_box, (None, None, None)), 0, 2)
-        )
-        _, tBgB_cand = cpasync.tma_partition(
-            tma_b_cand, 0, one, sB_, cute.group_modes(cute.local_tile(mB_cand, b_box, (None, None, None)), 0, 2)
         )
 
         mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(rank), mode=0)
@@ -378,36 +365,19 @@ class LceSm90:
                 bar = ab_pipeline.producer_get_barrier(state)
                 if is_user:
                     cute.copy(tma_a_user, tAgA_user[(None, n, k, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    if const_expr(self.tile_w % self.w_chunk == 0):
-                        self.load_w(tma_b_user, tBgB_user, tBsB, w, k, rank, state.index, bar, mcast)
-                    else:
-                        self.load_w_overlapping(tma_b_user, mB_user, sB, w, k, rank, state.index, bar, mcast)
+                    self.load_w(tma_b_user, mB_user, sB, w, k, rank, state.index, bar, mcast)
                 else:
                     cute.copy(tma_a_cand, tAgA_cand[(None, n, k, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    if const_expr(self.tile_w % self.w_chunk == 0):
-                        self.load_w(tma_b_cand, tBgB_cand, tBsB, w, k, rank, state.index, bar, mcast)
-                    else:
-                        self.load_w_overlapping(tma_b_cand, mB_cand, sB, w, k, rank, state.index, bar, mcast)
+                    self.load_w(tma_b_cand, mB_cand, sB, w, k, rank, state.index, bar, mcast)
                 ab_pipeline.producer_commit(state)
                 state.advance()
             t += stride
         ab_pipeline.producer_tail(state)
 
     @cute.jit
-    def load_w(self, atom, tBgB, tBsB, w, k, rank, stage, bar, mcast):
-        """This CTA's chunks of w tile (w, k): chunk j = rank + i * cluster, multicast."""
-        for i in cutlass.range_constexpr(self.chunks_per_cta):
-            j = rank + i * self.cluster
-            if j < self.w_chunks:
-                src = tBgB[(None, w * self.w_chunks + j, k, 0)]
-                if const_expr(self.cluster > 1):
-                    cute.copy(atom, src, tBsB[(None, j, stage)], tma_bar_ptr=bar, mcast_mask=mcast)
-                else:
-                    cute.copy(atom, src, tBsB[(None, j, stage)], tma_bar_ptr=bar)
-
-    @cute.jit
-    def load_w_overlapping(self, atom, mB, sB, w, k, rank, stage, bar, mcast):
-        """load_w for a tile that 32 does not divide: chunk j starts at row min(32 j, tile_w - 32)."""
+    def load_w(self, atom, mB, sB, w, k, rank, stage, bar, mcast):
+        """This CTA's chunks of w tile (w, k): chunk j = rank + i * cluster, rows
+        [32 j, 32 j + 32) of the tile, or its last 32 rows for the last chunk."""
         b_box = (self.w_chunk, self.TILE_K)
         for i in cutlass.range_constexpr(self.chunks_per_cta):
             j = rank + i * self.cluster
@@ -420,7 +390,10 @@ class LceSm90:
                 tBs, tBg = cpasync.tma_partition(
                     atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
                 )
-                cute.copy(atom, tBg, tBs, tma_bar_ptr=bar, mcast_mask=mcast)
+                if const_expr(self.cluster > 1):
+                    cute.copy(atom, tBg, tBs, tma_bar_ptr=bar, mcast_mask=mcast)
+                else:
+                    cute.copy(atom, tBg, tBs, tma_bar_ptr=bar)
 
     # ----------------------------------------------------------- consumers
     @cute.jit
@@ -582,16 +555,8 @@ class LceSm90:
     ):
         """Round once, stage 64 x EPI_W sub-tiles in shared memory, TMA-store them."""
         gOut = cute.local_tile(mOut, (self.tile_n, self.tile_w), (n, w, b))
-        bSG_sC, bSG_gOut = cpasync.tma_partition(
-            tma_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), cute.zipped_divide(gOut, self.epi_tile)
-        )
-        last_row = self.tile_w - self.EPI_W
-        if const_expr(self.tile_w % self.EPI_W):
-            # The overlapping last sub-tile of each atom: rows [last_row, tile_w).
-            _, bSG_gLast = cpasync.tma_partition(
-                tma_out, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-                cute.zipped_divide(cute.domain_offset((0, last_row), gOut), self.epi_tile),
-            )
+        bSG_sC = cute.group_modes(sC, 0, 2)
+        last_row = self.tile_w - self.EPI_W  # the last sub-tile may overlap the one before
         per_sub = cute.size(tRS_rD)
         # acc holds each atom's fragment whole (tile_w / 2 values), its rows (the wgmma N
         # side) outermost, 4 values per 8 rows.
@@ -606,10 +571,10 @@ class LceSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             self.epi_sync(consumer_idx)
             if warp_in_wg == 0:
-                if const_expr(row % self.EPI_W):
-                    cute.copy(tma_out, bSG_sC[(None, buf)], bSG_gLast[(None, (h, 0))])
-                else:
-                    cute.copy(tma_out, bSG_sC[(None, buf)], bSG_gOut[(None, (h, j))])
+                # Rows [row, row + EPI_W) of the atom's 64 columns h.
+                g = cute.local_tile(cute.domain_offset((0, row), gOut), self.epi_tile, (h, 0))
+                tS, tG = cpasync.tma_partition(tma_out, 0, cute.make_layout(1), bSG_sC, cute.group_modes(g, 0, 2))
+                cute.copy(tma_out, tS[(None, buf)], tG)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(self.EPI_STAGES - 1, read=True)
             self.epi_sync(consumer_idx)
