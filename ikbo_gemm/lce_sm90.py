@@ -70,10 +70,12 @@ class LceSm90:
         (its rows are stored twice, with the same values, by the same CTA).
       user-tile ready flags (global int32 per user CTA tile, zeroed by the op):
         a user epilogue stores its fp32 tile, fences, syncs its warpgroup, then
-        one thread sets the flag with st.release.gpu. Before a candidate tile's
-        main loop (while the other consumer's main loop runs), one thread spins
-        on ld.acquire.gpu of the user tile's flag, the warpgroup syncs, and the
-        user tile is loaded into the accumulator that the main loop adds onto.
+        one thread sets the flag with st.release.gpu. A candidate tile's main loop
+        adds onto its user tile, loaded into the accumulator while the other
+        consumer's main loop runs: thread 0 spins on ld.acquire.gpu of the flag
+        before the previous tile's epilogue, whose first warpgroup barrier orders
+        every thread's loads after it, and each staged sub-tile frees accumulator
+        registers that the loads then fill (after a user tile: once stored).
 
     Launch: programmatic dependent launch. With ``wait_prior`` 1 the CTAs set up
     their barriers while the previous grid on the stream finishes, then wait for it
@@ -126,6 +128,19 @@ class LceSm90:
         self.epi_tile = (self.ATOM_N, self.EPI_W)
         self.subs_per_atom = -(-tile_w // self.EPI_W)
         self.epi_subtiles = tile_n // self.ATOM_N * self.subs_per_atom
+
+        # Epilogue sub-tile s stages rows epi_rows[s] + [0, EPI_W) of atom s // subs_per_atom
+        # from accumulator values epi_acc[s] + [0, ATOM_N * EPI_W / 128); after it the 4-value
+        # chunks epi_freed[s] are read by no later sub-tile (they take the next user tile).
+        last_row = tile_w - self.EPI_W  # the last sub-tile may overlap the one before
+        per_sub = self.ATOM_N * self.EPI_W // 128
+        self.epi_rows = [min(s % self.subs_per_atom * self.EPI_W, last_row) for s in range(self.epi_subtiles)]
+        self.epi_acc = [s // self.subs_per_atom * tile_w // 2 + self.epi_rows[s] // 2 for s in range(self.epi_subtiles)]
+        last_use = {i: s for s in range(self.epi_subtiles) for i in range(self.epi_acc[s], self.epi_acc[s] + per_sub)}
+        self.epi_freed = [
+            [c for c in range(tile_n * tile_w // 512) if max(last_use[4 * c + v] for v in range(4)) == s]
+            for s in range(self.epi_subtiles)
+        ]
 
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.stage_bytes = (tile_n + self.w_chunks * self.w_chunk) * self.TILE_K * dtype.width // 8
@@ -433,26 +448,45 @@ class LceSm90:
                 state.advance(self.k_blocks_of(first0, geom))
 
         epi_count = Int32(0)
+        # The first tile's user tile; later ones are loaded during the previous tile's epilogue.
+        is_user, w, n, batch, _ = self.decode(t, rank, geom)
+        ws_tile, poison, do_load = self.user_tile_source(mIdx, mFlags, is_user, w, n, batch, t < tile_end, geom, tidx)
+        self.epi_sync(consumer_idx)
+        if do_load:
+            self.load_user_chunks(acc, mWs, ws_tile, tidx, list(range(cute.size(acc) // 4)))
         while t < tile_end:
             is_user, w, n, batch, k_blocks = self.decode(t, rank, geom)
-            # The user tile a candidate tile adds is loaded into the accumulator before the
-            # main loop, while the other consumer's main loop keeps the tensor cores busy.
-            self.load_user_tile(acc, thr_mma, mWs, mIdx, mFlags, is_user, w, n, batch, geom, consumer_idx, tidx)
+            # A bad index adds NaN; this also waits for the user-tile loads.
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                acc[i] = acc[i] + poison
             self.mma_order_wait(consumer_idx)
             state = self.mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks, is_user, consumer_idx)
+            t_next = t + stride
+            is_user_next, w_next, n_next, batch_next, _ = self.decode(t_next, rank, geom)
             if is_user:
                 self.store_user_tile(acc, thr_mma, mWs, mFlags, w, n, batch, geom, consumer_idx, tidx)
+                ws_tile, poison, do_load = self.user_tile_source(
+                    mIdx, mFlags, is_user_next, w_next, n_next, batch_next, t_next < tile_end, geom, tidx
+                )
+                self.epi_sync(consumer_idx)
+                if do_load:
+                    self.load_user_chunks(acc, mWs, ws_tile, tidx, list(range(cute.size(acc) // 4)))
             else:
+                # Thread 0 waits for the next tile's user tile here; the epilogue's first
+                # barrier orders every thread's loads of it after that wait.
+                ws_tile, poison, do_load = self.user_tile_source(
+                    mIdx, mFlags, is_user_next, w_next, n_next, batch_next, t_next < tile_end, geom, tidx
+                )
                 self.store_output_tile(
                     acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
-                    w, n, batch, epi_count, consumer_idx, warp_in_wg,
+                    w, n, batch, epi_count, consumer_idx, warp_in_wg, mWs, ws_tile, do_load, tidx,
                 )
                 epi_count += self.epi_subtiles
             # Skip the other consumer's next tile in the ring.
             t_other = t + grid
             if t_other < tile_end:
                 state.advance(self.k_blocks_of(t_other, geom))
-            t += stride
+            t = t_next
         if warp_in_wg == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         # A grid that did not wait at its start (wait_prior 0) ends only after the previous
@@ -519,17 +553,15 @@ class LceSm90:
             cute.arch.store(mFlags.iterator + tile, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def load_user_tile(self, acc, thr_mma, mWs, mIdx, mFlags, is_user, w, n, b, geom, consumer_idx, tidx):
-        """acc = ws[idx[b]] tile for candidate tile b, once that user tile's flag is set.
-
-        A bad index reads user 0's tile (in bounds, maybe not ready) plus NaN.
-        User tiles load the same way and ignore it (their first wgmma overwrites
-        acc), so every thread updates acc on one path.
-        """
+    def user_tile_source(self, mIdx, mFlags, is_user, w, n, b, exists, geom, tidx):
+        """(workspace tile, poison, load?) for the tile (is_user, w, n, b): a candidate tile
+        adds ws[idx[b]] once that user tile's flag is set (thread 0 waits for it here; the
+        caller's warpgroup barrier then orders every thread's loads after the flag). A bad
+        index reads nothing and adds NaN; user tiles and past-the-end tiles load nothing."""
         n_users = geom[5]
         u = Int32(0)
-        valid = is_user
-        if (not is_user) & (b < geom[7]):  # a cluster tile can reach cluster_b - 1 batches past B
+        valid = is_user | (not exists)
+        if exists & (not is_user) & (b < geom[7]):  # a cluster tile can reach cluster_b - 1 batches past B
             u_raw = mIdx[b]  # compared in its own width: an int64 index must not wrap into range
             valid = (u_raw >= 0) & (u_raw < n_users)
             if valid:
@@ -538,38 +570,42 @@ class LceSm90:
         if not valid:
             poison = Float32(math.nan)
         tile = self.user_tile_index(w, n, u, geom)
-        if valid & (not is_user) & (tidx == 0):
+        do_load = valid & exists & (not is_user)
+        if do_load & (tidx == 0):
             while cute.arch.load(mFlags.iterator + tile, Int32, sem="acquire", scope="gpu") == 0:
                 pass
-        # Thread 0's acquire, then the warpgroup barrier, orders every thread's reads after the flag.
-        self.epi_sync(consumer_idx)
+        return tile, poison, do_load
+
+    @cute.jit
+    def load_user_chunks(self, acc, mWs, tile, tidx, chunks):
+        """acc chunks (4 values each, the workspace's 16-byte fragment order) from user tile ``tile``."""
         ws, frag = self.fragment_view(acc, mWs, tile, tidx)
-        cute.autovec_copy(ws, frag)
-        for i in cutlass.range(cute.size(acc), unroll_full=True):
-            acc[i] = acc[i] + poison
+        for k in cutlass.range_constexpr(len(chunks)):
+            cute.autovec_copy(ws[(None, chunks[k])], frag[(None, chunks[k])])
 
     @cute.jit
     def store_output_tile(
         self, acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
-        w, n, b, epi_count, consumer_idx, warp_in_wg,
+        w, n, b, epi_count, consumer_idx, warp_in_wg, mWs, next_tile, do_load, tidx,
     ):
-        """Round once, stage 64 x EPI_W sub-tiles in shared memory, TMA-store them."""
+        """Round once, stage 64 x EPI_W sub-tiles in shared memory, TMA-store them. With
+        ``do_load`` the accumulator chunks a sub-tile frees take the next tile's user tile."""
         gOut = cute.local_tile(mOut, (self.tile_n, self.tile_w), (n, w, b))
         bSG_sC = cute.group_modes(sC, 0, 2)
-        last_row = self.tile_w - self.EPI_W  # the last sub-tile may overlap the one before
         per_sub = cute.size(tRS_rD)
         # acc holds each atom's fragment whole (tile_w / 2 values), its rows (the wgmma N
         # side) outermost, 4 values per 8 rows.
         for s in cutlass.range_constexpr(self.epi_subtiles):
-            h, j = s // self.subs_per_atom, s % self.subs_per_atom
-            row = min(j * self.EPI_W, last_row)
+            h, row = s // self.subs_per_atom, self.epi_rows[s]
             for v in cutlass.range_constexpr(per_sub):
-                tRS_rD[v] = acc[h * self.tile_w // 2 + row // 2 + v]
+                tRS_rD[v] = acc[self.epi_acc[s] + v]
             tRS_rOut.store(tRS_rD.load().to(self.dtype))
             buf = consumer_idx * self.EPI_STAGES + (epi_count + s) % self.EPI_STAGES
             cute.copy(r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
             cute.arch.fence_proxy("async.shared", space="cta")
             self.epi_sync(consumer_idx)
+            if do_load:
+                self.load_user_chunks(acc, mWs, next_tile, tidx, self.epi_freed[s])
             if warp_in_wg == 0:
                 # Rows [row, row + EPI_W) of the atom's 64 columns h.
                 g = cute.local_tile(cute.domain_offset((0, row), gOut), self.epi_tile, (h, 0))
