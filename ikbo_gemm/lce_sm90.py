@@ -451,9 +451,7 @@ class LceSm90:
         # The first tile's user tile; later ones are loaded during the previous tile's epilogue.
         is_user, w, n, batch, _ = self.decode(t, rank, geom)
         ws_tile, poison, do_load = self.user_tile_source(mIdx, mFlags, is_user, w, n, batch, t < tile_end, geom, tidx)
-        self.epi_sync(consumer_idx)
-        if do_load:
-            self.load_user_chunks(acc, mWs, ws_tile, tidx, list(range(cute.size(acc) // 4)))
+        self.load_user_tile(acc, mWs, ws_tile, do_load, consumer_idx, tidx)
         while t < tile_end:
             is_user, w, n, batch, k_blocks = self.decode(t, rank, geom)
             # A bad index adds NaN; this also waits for the user-tile loads.
@@ -465,18 +463,15 @@ class LceSm90:
             is_user_next, w_next, n_next, batch_next, _ = self.decode(t_next, rank, geom)
             if is_user:
                 self.store_user_tile(acc, thr_mma, mWs, mFlags, w, n, batch, geom, consumer_idx, tidx)
-                ws_tile, poison, do_load = self.user_tile_source(
-                    mIdx, mFlags, is_user_next, w_next, n_next, batch_next, t_next < tile_end, geom, tidx
-                )
-                self.epi_sync(consumer_idx)
-                if do_load:
-                    self.load_user_chunks(acc, mWs, ws_tile, tidx, list(range(cute.size(acc) // 4)))
+            # Thread 0 waits for the next tile's user tile (after a user tile is stored: it may
+            # be that one); a warpgroup barrier then orders every thread's loads after the wait.
+            ws_tile, poison, do_load = self.user_tile_source(
+                mIdx, mFlags, is_user_next, w_next, n_next, batch_next, t_next < tile_end, geom, tidx
+            )
+            if is_user:
+                self.load_user_tile(acc, mWs, ws_tile, do_load, consumer_idx, tidx)
             else:
-                # Thread 0 waits for the next tile's user tile here; the epilogue's first
-                # barrier orders every thread's loads of it after that wait.
-                ws_tile, poison, do_load = self.user_tile_source(
-                    mIdx, mFlags, is_user_next, w_next, n_next, batch_next, t_next < tile_end, geom, tidx
-                )
+                # The epilogue's first barrier orders the loads; each sub-tile frees registers for them.
                 self.store_output_tile(
                     acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
                     w, n, batch, epi_count, consumer_idx, warp_in_wg, mWs, ws_tile, do_load, tidx,
@@ -575,6 +570,14 @@ class LceSm90:
             while cute.arch.load(mFlags.iterator + tile, Int32, sem="acquire", scope="gpu") == 0:
                 pass
         return tile, poison, do_load
+
+    @cute.jit
+    def load_user_tile(self, acc, mWs, tile, do_load, consumer_idx, tidx):
+        """With ``do_load``, the whole of user tile ``tile`` into acc, after a warpgroup barrier
+        (which orders the loads after thread 0's wait for its flag)."""
+        self.epi_sync(consumer_idx)
+        if do_load:
+            self.load_user_chunks(acc, mWs, tile, tidx, list(range(cute.size(acc) // 4)))
 
     @cute.jit
     def load_user_chunks(self, acc, mWs, tile, tidx, chunks):
