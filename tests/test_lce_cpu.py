@@ -342,3 +342,24 @@ def test_no_spare_sm_split_without_idle_sms(monkeypatch):
     assert one_deep.cluster_b == 1 and lce_mod._spare_sm_split(one_deep, None, 1, 15, 19, 14) is None
     wide = pick_config(torch.float16, torch.int32, 433, 1000, 1024)  # 4-slice clusters: no pairs left
     assert wide.cluster_n == 4 and lce_mod._spare_sm_split(wide, None, 1024, 15, 19, 14) is None
+
+
+@pytest.mark.parametrize("tile_n, tile_w", sorted({(c.tile_n, c.tile_w) for c in SHIPPED_CONFIGS}))
+def test_epilogue_frees_each_accumulator_chunk_once_after_its_last_read(tile_n, tile_w):
+    """The epilogue loads the next user tile into the accumulator chunks each staged sub-tile
+    frees: every chunk exactly once, and only after the last sub-tile that reads it."""
+    import cutlass
+
+    from ikbo_gemm.lce_sm90 import LceSm90
+
+    k = LceSm90(cutlass.Float16, cutlass.Int32, tile_w, 1, 1, tile_n)
+    per_sub = k.ATOM_N * k.EPI_W // 128
+    reads = [set(range(k.epi_acc[s], k.epi_acc[s] + per_sub)) for s in range(k.epi_subtiles)]
+    assert set().union(*reads) == set(range(tile_n * tile_w // 128))  # every value is stored
+    freed = [c for chunks in k.epi_freed for c in chunks]
+    assert sorted(freed) == list(range(tile_n * tile_w // 512))
+    for s, chunks in enumerate(k.epi_freed):
+        for c in chunks:
+            values = set(range(4 * c, 4 * c + 4))
+            assert values & reads[s], (s, c)
+            assert not any(values & r for r in reads[s + 1:]), (s, c)
