@@ -6,10 +6,12 @@ from __future__ import annotations
 import importlib
 import math
 
+import cutlass
 import pytest
 import torch
 
 from ikbo_gemm.lce import SHIPPED_CONFIGS, compile_config, lce, pick_config
+from ikbo_gemm.lce_sm90 import LceSm90
 from ikbo_gemm.reference import lce_reference
 
 # Unit roundoff (half an ulp, relative) of one rounding to the dtype.
@@ -308,13 +310,18 @@ def test_published_shape_tile_is_not_load_bound():
     assert cfg.cluster_n * cfg.cluster_b == 8
 
 
+def h200_clusters(device, size):
+    """Clusters of ``size`` CTAs resident at once on an H200 (132 SMs; 8-CTA clusters on 120)."""
+    return 132 // size if size < 4 else 120 // size
+
+
 @pytest.mark.parametrize("B", [2, 3, 64, 1024, 4096])
 def test_spare_sm_split(B, monkeypatch):
     """Where 8-CTA clusters leave SMs idle (an H200: 15 clusters on 132 SMs), the first
     candidates go to a second launch on the 12 spare SMs, in proportion to the SMs."""
     lce_mod = importlib.import_module("ikbo_gemm.lce")  # the package exports the op under the same name
 
-    monkeypatch.setattr(lce_mod, "max_active_clusters", lambda device, size: 132 // size if size < 4 else 120 // size)
+    monkeypatch.setattr(lce_mod, "max_active_clusters", h200_clusters)
     cfg = pick_config(torch.float16, torch.int32, 433, 256, B)
     assert (cfg.cluster_n, cfg.cluster_b) == (2, 4)
     U, kb_user, kb_cand = 15, 19, 14
@@ -337,7 +344,7 @@ def test_no_spare_sm_split_without_idle_sms(monkeypatch):
     cfg = pick_config(torch.float16, torch.int32, 433, 256, 1024)
     monkeypatch.setattr(lce_mod, "max_active_clusters", lambda device, size: 128 // size)
     assert lce_mod._spare_sm_split(cfg, None, 1024, 15, 19, 14) is None  # clusters fill every SM
-    monkeypatch.setattr(lce_mod, "max_active_clusters", lambda device, size: 132 // size if size < 4 else 120 // size)
+    monkeypatch.setattr(lce_mod, "max_active_clusters", h200_clusters)
     one_deep = pick_config(torch.float16, torch.int32, 433, 256, 1)
     assert one_deep.cluster_b == 1 and lce_mod._spare_sm_split(one_deep, None, 1, 15, 19, 14) is None
     wide = pick_config(torch.float16, torch.int32, 433, 1000, 1024)  # 4-slice clusters: no pairs left
@@ -348,10 +355,6 @@ def test_no_spare_sm_split_without_idle_sms(monkeypatch):
 def test_epilogue_frees_each_accumulator_chunk_once_after_its_last_read(tile_n, tile_w):
     """The epilogue loads the next user tile into the accumulator chunks each staged sub-tile
     frees: every chunk exactly once, and only after the last sub-tile that reads it."""
-    import cutlass
-
-    from ikbo_gemm.lce_sm90 import LceSm90
-
     k = LceSm90(cutlass.Float16, cutlass.Int32, tile_w, 1, 1, tile_n)
     per_sub = k.ATOM_N * k.EPI_W // 128
     reads = [set(range(k.epi_acc[s], k.epi_acc[s] + per_sub)) for s in range(k.epi_subtiles)]
