@@ -47,9 +47,8 @@ class LceSm90:
       warpgroup 0, producer (setmaxnreg 24): warp 0 issues the TMA loads of each
         k-block: its own e slice, and its 32-row chunks of the w tile (chunks
         rank, rank + cluster, ...), each multicast to every CTA of the cluster.
-        Where 32 does not divide tile_w, the last chunk is the tile's last 32 rows
-        and overlaps the one before it: both write the same values, and the
-        stage's byte count includes the overlap.
+        Where 32 does not divide tile_w, the last chunk is the tile's remaining
+        rows, loaded with a TMA atom of its own height.
       warpgroups 1, 2, consumers (setmaxnreg 240): wgmma main loop on their tile,
         then its epilogue while the other consumer runs its main loop.
 
@@ -65,9 +64,10 @@ class LceSm90:
         so the consumers walk the ring in tile order.
       epilogue (named barrier 1+c, 128 threads, per-consumer staging buffers):
         the consumer's warp 0 TMA-stores each staged 64 x 32 sub-tile and reuses
-        a buffer only after the bulk group that read it completed. As with the
-        w chunks, a tile_w that 32 does not divide ends on an overlapping sub-tile
-        (its rows are stored twice, with the same values, by the same CTA).
+        a buffer only after the bulk group that read it completed. A tile_w that
+        32 does not divide ends on a sub-tile that overlaps the one before it (the
+        4-matrix stmatrix stages 32 rows); only its new rows are stored, with a TMA
+        atom of their height.
       user-tile ready flags (global int32 per user CTA tile, zeroed by the op):
         a user epilogue stores its fp32 tile, fences, syncs its warpgroup, then
         one thread sets the flag with st.release.gpu. A candidate tile's main loop
@@ -120,10 +120,11 @@ class LceSm90:
         self.cluster_b = cluster_b
         self.cluster = cluster
         self.tile_mnk = (tile_n, tile_w, self.TILE_K)  # GEMM view: M = out columns, N = out rows
-        # A cluster loads each w tile in 32-row chunks (the last one overlapping where 32 does
-        # not divide the tile), CTA r taking chunks r, r + cluster, ..., each multicast.
+        # A cluster loads each w tile in 32-row chunks (the last one holds the remaining
+        # w_last rows), CTA r taking chunks r, r + cluster, ..., each multicast.
         self.w_chunk = tile_w if cluster == 1 else 32
         self.w_chunks = -(-tile_w // self.w_chunk)
+        self.w_last = tile_w - (self.w_chunks - 1) * self.w_chunk
         self.chunks_per_cta = -(-self.w_chunks // cluster)
         self.epi_tile = (self.ATOM_N, self.EPI_W)
         self.subs_per_atom = -(-tile_w // self.EPI_W)
@@ -135,6 +136,11 @@ class LceSm90:
         last_row = tile_w - self.EPI_W  # the last sub-tile may overlap the one before
         per_sub = self.ATOM_N * self.EPI_W // 128
         self.epi_rows = [min(s % self.subs_per_atom * self.EPI_W, last_row) for s in range(self.epi_subtiles)]
+        # The rows of sub-tile s that the one before it (same atom) already stored.
+        self.epi_skip = [
+            max(0, self.epi_rows[s - 1] + self.EPI_W - self.epi_rows[s]) if s % self.subs_per_atom else 0
+            for s in range(self.epi_subtiles)
+        ]
         self.epi_acc = [s // self.subs_per_atom * tile_w // 2 + self.epi_rows[s] // 2 for s in range(self.epi_subtiles)]
         last_use = {i: s for s in range(self.epi_subtiles) for i in range(self.epi_acc[s], self.epi_acc[s] + per_sub)}
         self.epi_freed = [
@@ -143,7 +149,7 @@ class LceSm90:
         ]
 
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
-        self.stage_bytes = (tile_n + self.w_chunks * self.w_chunk) * self.TILE_K * dtype.width // 8
+        self.stage_bytes = (tile_n + tile_w) * self.TILE_K * dtype.width // 8
         epi_bytes = 2 * self.EPI_STAGES * self.ATOM_N * self.EPI_W * dtype.width // 8
         self.ab_stages = min(12, (smem - epi_bytes - 1024) // self.stage_bytes)
 
@@ -197,22 +203,29 @@ class LceSm90:
         epi_smem = sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.COL_MAJOR, self.epi_tile, 2 * self.EPI_STAGES)
 
         a_one = cute.select(a_smem, mode=[0, 1])
-        b_chunk = cute.select(
-            sm90_utils.make_smem_layout_b(
-                LayoutEnum.ROW_MAJOR, (self.tile_n, self.w_chunk, self.TILE_K), self.dtype, 1
-            ),
-            mode=[0, 1],
-        )
         a_box = (self.tile_n, self.TILE_K)
-        b_box = (self.w_chunk, self.TILE_K)
         a_load = cpasync.CopyBulkTensorTileG2SOp()
         b_load = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster > 1) else a_load
         tma_a_cand, ta_cand = cpasync.make_tiled_tma_atom(a_load, a_cand, a_one, a_box)
         tma_a_user, ta_user = cpasync.make_tiled_tma_atom(a_load, a_user, a_one, a_box)
-        tma_b_cand, tb_cand = cpasync.make_tiled_tma_atom(b_load, b_cand, b_chunk, b_box)
-        tma_b_user, tb_user = cpasync.make_tiled_tma_atom(b_load, b_user, b_chunk, b_box)
+        # w chunks: a full chunk's atom and the last chunk's (w_last rows), per phase.
+        b_atoms = []
+        for b in (b_user, b_cand):
+            for rows in (self.w_chunk, self.w_last):
+                chunk = cute.select(
+                    sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_n, rows, self.TILE_K), self.dtype, 1),
+                    mode=[0, 1],
+                )
+                b_atoms.append(cpasync.make_tiled_tma_atom(b_load, b, chunk, (rows, self.TILE_K)))
+        (tma_b_user, tb_user), (tma_b_user_last, _), (tma_b_cand, tb_cand), (tma_b_cand_last, _) = b_atoms
         tma_out, t_out = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), c_out, cute.select(epi_smem, mode=[0, 1]), self.epi_tile
+        )
+        last_box = (self.ATOM_N, self.EPI_W - self.epi_skip[self.subs_per_atom - 1])
+        tma_out_last, _ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), c_out,
+            cute.select(sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.COL_MAJOR, last_box, 1), mode=[0, 1]),
+            last_box,
         )
 
         @cute.struct
@@ -225,9 +238,9 @@ class LceSm90:
         self.shared_storage = SharedStorage
 
         self.kernel(
-            tma_a_user, ta_user, tma_b_user, tb_user,
-            tma_a_cand, ta_cand, tma_b_cand, tb_cand,
-            tma_out, t_out, c_ws, idx, flags,
+            tma_a_user, ta_user, tma_b_user, tma_b_user_last, tb_user,
+            tma_a_cand, ta_cand, tma_b_cand, tma_b_cand_last, tb_cand,
+            tma_out, tma_out_last, t_out, c_ws, idx, flags,
             tiled_mma, a_smem, b_smem, epi_smem,
             tile_begin, tile_end, wait_prior,
         ).launch(
@@ -246,12 +259,15 @@ class LceSm90:
         tma_a_user: cute.CopyAtom,
         mA_user: cute.Tensor,
         tma_b_user: cute.CopyAtom,
+        tma_b_user_last: cute.CopyAtom,
         mB_user: cute.Tensor,
         tma_a_cand: cute.CopyAtom,
         mA_cand: cute.Tensor,
         tma_b_cand: cute.CopyAtom,
+        tma_b_cand_last: cute.CopyAtom,
         mB_cand: cute.Tensor,
         tma_out: cute.CopyAtom,
+        tma_out_last: cute.CopyAtom,
         mOut: cute.Tensor,
         mWs: cute.Tensor,
         mIdx: cute.Tensor,
@@ -266,7 +282,7 @@ class LceSm90:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_a_user, tma_b_user, tma_a_cand, tma_b_cand, tma_out):
+            for atom in (tma_a_user, tma_b_user, tma_b_user_last, tma_a_cand, tma_b_cand, tma_b_cand_last, tma_out):
                 cpasync.prefetch_descriptor(atom)
 
         cluster_layout = cute.make_layout((self.cluster, 1, 1))
@@ -303,15 +319,15 @@ class LceSm90:
             if warp_idx == 0:
                 self.producer(
                     ab_pipeline, sA, sB, geom, cluster_layout, rank,
-                    tma_a_user, mA_user, tma_b_user, mB_user,
-                    tma_a_cand, mA_cand, tma_b_cand, mB_cand,
+                    tma_a_user, mA_user, (tma_b_user, tma_b_user_last), mB_user,
+                    tma_a_cand, mA_cand, (tma_b_cand, tma_b_cand_last), mB_cand,
                     tile_begin, tile_end,
                 )
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
             self.consumer(
                 warpgroup_idx - 1, rank, ab_pipeline, tiled_mma, sA, sB, sC, geom,
-                tma_out, mOut, mWs, mIdx, mFlags, tile_begin, tile_end,
+                (tma_out, tma_out_last), mOut, mWs, mIdx, mFlags, tile_begin, tile_end,
             )
 
     @cute.jit
@@ -361,7 +377,8 @@ class LceSm90:
         a_box = (self.tile_n, self.TILE_K)
         sA_ = cute.group_modes(sA, 0, 2)
         one = cute.make_layout(1)
-        # A: this CTA's own e slice. B: this CTA's share of the w rows, multicast (load_w).
+        # A: this CTA's own e slice. B: this CTA's share of the w rows, multicast (load_w);
+        # tma_b_* are (full chunk, last chunk) atom pairs.
         tAsA, tAgA_user = cpasync.tma_partition(
             tma_a_user, 0, one, sA_, cute.group_modes(cute.local_tile(mA_user, a_box, (None, None, None)), 0, 2)
         )
@@ -390,25 +407,27 @@ class LceSm90:
         ab_pipeline.producer_tail(state)
 
     @cute.jit
-    def load_w(self, atom, mB, sB, w, k, rank, stage, bar, mcast):
+    def load_w(self, atoms, mB, sB, w, k, rank, stage, bar, mcast):
         """This CTA's chunks of w tile (w, k): chunk j = rank + i * cluster, rows
-        [32 j, 32 j + 32) of the tile, or its last 32 rows for the last chunk."""
-        b_box = (self.w_chunk, self.TILE_K)
+        [32 j, 32 j + 32) of the tile, the last one only its w_last rows."""
         for i in cutlass.range_constexpr(self.chunks_per_cta):
             j = rank + i * self.cluster
-            if j < self.w_chunks:
-                r = j * self.w_chunk
-                if j == self.w_chunks - 1:
-                    r = self.tile_w - self.w_chunk
-                g = cute.local_tile(cute.domain_offset((w * self.tile_w + r, 0, 0), mB), b_box, (0, k, 0))
-                s = cute.local_tile(cute.domain_offset((r, 0, 0), sB), b_box, (0, 0, stage))
-                tBs, tBg = cpasync.tma_partition(
-                    atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
-                )
-                if const_expr(self.cluster > 1):
-                    cute.copy(atom, tBg, tBs, tma_bar_ptr=bar, mcast_mask=mcast)
-                else:
-                    cute.copy(atom, tBg, tBs, tma_bar_ptr=bar)
+            if j < self.w_chunks - 1:
+                self.load_w_chunk(atoms[0], self.w_chunk, mB, sB, w, j * self.w_chunk, k, stage, bar, mcast)
+            if j == self.w_chunks - 1:
+                self.load_w_chunk(atoms[1], self.w_last, mB, sB, w, j * self.w_chunk, k, stage, bar, mcast)
+
+    @cute.jit
+    def load_w_chunk(self, atom, rows: cutlass.Constexpr, mB, sB, w, r, k, stage, bar, mcast):
+        """Rows [r, r + rows) of w tile (w, k) into the stage, multicast in a cluster."""
+        box = (rows, self.TILE_K)
+        g = cute.local_tile(cute.domain_offset((w * self.tile_w + r, 0, 0), mB), box, (0, k, 0))
+        s = cute.local_tile(cute.domain_offset((r, 0, 0), sB), box, (0, 0, stage))
+        tBs, tBg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+        if const_expr(self.cluster > 1):
+            cute.copy(atom, tBg, tBs, tma_bar_ptr=bar, mcast_mask=mcast)
+        else:
+            cute.copy(atom, tBg, tBs, tma_bar_ptr=bar)
 
     # ----------------------------------------------------------- consumers
     @cute.jit
@@ -594,7 +613,6 @@ class LceSm90:
         """Round once, stage 64 x EPI_W sub-tiles in shared memory, TMA-store them. With
         ``do_load`` the accumulator chunks a sub-tile frees take the next tile's user tile."""
         gOut = cute.local_tile(mOut, (self.tile_n, self.tile_w), (n, w, b))
-        bSG_sC = cute.group_modes(sC, 0, 2)
         per_sub = cute.size(tRS_rD)
         # acc holds each atom's fragment whole (tile_w / 2 values), its rows (the wgmma N
         # side) outermost, 4 values per 8 rows.
@@ -610,10 +628,17 @@ class LceSm90:
             if do_load:
                 self.load_user_chunks(acc, mWs, next_tile, tidx, self.epi_freed[s])
             if warp_in_wg == 0:
-                # Rows [row, row + EPI_W) of the atom's 64 columns h.
-                g = cute.local_tile(cute.domain_offset((0, row), gOut), self.epi_tile, (h, 0))
-                tS, tG = cpasync.tma_partition(tma_out, 0, cute.make_layout(1), bSG_sC, cute.group_modes(g, 0, 2))
-                cute.copy(tma_out, tS[(None, buf)], tG)
+                # Rows [row + skip, row + EPI_W) of the atom's 64 columns h: those no earlier
+                # sub-tile stored (tma_out: the full sub-tile's atom, the last one's).
+                skip = self.epi_skip[s]
+                atom = tma_out[0] if const_expr(skip == 0) else tma_out[1]
+                box = (self.ATOM_N, self.EPI_W - skip)
+                g = cute.local_tile(cute.domain_offset((0, row + skip), gOut), box, (h, 0))
+                staged = cute.local_tile(cute.domain_offset((0, skip, 0), sC), box, (0, 0, buf))
+                tS, tG = cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1), cute.group_modes(staged, 0, 2), cute.group_modes(g, 0, 2)
+                )
+                cute.copy(atom, tS, tG)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(self.EPI_STAGES - 1, read=True)
             self.epi_sync(consumer_idx)

@@ -366,3 +366,23 @@ def test_epilogue_frees_each_accumulator_chunk_once_after_its_last_read(tile_n, 
             values = set(range(4 * c, 4 * c + 4))
             assert values & reads[s], (s, c)
             assert not any(values & r for r in reads[s + 1:]), (s, c)
+
+
+@pytest.mark.parametrize("cfg", SHIPPED_CONFIGS, ids=str)
+def test_each_w_row_is_loaded_and_each_output_row_stored_exactly_once(cfg):
+    """Per k-block the cluster's w chunks cover the tile's rows once (the stage's TMA byte
+    count is exact), each atom's stored sub-tile rows cover tile_w once, and the ring,
+    staging buffers and barriers fit in shared memory."""
+    k = LceSm90(cutlass.Float16, cutlass.Int32, cfg.tile_w, cfg.cluster_n, cfg.cluster_b, cfg.tile_n)
+    heights = [k.w_chunk] * (k.w_chunks - 1) + [k.w_last]
+    rows = [r for j, h in enumerate(heights) for r in range(j * k.w_chunk, j * k.w_chunk + h)]
+    assert rows == list(range(cfg.tile_w)) and 0 < k.w_last <= k.w_chunk
+    assert k.w_chunks <= k.chunks_per_cta * k.cluster
+    assert k.stage_bytes == (cfg.tile_n + cfg.tile_w) * k.TILE_K * 2
+    for atom in range(cfg.tile_n // k.ATOM_N):
+        subs = range(atom * k.subs_per_atom, (atom + 1) * k.subs_per_atom)
+        stored = [r for s in subs for r in range(k.epi_rows[s] + k.epi_skip[s], k.epi_rows[s] + k.EPI_W)]
+        assert stored == list(range(cfg.tile_w))
+        assert not any(k.epi_skip[s] for s in subs[:-1])  # one store atom of another height: the last's
+    epi_bytes = 2 * k.EPI_STAGES * k.ATOM_N * k.EPI_W * 2
+    assert 1024 + k.ab_stages * k.stage_bytes + epi_bytes <= cutlass.memory.get_smem_capacity_in_bytes("sm_90")
