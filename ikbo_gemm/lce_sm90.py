@@ -212,21 +212,17 @@ class LceSm90:
         b_atoms = []
         for b in (b_user, b_cand):
             for rows in (self.w_chunk, self.w_last):
-                chunk = cute.select(
-                    sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_n, rows, self.TILE_K), self.dtype, 1),
-                    mode=[0, 1],
-                )
+                tile = (self.tile_n, rows, self.TILE_K)
+                chunk = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, self.dtype, 1)
+                chunk = cute.select(chunk, mode=[0, 1])
                 b_atoms.append(cpasync.make_tiled_tma_atom(b_load, b, chunk, (rows, self.TILE_K)))
         (tma_b_user, tb_user), (tma_b_user_last, _), (tma_b_cand, tb_cand), (tma_b_cand_last, _) = b_atoms
-        tma_out, t_out = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), c_out, cute.select(epi_smem, mode=[0, 1]), self.epi_tile
-        )
+        # Output sub-tiles: a full one's atom and the last one's (only the rows not yet stored).
+        store = cpasync.CopyBulkTensorTileS2GOp()
+        tma_out, t_out = cpasync.make_tiled_tma_atom(store, c_out, cute.select(epi_smem, mode=[0, 1]), self.epi_tile)
         last_box = (self.ATOM_N, self.EPI_W - self.epi_skip[self.subs_per_atom - 1])
-        tma_out_last, _ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), c_out,
-            cute.select(sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.COL_MAJOR, last_box, 1), mode=[0, 1]),
-            last_box,
-        )
+        last_smem = sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.COL_MAJOR, last_box, 1)
+        tma_out_last, _ = cpasync.make_tiled_tma_atom(store, c_out, cute.select(last_smem, mode=[0, 1]), last_box)
 
         @cute.struct
         class SharedStorage:
@@ -282,7 +278,10 @@ class LceSm90:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_a_user, tma_b_user, tma_b_user_last, tma_a_cand, tma_b_cand, tma_b_cand_last, tma_out):
+            for atom in (
+                tma_a_user, tma_b_user, tma_b_user_last, tma_a_cand, tma_b_cand, tma_b_cand_last,
+                tma_out, tma_out_last,
+            ):
                 cpasync.prefetch_descriptor(atom)
 
         cluster_layout = cute.make_layout((self.cluster, 1, 1))
@@ -423,7 +422,9 @@ class LceSm90:
         box = (rows, self.TILE_K)
         g = cute.local_tile(cute.domain_offset((w * self.tile_w + r, 0, 0), mB), box, (0, k, 0))
         s = cute.local_tile(cute.domain_offset((r, 0, 0), sB), box, (0, 0, stage))
-        tBs, tBg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+        tBs, tBg = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+        )
         if const_expr(self.cluster > 1):
             cute.copy(atom, tBg, tBs, tma_bar_ptr=bar, mcast_mask=mcast)
         else:
