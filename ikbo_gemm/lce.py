@@ -301,12 +301,15 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
         target = torch.empty((*plan.out_shape[:2], n8), dtype=plan.dtype, device=device)
     workspace = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
     flags = torch.zeros(plan.n_flags, dtype=torch.int32, device=device)
+    # Every launch's arguments first: a second launch (the spare SMs') can start only once the
+    # host has issued it, so nothing else runs on the host between the launches.
+    calls = []
     for launch in plan.launches:
         part = slice(*launch.batches)
-        launch.kernel(
-            w_c, w_u, e_c[part], e_u, idx_k[part], target[part], workspace, flags,
-            *launch.tiles, launch.grid, launch.wait_prior,
-        )
+        args = (w_c, w_u, e_c[part], e_u, idx_k[part], target[part], workspace, flags)
+        calls.append((launch.kernel, (*args, *launch.tiles, launch.grid, launch.wait_prior)))
+    for kernel, args in calls:
+        kernel(*args)
     if target is not out:
         out.copy_(target[..., : plan.out_shape[2]])
     return out
