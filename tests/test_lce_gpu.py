@@ -113,7 +113,8 @@ CASES = {
     "one-candidate-n256": (F16, 1, 1, 433, 256, 872, 1184, "fused", torch.int32, False, True),
     "b100-n128": (BF16, 100, 7, 433, 128, 200, 300, "fused", torch.int64, True, True),
     # Tile heights that 32 does not divide (a shorter last w chunk; the last epilogue sub-tile
-    # overlaps the one before it): 152 rows unclustered, 168 rows, and the tallest tile, 192 rows.
+    # overlaps the one before it): 152 rows unclustered and 168 rows; and the tallest tile,
+    # 192 rows.
     "one-candidate-n100-w152": (BF16, 1, 1, 433, 100, 300, 200, "fused", torch.int32, False, True),
     "b64-m1000-w168": (F16, 64, 8, 1000, 256, 300, 200, "fused", torch.int32, True, True),
     "b10-m384-w192": (BF16, 10, 3, 384, 256, 200, 136, "two_launch", torch.int64, True, True),
