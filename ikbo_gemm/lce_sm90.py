@@ -126,6 +126,7 @@ class LceSm90:
         self.w_chunks = -(-tile_w // self.w_chunk)
         self.w_last = tile_w - (self.w_chunks - 1) * self.w_chunk
         self.chunks_per_cta = -(-self.w_chunks // cluster)
+        self.w_last_atom = self.w_last != self.w_chunk  # the last chunk needs a TMA atom of its own
         self.epi_tile = (self.ATOM_N, self.EPI_W)
         self.subs_per_atom = -(-tile_w // self.EPI_W)
         self.epi_subtiles = tile_n // self.ATOM_N * self.subs_per_atom
@@ -147,6 +148,7 @@ class LceSm90:
             [c for c in range(tile_n * tile_w // 512) if max(last_use[4 * c + v] for v in range(4)) == s]
             for s in range(self.epi_subtiles)
         ]
+        self.out_last_atom = any(self.epi_skip)  # the last sub-tiles store with a TMA atom of their own
 
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.stage_bytes = (tile_n + tile_w) * self.TILE_K * dtype.width // 8
@@ -210,21 +212,28 @@ class LceSm90:
         b_load = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster > 1) else a_load
         tma_a_cand, ta_cand = cpasync.make_tiled_tma_atom(a_load, a_cand, a_one, a_box)
         tma_a_user, ta_user = cpasync.make_tiled_tma_atom(a_load, a_user, a_one, a_box)
-        # w chunks: a full chunk's atom and the last chunk's (w_last rows), per phase.
+        # w chunks: a full chunk's atom and the last chunk's (w_last rows), per phase. Where the
+        # last chunk is a full one, the kernel gets the full chunk's atom twice and uses the first.
         b_atoms = []
+        heights = (self.w_chunk, self.w_last) if self.w_last_atom else (self.w_chunk,)
         for b in (b_user, b_cand):
-            for rows in (self.w_chunk, self.w_last):
+            for rows in heights:
                 tile = (self.tile_n, rows, self.TILE_K)
                 chunk = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, self.dtype, 1)
                 chunk = cute.select(chunk, mode=[0, 1])
                 b_atoms.append(cpasync.make_tiled_tma_atom(b_load, b, chunk, (rows, self.TILE_K)))
+            if const_expr(not self.w_last_atom):
+                b_atoms.append(b_atoms[-1])
         (tma_b_user, tb_user), (tma_b_user_last, _), (tma_b_cand, tb_cand), (tma_b_cand_last, _) = b_atoms
-        # Output sub-tiles: a full one's atom and the last one's (only the rows not yet stored).
+        # Output sub-tiles: a full one's atom and the last one's (only the rows not yet stored;
+        # the full one's again where every sub-tile is stored whole).
         store = cpasync.CopyBulkTensorTileS2GOp()
         tma_out, t_out = cpasync.make_tiled_tma_atom(store, c_out, cute.select(epi_smem, mode=[0, 1]), self.epi_tile)
-        last_box = (self.ATOM_N, self.EPI_W - self.epi_skip[self.subs_per_atom - 1])
-        last_smem = sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.COL_MAJOR, last_box, 1)
-        tma_out_last, _ = cpasync.make_tiled_tma_atom(store, c_out, cute.select(last_smem, mode=[0, 1]), last_box)
+        tma_out_last = tma_out
+        if const_expr(self.out_last_atom):
+            last_box = (self.ATOM_N, self.EPI_W - self.epi_skip[self.subs_per_atom - 1])
+            last_smem = sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.COL_MAJOR, last_box, 1)
+            tma_out_last, _ = cpasync.make_tiled_tma_atom(store, c_out, cute.select(last_smem, mode=[0, 1]), last_box)
 
         @cute.struct
         class SharedStorage:
@@ -280,10 +289,12 @@ class LceSm90:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (
-                tma_a_user, tma_b_user, tma_b_user_last, tma_a_cand, tma_b_cand, tma_b_cand_last,
-                tma_out, tma_out_last,
-            ):
+            atoms = [tma_a_user, tma_b_user, tma_a_cand, tma_b_cand, tma_out]
+            if const_expr(self.w_last_atom):
+                atoms += [tma_b_user_last, tma_b_cand_last]
+            if const_expr(self.out_last_atom):
+                atoms.append(tma_out_last)
+            for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
 
         cluster_layout = cute.make_layout((self.cluster, 1, 1))
@@ -416,7 +427,8 @@ class LceSm90:
             if j < self.w_chunks - 1:
                 self.load_w_chunk(atoms[0], self.w_chunk, mB, sB, w, j * self.w_chunk, k, stage, bar, mcast)
             if j == self.w_chunks - 1:
-                self.load_w_chunk(atoms[1], self.w_last, mB, sB, w, j * self.w_chunk, k, stage, bar, mcast)
+                last = atoms[1] if const_expr(self.w_last_atom) else atoms[0]
+                self.load_w_chunk(last, self.w_last, mB, sB, w, j * self.w_chunk, k, stage, bar, mcast)
 
     @cute.jit
     def load_w_chunk(self, atom, rows: cutlass.Constexpr, mB, sB, w, r, k, stage, bar, mcast):

@@ -384,5 +384,8 @@ def test_each_w_row_is_loaded_and_each_output_row_stored_exactly_once(cfg):
         stored = [r for s in subs for r in range(k.epi_rows[s] + k.epi_skip[s], k.epi_rows[s] + k.EPI_W)]
         assert stored == list(range(cfg.tile_w))
         assert not any(k.epi_skip[s] for s in subs[:-1])  # one store atom of another height: the last's
+    # Second TMA atoms are built only where 32 does not divide the tile (w: only in clusters).
+    assert k.w_last_atom == (k.cluster > 1 and cfg.tile_w % 32 != 0)
+    assert k.out_last_atom == (cfg.tile_w % k.EPI_W != 0)
     epi_bytes = 2 * k.EPI_STAGES * k.ATOM_N * k.EPI_W * 2
     assert 1024 + k.ab_stages * k.stage_bytes + epi_bytes <= cutlass.memory.get_smem_capacity_in_bytes("sm_90")
