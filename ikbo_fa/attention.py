@@ -343,7 +343,7 @@ def _tma_copy(t: torch.Tensor) -> torch.Tensor:
 def _fwd_kernel(cfg):
     from cute_kernels.compile import kernel_cache
 
-    return kernel_cache.get(("ikbo_fa.fwd_sm90", cfg), lambda: compile_config(cfg)).fn
+    return kernel_cache.get(("ikbo_fa.fwd_sm90", cfg), lambda: compile_config(cfg), package="ikbo_fa").fn
 
 
 def _worklist_kernel(idx_dtype: torch.dtype):

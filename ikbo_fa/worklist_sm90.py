@@ -219,7 +219,9 @@ def worklist_kernel(idx_dtype):
     Call: ``fn(idx, order, cand_start, tile_start, num_users, cands_per_tile, chunks_per_cand)``
     with contiguous int32 outputs of B, U + 2 and U + 2 entries, on the current stream.
     """
-    return kernel_cache.get(("ikbo_fa.worklist_sm90", idx_dtype), lambda: compile_worklist(idx_dtype))
+    return kernel_cache.get(
+        ("ikbo_fa.worklist_sm90", idx_dtype), lambda: compile_worklist(idx_dtype), package="ikbo_fa"
+    )
 
 
 def kv_worklist_sm90(idx, num_users: int, cands_per_tile: int, chunks_per_cand: int):

@@ -120,7 +120,7 @@ def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool
 
 
 def _kernel(cfg: LceConfig) -> CompiledKernel:
-    return kernel_cache.get(("ikbo_gemm.lce", cfg), lambda: compile_config(cfg))
+    return kernel_cache.get(("ikbo_gemm.lce", cfg), lambda: compile_config(cfg), package="ikbo_gemm")
 
 
 def _ceil(x: int, m: int) -> int:

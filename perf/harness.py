@@ -76,9 +76,11 @@ def require_hopper_or_exit(need_fa4: bool = False, *, name: Optional[str] = None
 
 def start_benchmark(name: str) -> None:
     """Exit with status 2 unless the benchmark can run here; then the settings every benchmark
-    runs with: no host-synchronizing index checks inside timed calls, fp32 references in fp32."""
+    runs with: no host-synchronizing index checks inside timed calls, fp32 references in fp32,
+    and no disk cache of compiled kernels (a first call compiles, as the compile columns say)."""
     require_hopper_or_exit(name=name)
     os.environ["IKBO_VALIDATE"] = "0"
+    os.environ["CUTE_KERNELS_CACHE_DIR"] = ""
     torch.backends.cuda.matmul.allow_tf32 = False
 
 

@@ -1,9 +1,13 @@
 import os
+import tempfile
 import time
 
 import pytest
 
 os.environ.setdefault("IKBO_VALIDATE", "1")
+# Kernels compile afresh in each test session, into a disk cache of its own (removed at exit).
+_KERNEL_CACHE = tempfile.TemporaryDirectory(prefix="cute-kernels-tests-")
+os.environ.setdefault("CUTE_KERNELS_CACHE_DIR", _KERNEL_CACHE.name)
 
 
 def _sm90_available() -> bool:

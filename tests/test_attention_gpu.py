@@ -220,3 +220,28 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     ref = ikbo_fa.attention_reference(q, kv, idx)
     assert _rel(out, ref.float()) < 1e-2
+
+
+def test_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
+    """The attention kernel and its worklist kernel, loaded from disk, compute exactly what
+    the compiled ones did."""
+    import sys
+
+    from cute_kernels.compile import kernel_cache
+
+    attention_module = sys.modules["ikbo_fa.attention"]
+    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
+    B, U, S_q, H, D, L = 300, 7, 64, 2, 128, 333
+    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=8)
+    runs = []
+    for _ in range(2):  # compiled, then loaded as a fresh process would
+        kernel_cache.clear()
+        attention_module._plans.clear()
+        runs.append(ikbo_fa.attention(q, kv, idx))
+        torch.cuda.synchronize()
+        runs.append(sorted(kernel.loaded for kernel in kernel_cache.values()))
+    assert runs[1] == [False] * len(runs[1]) and runs[3] == [True] * len(runs[1]) and runs[1]
+    assert len(list(tmp_path.glob("ikbo_fa-*.o"))) == len(runs[1])
+    torch.testing.assert_close(runs[2], runs[0], rtol=0, atol=0)
+    ref = ikbo_fa.attention_reference(q, kv, idx)
+    assert _rel(runs[2], ref.float()) < 1e-2

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cute_kernels import checks, compile_kernel, fake_stream, fake_tensor, kernel_cache
+from cute_kernels import compile as compile_mod
 from cute_kernels.compile import KernelCache
 
 
@@ -88,3 +89,59 @@ def test_validation_switch(monkeypatch):
     assert not checks.validation_enabled(False)
     monkeypatch.setenv("IKBO_VALIDATE", "0")
     assert not checks.validation_enabled(None)
+
+
+def _never():
+    raise AssertionError("compiled although the disk cache holds the kernel")
+
+
+def test_disk_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
+    key = ("double", "fp16")
+    first = KernelCache().get(key, _compile, package="cute_kernels")
+    assert not first.loaded
+    path = compile_mod.disk_path(key, "cute_kernels")
+    assert path.parent == tmp_path and path.is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+    # A fresh process's cache: loaded, not compiled.
+    again = KernelCache().get(key, _never, package="cute_kernels")
+    assert again.loaded and callable(again.fn)
+    # Another key, another source or another toolchain is another file.
+    assert compile_mod.disk_path(("double", "bf16"), "cute_kernels") != path
+    monkeypatch.setattr(compile_mod, "source_fingerprint", lambda package: "edited")
+    assert compile_mod.disk_path(key, "cute_kernels") != path
+
+
+def test_disk_cache_replaces_a_bad_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
+    key = ("double", "fp16")
+    path = compile_mod.disk_path(key, "cute_kernels")
+    path.write_bytes(b"not an object file")
+    with pytest.warns(UserWarning, match="cannot load cached kernel"):
+        kernel = KernelCache().get(key, _compile, package="cute_kernels")
+    assert not kernel.loaded
+    assert KernelCache().get(key, _never, package="cute_kernels").loaded
+
+
+def test_disk_cache_off_or_unwritable(tmp_path, monkeypatch):
+    key = ("double", "fp16")
+    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", "")
+    assert compile_mod.disk_path(key, "cute_kernels") is None
+    assert not KernelCache().get(key, _compile, package="cute_kernels").loaded
+    # Without a package a kernel stays in memory.
+    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
+    KernelCache().get(key, _compile)
+    assert list(tmp_path.iterdir()) == []
+    # A directory that cannot be made: warned about, the kernel still returned.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(blocker / "cache"))
+    with pytest.warns(UserWarning, match="cannot write the kernel cache"):
+        kernel = KernelCache().get(key, _compile, package="cute_kernels")
+    assert callable(kernel.fn) and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_disk_cache_default_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv("CUTE_KERNELS_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compile_mod.cache_dir() == tmp_path / "cute_kernels"

@@ -8,6 +8,7 @@ stay short.
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -230,3 +231,29 @@ def test_cuda_graph_capture(schedule):
         graph.replay()
         torch.cuda.synchronize()
         assert_matches_reference(out, fresh)
+
+
+def test_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
+    """A process that finds the kernels on disk loads them instead of compiling; the loaded
+    kernels compute exactly what the compiled ones did."""
+    from cute_kernels.compile import kernel_cache
+
+    lce_module = sys.modules["ikbo_gemm.lce"]
+    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
+    args = make_inputs(256, 10, 433, 256, 1184, 872, F16, shuffle=True, seed=3)
+
+    def fresh_process_call():
+        kernel_cache.clear()
+        lce_module._plans.clear()
+        out = poisoned(256, 433, 256, F16)
+        lce(**args, out=out)
+        torch.cuda.synchronize()
+        return out, [k for plan in lce_module._plans.values() if plan for k in (l.kernel for l in plan.launches)]
+
+    compiled, kernels = fresh_process_call()
+    assert len(kernels) == 2 and not any(k.loaded for k in kernels)  # the main and the spare launch
+    assert len(list(tmp_path.glob("ikbo_gemm-*.o"))) == 2
+    loaded, kernels = fresh_process_call()
+    assert len(kernels) == 2 and all(k.loaded for k in kernels)
+    assert torch.equal(loaded, compiled)
+    assert_matches_reference(loaded, args)
