@@ -1,12 +1,14 @@
 """GPU tests of ikbo_fa.attention on sm_90: against fp32 attention on materialized
 tensors, with an error budget of 1.5x torch SDPA's error in the same dtype."""
 import math
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ikbo_fa
+from cute_kernels.compile import kernel_cache
 
 from attention_inputs import materialize, random_problem
 
@@ -225,10 +227,6 @@ def test_cuda_graph_capture():
 def test_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
     """The attention kernel and its worklist kernel, loaded from disk, compute exactly what
     the compiled ones did."""
-    import sys
-
-    from cute_kernels.compile import kernel_cache
-
     attention_module = sys.modules["ikbo_fa.attention"]
     monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
     B, U, S_q, H, D, L = 300, 7, 64, 2, 128, 333

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from cute_kernels.compile import kernel_cache
 from ikbo_gemm.lce import lce
 
 pytestmark = pytest.mark.gpu
@@ -236,8 +237,6 @@ def test_cuda_graph_capture(schedule):
 def test_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
     """A process that finds the kernels on disk loads them instead of compiling; the loaded
     kernels compute exactly what the compiled ones did."""
-    from cute_kernels.compile import kernel_cache
-
     lce_module = sys.modules["ikbo_gemm.lce"]
     monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
     args = make_inputs(256, 10, 433, 256, 1184, 872, F16, shuffle=True, seed=3)
