@@ -61,6 +61,15 @@ class CompiledKernel:
             raise ValueError("no ptxas resource report in the compile log")
         return sum(int(s) + int(l) for s, l in found)
 
+    @property
+    def wgmma_notes(self) -> list[str]:
+        """ptxas's notes on wgmma (codes C75xx): fences or waits it had to insert, or wgmmas it
+        serialized (needs ``ptxas_report=True``). Empty for a kernel whose wgmma pipeline is
+        exactly as written."""
+        if self.ptxas_log is None:
+            raise ValueError("compiled without ptxas_report=True")
+        return re.findall(r"\(C75\d\d\)[^\n]*", self.ptxas_log)
+
 
 _compile_lock = threading.RLock()
 

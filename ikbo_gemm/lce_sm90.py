@@ -530,7 +530,6 @@ class LceSm90:
         accumulates onto what acc holds (the user tile).
         """
         release = state.clone()
-        warpgroup.fence()
         ab_pipeline.consumer_wait(state)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, not zero_init)
         self.mma_k_block(tiled_mma, acc, tCrA, tCrB, state.index, first=True)
@@ -550,6 +549,9 @@ class LceSm90:
 
     @cute.jit
     def mma_k_block(self, tiled_mma, acc, tCrA, tCrB, stage: Int32, first: cutlass.Constexpr = False):
+        # Orders the accumulator's earlier writes (the user tile; the group still in flight)
+        # before these wgmmas; without it ptxas inserts one of its own.
+        warpgroup.fence()
         for kk in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
             coord = (None, None, kk, stage)
             cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)

@@ -1,4 +1,5 @@
 """The shared machinery: compile cache, compile-only for sm_90a, input checks."""
+import dataclasses
 import os
 
 import cutlass
@@ -39,10 +40,24 @@ def test_compile_for_sm90a_without_gpu_and_keep_no_files(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []  # the PTX dump does not land in the working directory
 
 
-def test_spill_bytes_needs_the_report():
+def test_spill_bytes_and_wgmma_notes_need_the_report():
     kernel = _compile()
     with pytest.raises(ValueError, match="ptxas_report"):
         kernel.spill_bytes
+    with pytest.raises(ValueError, match="ptxas_report"):
+        kernel.wgmma_notes
+
+
+def test_wgmma_notes_read_from_the_ptxas_log():
+    kernel = _compile(ptxas_report=True)
+    assert kernel.wgmma_notes == []  # no wgmma in this kernel
+    log = (
+        "ptxas info    : (C7519) warpgroup.arrive is injected in around line 872 by compiler\n"
+        "ptxas info    : 0 bytes gmem\n"
+        "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized\n"
+    )
+    notes = dataclasses.replace(kernel, ptxas_log=log).wgmma_notes
+    assert [n[:7] for n in notes] == ["(C7519)", "(C7514)"]
 
 
 def test_cache_builds_once_per_key():

@@ -290,6 +290,8 @@ def test_compile_sm90a(cfg, tmp_path, monkeypatch):
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"):
         assert instruction in kernel.ptx, f"{cfg}: no {instruction} in the PTX"
     assert kernel.spill_bytes == 0, kernel.ptxas_log
+    # No fence or wait inserted by ptxas, no serialized wgmma: the pipeline runs as written.
+    assert kernel.wgmma_notes == [], kernel.ptxas_log
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
