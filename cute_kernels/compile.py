@@ -51,12 +51,15 @@ class CompiledKernel:
     def __call__(self, *args):
         return self.fn(*args)
 
+    def _report(self) -> str:
+        if self.ptxas_log is None:
+            raise ValueError("compiled without ptxas_report=True")
+        return self.ptxas_log
+
     @property
     def spill_bytes(self) -> int:
         """Spill stores + loads that ptxas reported (needs ``ptxas_report=True``)."""
-        if self.ptxas_log is None:
-            raise ValueError("compiled without ptxas_report=True")
-        found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", self.ptxas_log)
+        found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", self._report())
         if not found:
             raise ValueError("no ptxas resource report in the compile log")
         return sum(int(s) + int(l) for s, l in found)
@@ -66,9 +69,7 @@ class CompiledKernel:
         """ptxas's notes on wgmma (codes C75xx): fences or waits it had to insert, or wgmmas it
         serialized (needs ``ptxas_report=True``). Empty for a kernel whose wgmma pipeline is
         exactly as written."""
-        if self.ptxas_log is None:
-            raise ValueError("compiled without ptxas_report=True")
-        return re.findall(r"\(C75\d\d\)[^\n]*", self.ptxas_log)
+        return re.findall(r"\(C75\d\d\)[^\n]*", self._report())
 
 
 _compile_lock = threading.RLock()
