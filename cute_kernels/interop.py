@@ -7,7 +7,7 @@ current torch stream).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import cutlass
 import cutlass.cute as cute
@@ -53,3 +53,32 @@ def fake_tensor(
 def fake_stream():
     """The stream argument: at run time the TVM-FFI launcher uses torch's current stream."""
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+class _NoBackward(torch.autograd.Function):
+    """An autograd node for a kernel's results whose backward raises."""
+
+    @staticmethod
+    def forward(ctx, op: str, reference: str, run: Callable, *inputs):
+        ctx.op, ctx.reference = op, reference
+        return run(*(t.detach() if isinstance(t, torch.Tensor) else t for t in inputs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{ctx.op} has no backward: it is an inference kernel. For gradients call "
+            f"{ctx.reference} (same signature); for inference, run it under torch.no_grad() "
+            f"or torch.inference_mode()."
+        )
+
+
+def forward_only(op: str, reference: str, run: Callable, inputs: Sequence) -> object:
+    """``run(*inputs)``: results computed from ``inputs`` by a kernel with no backward.
+
+    When grad mode is on and an input requires grad, ``run`` gets the inputs detached and its
+    results an autograd node whose backward raises (naming ``reference``, the differentiable
+    PyTorch version) instead of silently carrying no gradient to the inputs.
+    """
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return _NoBackward.apply(op, reference, run, *inputs)
+    return run(*inputs)

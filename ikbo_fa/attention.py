@@ -42,6 +42,7 @@ import torch
 
 from cute_kernels import checks
 from cute_kernels.arch import require_sm90, sm_count
+from cute_kernels.interop import forward_only
 
 from .worklist import kv_worklist, max_tiles_per_head
 
@@ -250,6 +251,8 @@ def attention(
     signature reuse the launch plan and only check the index ranges (when
     validating). No host synchronization otherwise; CUDA-graph capturable.
     A ``scale`` <= 0 costs one extra pass over q (see the module docstring).
+    The kernel has no backward: with grad mode on and q, k or v requiring grad,
+    the outputs' backward raises (use :func:`attention_reference` for gradients).
     """
     if not _on_gpu(q):
         from .reference import attention_reference
@@ -285,6 +288,16 @@ def attention(
             checks.check_index_range("kv_lengths", kv_lengths, plan.kv_len + 1, "L + 1")
 
     k, v = kv.unbind(2) if plan.packed else kv
+    return forward_only(
+        "ikbo_fa.attention",
+        "ikbo_fa.attention_reference",
+        lambda q, k, v: _run(plan, q, k, v, idx, kv_lengths, scale, validated, return_lse, out),
+        (q, k, v),
+    )
+
+
+def _run(plan: _Plan, q, k, v, idx, kv_lengths, scale: float, validated: bool, return_lse: bool, out):
+    """Launch the plan's kernels on checked inputs (k, v unpacked; scale > 0)."""
     if plan.copy_q or q.data_ptr() & 15:
         q = _tma_copy(q)
     if plan.copy_k or k.data_ptr() & 15:

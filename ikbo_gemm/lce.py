@@ -11,6 +11,11 @@ Alignment. TMA needs 16-byte row pitches, so inside the op:
   - non-contiguous inputs, or inputs not 16-byte aligned, are copied to
     contiguous ones.
 The output is always a contiguous [B, M, N] tensor.
+
+Memory: besides the output, each call allocates the fp32 user tiles, 4 bytes per
+element of [U, M, N] with each size rounded up to the tile and cluster (7.5 MB at
+U 15, M 433, N 256), and one int32 ready flag per user tile. Offsets into both
+the output and the user tiles are 64-bit: either may pass 2^31 elements.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from cute_kernels import (
     cutlass_dtype,
     fake_stream,
     fake_tensor,
+    forward_only,
     kernel_cache,
     require_sm90,
     max_active_clusters,
@@ -108,7 +114,7 @@ def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool
         fake_tensor(dt, (None, None, None), **operand),  # e_user [U, K_user, N]
         fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),  # idx [B]
         fake_tensor(dt, (None, None, None), **operand),  # out [B, M, N]
-        fake_tensor(cutlass.Float32, (None,), align=16),  # workspace
+        fake_tensor(cutlass.Float32, (None, cfg.tile_n * cfg.tile_w), divisibility=512, align=16),  # workspace
         fake_tensor(cutlass.Int32, (None,), align=4),  # flags
         cutlass.Int32(0),  # tile_begin
         cutlass.Int32(1),  # tile_end
@@ -250,7 +256,7 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
             k8_cand=_ceil(K_cand, 8),
             k8_user=_ceil(K_user, 8),
             # fp32 user tiles, in the kernel's fragment order.
-            ws_shape=(u_groups * cfg.cluster_b * column_tiles * w_tiles * cfg.tile_n * cfg.tile_w,),
+            ws_shape=(u_groups * cfg.cluster_b * column_tiles * w_tiles, cfg.tile_n * cfg.tile_w),
             n_flags=u_groups * cfg.cluster_b * w_tiles * column_tiles,
             launches=launches,
         )
@@ -278,7 +284,9 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     tiles).
 
     CPU tensors run :func:`lce_reference`; a CUDA GPU other than sm_90 raises.
-    No host synchronization (unless validating); CUDA-graph capturable.
+    No host synchronization (unless validating); CUDA-graph capturable. The
+    kernel has no backward: with grad mode on and an operand that requires
+    grad, the output's backward raises (use :func:`lce_reference` for gradients).
     """
     check_schedule(schedule)
     plan = _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule)
@@ -286,7 +294,16 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
         check_index_range("idx", idx, e_user.shape[0], "U")
     if plan is None:
         return lce_reference(w_cand, w_user, e_cand, e_user, idx, out=out, validate=False)
+    return forward_only(
+        "ikbo_gemm.lce",
+        "ikbo_gemm.lce_reference",
+        lambda wc, wu, ec, eu: _run(plan, wc, wu, ec, eu, idx, out),
+        (w_cand, w_user, e_cand, e_user),
+    )
 
+
+def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
+    """Launch the plan's kernels (on checked inputs) and return ``out``."""
     device = e_cand.device
     n8 = plan.n8
     w_c = _pad_last(w_cand, plan.k8_cand).unsqueeze(0)

@@ -167,7 +167,7 @@ class LceSm90:
         e_user: cute.Tensor,  # [U, K_user, N]
         idx: cute.Tensor,  # [B]
         out: cute.Tensor,  # [B, M, N]
-        workspace: cute.Tensor,  # [U_pad * column tiles * w tiles * tile_n * tile_w] fp32
+        workspace: cute.Tensor,  # [U_pad * column tiles * w tiles, tile_n * tile_w] fp32
         flags: cute.Tensor,  # [U * w_tiles * n_tiles] int32
         tile_begin: Int32,  # cluster tiles [tile_begin, tile_end)
         tile_end: Int32,
@@ -178,7 +178,8 @@ class LceSm90:
         # GEMM views: A = e^T (N, K, batch) N-major, B = w^T (M, K, 1) K-major,
         # C = out^T (N, M, batch) N-major. The workspace holds each user tile in
         # accumulator-fragment order: (4 values, chunk, thread, tile), so a
-        # consumer thread moves its fragment with coalesced 16-byte accesses.
+        # consumer thread moves its fragment with coalesced 16-byte accesses. The
+        # tile stride is the tensor's own 64-bit one: the workspace can pass 2^31 floats.
         a_cand = cute.make_tensor(e_cand.iterator, cute.select(e_cand.layout, mode=[2, 1, 0]))
         a_user = cute.make_tensor(e_user.iterator, cute.select(e_user.layout, mode=[2, 1, 0]))
         b_cand = cute.make_tensor(w_cand.iterator, cute.select(w_cand.layout, mode=[1, 2, 0]))
@@ -188,8 +189,8 @@ class LceSm90:
         c_ws = cute.make_tensor(
             workspace.iterator,
             cute.make_layout(
-                (4, tile_elems // 512, 128, cute.size(workspace) // tile_elems),
-                stride=(1, 512, 4, tile_elems),
+                (4, tile_elems // 512, 128, workspace.shape[0]),
+                stride=(1, 512, 4, workspace.stride[0]),
             ),
         )
 

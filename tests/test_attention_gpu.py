@@ -208,6 +208,19 @@ def test_unsorted_equals_sorted():
     torch.testing.assert_close(out[perm], out_sorted, rtol=0, atol=0)
 
 
+def test_inputs_that_require_grad():
+    """The outputs are right and their backward raises: no silently missing gradient."""
+    B, U, S_q, H, D, L = 256, 4, 64, 2, 128, 300
+    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=True, seed=9)
+    kv.requires_grad_(True)
+    out, lse = ikbo_fa.attention(q, kv, idx, return_lse=True)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="attention_reference"):
+        out.float().sum().backward()
+    ref = ikbo_fa.attention_reference(q, kv.detach(), idx)
+    assert _rel(out.detach(), ref.float()) < 1e-2
+
+
 def test_cuda_graph_capture():
     B, U, S_q, H, D, L = 256, 4, 64, 2, 128, 512
     q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=7)

@@ -7,7 +7,7 @@ import cutlass.cute as cute
 import pytest
 import torch
 
-from cute_kernels import checks, compile_kernel, fake_stream, fake_tensor, kernel_cache
+from cute_kernels import checks, compile_kernel, fake_stream, fake_tensor, forward_only, kernel_cache
 from cute_kernels import compile as compile_mod
 from cute_kernels.compile import KernelCache
 
@@ -74,6 +74,29 @@ def test_cache_builds_once_per_key():
     cache.get(("double", "bf16"), build)
     assert len(calls) == 2 and cache.compile_seconds(("double", "fp16")) == first.seconds
     assert kernel_cache is not cache
+
+
+def test_forward_only_gives_no_silent_gradient():
+    w = torch.randn(5, 3, requires_grad=True)
+    e = torch.randn(3, 4)
+    seen = []
+
+    def run(w_, e_):
+        seen.append((w_.requires_grad, w_.data_ptr() == w.data_ptr()))
+        return w_ @ e_
+
+    plain = forward_only("op", "op_reference", run, (w.detach(), e))
+    assert plain.grad_fn is None and seen.pop() == (False, True)
+    with torch.no_grad():
+        assert forward_only("op", "op_reference", run, (w, e)).grad_fn is None
+    assert seen.pop() == (True, True)  # no node: the inputs reach run as they are
+
+    out = forward_only("op", "op_reference", run, (w, e))
+    assert seen.pop() == (False, True)  # detached, the same storage
+    assert out.requires_grad and torch.allclose(out, w.detach() @ e)
+    with pytest.raises(RuntimeError, match="op has no backward.*op_reference"):
+        out.sum().backward()
+    assert w.grad is None
 
 
 def test_checks_name_the_argument():

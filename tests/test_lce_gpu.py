@@ -208,6 +208,36 @@ def test_non_contiguous_inputs():
     assert_matches_reference(out, args)
 
 
+def test_output_and_workspace_past_2_31_elements():
+    """20,000 users and candidates at M 433, N 256: the output holds 2.2e9 elements and the
+    fp32 user tiles 2.3e9, so any 32-bit element offset would wrap (K is small to keep it quick)."""
+    B = 20_000  # and U, at ratio 1
+    M, N, K_user, K_cand = 433, 256, 40, 24
+    args = make_inputs(B, 1, M, N, K_user, K_cand, F16, shuffle=True)
+    out = poisoned(B, M, N, F16)
+    assert out.numel() > 2**31
+    lce(**args, out=out)
+    assert torch.isfinite(out).all()
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    rows = torch.cat([torch.randperm(B, generator=g, device=DEVICE)[:192], torch.arange(B - 64, B, device=DEVICE)])
+    picked = {**args, "e_cand": args["e_cand"][rows], "e_user": args["e_user"][args["idx"][rows].long()]}
+    picked["idx"] = torch.arange(len(rows), device=DEVICE, dtype=torch.int32)
+    assert_matches_reference(out[rows], picked)
+
+
+def test_inputs_that_require_grad():
+    """The output is right and its backward raises: no silently missing gradient."""
+    args = make_inputs(64, 8, 433, 256, 200, 136, F16, shuffle=True)
+    args["w_cand"].requires_grad_(True)
+    out = poisoned(64, 433, 256, F16)
+    got = lce(**args, out=out)
+    assert got is out and got.requires_grad
+    with pytest.raises(RuntimeError, match="lce_reference"):
+        got.float().sum().backward()
+    with torch.no_grad():
+        assert_matches_reference(lce(**args), args)
+
+
 @pytest.mark.parametrize("schedule", ["fused", "two_launch"])
 def test_cuda_graph_capture(schedule):
     B, ratio, M, N, K_user, K_cand = 256, 10, 433, 256, 1184, 872
