@@ -13,6 +13,7 @@ from . import checks  # noqa: E402
 from .arch import TARGET_ARCH, cuda_sm90_available, is_sm90, max_active_clusters, require_sm90, sm_count  # noqa: E402
 from .compile import CompiledKernel, compile_kernel, kernel_cache  # noqa: E402
 from .interop import cutlass_dtype, fake_stream, fake_tensor, forward_only  # noqa: E402
+from .plans import PlanCache  # noqa: E402
 
 __all__ = [
     "checks",
@@ -26,6 +27,7 @@ __all__ = [
     "forward_only",
     "is_sm90",
     "kernel_cache",
+    "PlanCache",
     "max_active_clusters",
     "require_sm90",
     "sm_count",

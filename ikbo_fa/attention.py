@@ -43,6 +43,7 @@ import torch
 from cute_kernels import checks
 from cute_kernels.arch import require_sm90, sm_count
 from cute_kernels.interop import forward_only
+from cute_kernels.plans import PlanCache
 
 from .worklist import kv_worklist, max_tiles_per_head
 
@@ -203,8 +204,7 @@ class _Plan:
     buf_len_kvl: int
 
 
-_plans: dict = {}
-_MAX_PLANS = 1024  # signatures kept; beyond that the cache starts over (e.g. a batch size that keeps changing)
+_plans = PlanCache()
 
 
 def _key(q, kv, idx, kv_lengths, broadcast, return_lse, out, default_scale):
@@ -267,9 +267,7 @@ def attention(
     if plan is None:
         plan = _make_plan(q, kv, idx, scale, kv_lengths, broadcast, return_lse, out)
         if key is not None:
-            if len(_plans) >= _MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
+            _plans.keep(key, plan)
     if scale is None:
         scale = plan.default_scale
     elif not isinstance(scale, (int, float)) or not math.isfinite(scale):

@@ -32,6 +32,7 @@ from cute_kernels import (
     fake_tensor,
     forward_only,
     kernel_cache,
+    PlanCache,
     require_sm90,
     max_active_clusters,
 )
@@ -202,7 +203,7 @@ def _signature(tensors) -> tuple:
     )
 
 
-_plans: dict = {}
+_plans = PlanCache()
 
 
 def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
@@ -260,8 +261,7 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
             n_flags=u_groups * cfg.cluster_b * w_tiles * column_tiles,
             launches=launches,
         )
-    _plans[key] = plan
-    return plan
+    return _plans.keep(key, plan)
 
 
 def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused"):

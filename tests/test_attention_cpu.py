@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ikbo_fa
+from cute_kernels.plans import PlanCache
 attention_mod = importlib.import_module("ikbo_fa.attention")  # the module, not the function
 from ikbo_fa.reference import attention_reference, naive_attention
 from ikbo_fa.worklist import kv_worklist, max_tiles_per_head
@@ -309,7 +310,7 @@ class _EmulatedKernels:
 @pytest.fixture
 def emulated(monkeypatch):
     kernels = _EmulatedKernels()
-    monkeypatch.setattr(attention_mod, "_plans", {})
+    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
     monkeypatch.setattr(attention_mod, "_on_gpu", lambda q: isinstance(q, torch.Tensor))
     monkeypatch.setattr(attention_mod, "sm_count", lambda device: 132)
     monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: kernels.fwd)

@@ -7,7 +7,7 @@ import cutlass.cute as cute
 import pytest
 import torch
 
-from cute_kernels import checks, compile_kernel, fake_stream, fake_tensor, forward_only, kernel_cache
+from cute_kernels import PlanCache, checks, compile_kernel, fake_stream, fake_tensor, forward_only, kernel_cache
 from cute_kernels import compile as compile_mod
 from cute_kernels.compile import KernelCache
 
@@ -97,6 +97,15 @@ def test_forward_only_gives_no_silent_gradient():
     with pytest.raises(RuntimeError, match="op has no backward.*op_reference"):
         out.sum().backward()
     assert w.grad is None
+
+
+def test_plan_cache_is_bounded():
+    plans = PlanCache(limit=3)
+    for b in range(10):
+        assert plans.keep(("b", b), b) == b
+        assert len(plans) <= 3 and plans[("b", b)] == b
+    plans.keep(("b", 9), "again")  # a key already held never clears the others
+    assert len(plans) == 1 and plans[("b", 9)] == "again"
 
 
 def test_checks_name_the_argument():

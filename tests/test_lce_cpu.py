@@ -10,6 +10,7 @@ import cutlass
 import pytest
 import torch
 
+from cute_kernels.plans import PlanCache
 from ikbo_gemm.lce import SHIPPED_CONFIGS, compile_config, lce, pick_config
 from ikbo_gemm.lce_sm90 import LceSm90
 from ikbo_gemm.reference import lce_reference
@@ -112,6 +113,15 @@ def test_out_written_in_place(op):
 def test_op_on_cpu_runs_reference(schedule):
     args = make_inputs(7, 3, 5, 9, 13, 7, torch.float16, order="random")
     assert torch.equal(lce(*args, schedule=schedule), lce_reference(*args))
+
+
+def test_plans_stay_bounded_when_the_batch_keeps_changing(monkeypatch):
+    lce_module = importlib.import_module("ikbo_gemm.lce")
+    monkeypatch.setattr(lce_module, "_plans", PlanCache(limit=4))
+    for B in range(1, 12):
+        args = make_inputs(B, 2, 5, 9, 13, 7, torch.float16, order="random", seed=B)
+        assert torch.equal(lce(*args), lce_reference(*args))
+        assert len(lce_module._plans) <= 4
 
 
 @pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ikbo_fa
+from cute_kernels.plans import PlanCache
 from ikbo_fa.worklist import kv_worklist, max_tiles_per_head
 from ikbo_fa.worklist_sm90 import KvWorklistSm90, fits, kv_worklist_sm90, worklist_kernel
 
@@ -118,11 +119,11 @@ def test_attention_same_with_either_worklist(monkeypatch, S_q, idx_dtype):
     v = torch.randn(U, L, 1, D, generator=g).to(torch.bfloat16).cuda()
     idx = _random_idx(B, U, idx_dtype, seed=S_q, bad_fraction=0.03)
     lengths = torch.randint(0, L + 1, (U,), generator=g).cuda()
-    monkeypatch.setattr(attention_mod, "_plans", {})
+    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
     out = torch.full((B, S_q, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
     ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, out=out, validate=False)
     assert attention_mod._plans and all(p.worklist is not None for p in attention_mod._plans.values())
-    monkeypatch.setattr(attention_mod, "_plans", {})
+    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
     monkeypatch.setattr(attention_mod, "_worklist_fits", lambda n: False)
     ref = ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, validate=False)
     assert all(p.worklist is None for p in attention_mod._plans.values())
