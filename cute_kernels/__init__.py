@@ -1,5 +1,6 @@
-"""Shared CuTeDSL machinery: compile cache, architecture checks, torch interop,
-persistent tile scheduling and small synchronization helpers.
+"""Shared CuTeDSL machinery: compile cache, architecture checks, torch interop
+(fake tensors, the forward-only autograd guard), launch-plan cache, persistent tile
+scheduling and small synchronization helpers.
 
 Nothing here knows about IKBO; the kernels in ``ikbo_gemm`` and ``ikbo_fa`` build on it.
 """
