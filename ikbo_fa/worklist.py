@@ -14,14 +14,7 @@ Outputs (all int32 on idx's device):
 """
 from __future__ import annotations
 
-import functools
-
 import torch
-
-
-@functools.lru_cache(maxsize=64)
-def _group_ids(num_groups: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(num_groups + 1, dtype=torch.int32, device=device)
 
 
 def kv_worklist(idx: torch.Tensor, num_users: int, cands_per_tile: int, chunks_per_cand: int):
@@ -29,7 +22,10 @@ def kv_worklist(idx: torch.Tensor, num_users: int, cands_per_tile: int, chunks_p
     # Out-of-range indices (-1 and U after the clamp) both land in group U.
     key = torch.remainder(idx.clamp(-1, num_users), num_users + 1).to(torch.int32)
     sorted_key, order = torch.sort(key, stable=True)
-    cand_start = torch.searchsorted(sorted_key, _group_ids(num_users + 1, idx.device), out_int32=True)
+    # The group ids are built per call, not cached: a tensor first made during CUDA-graph
+    # capture holds its values only once the graph has been replayed.
+    group_ids = torch.arange(num_users + 2, dtype=torch.int32, device=idx.device)
+    cand_start = torch.searchsorted(sorted_key, group_ids, out_int32=True)
     counts = cand_start[1:] - cand_start[:-1]
     tiles = (counts + (cands_per_tile - 1)).div_(cands_per_tile, rounding_mode="floor")
     if chunks_per_cand > 1:

@@ -131,3 +131,26 @@ def test_attention_same_with_either_worklist(monkeypatch, S_q, idx_dtype):
     assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(ref))
     bad = (idx < 0) | (idx >= U)
     assert out[bad].isnan().all() and not out[~bad].isnan().any()
+
+
+def test_torch_worklist_first_built_during_graph_capture(monkeypatch):
+    """An eager call right after the capture that first saw its user count (no replay yet)
+    gets the right work list; the replay then gives the same output."""
+    B, U, S_q, H, D, L = 300, 7, 64, 1, 64, 128
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, S_q, H, D, generator=g).to(torch.bfloat16).cuda()
+    k = torch.randn(U, L, H, D, generator=g).to(torch.bfloat16).cuda()
+    v = torch.randn(U, L, H, D, generator=g).to(torch.bfloat16).cuda()
+    idx = _random_idx(B, U, torch.int64, seed=11, bad_fraction=0)
+    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
+    monkeypatch.setattr(attention_mod, "_worklist_fits", lambda n: False)
+    ikbo_fa.attention(q, (k[:5], v[:5]), idx % 5)  # compiled outside the capture, another U
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ikbo_fa.attention(q, (k, v), idx)
+    eager = ikbo_fa.attention(q, (k, v), idx)
+    ref = ikbo_fa.attention_reference(q, (k, v), idx)
+    assert (eager.float() - ref.float()).norm() / ref.float().norm() < 1e-2
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
