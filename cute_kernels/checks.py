@@ -110,3 +110,31 @@ def check_output(name: str, out: torch.Tensor, shape: tuple, dtype: torch.dtype,
     if not out.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     return out
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes that ``t`` can address (non-empty ``t``)."""
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + t.nbytes
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def check_no_overlap(out_name: str, out: torch.Tensor, names: Iterable[str], tensors: Iterable) -> None:
+    """``out`` shares no memory with any of ``tensors`` (None entries are skipped).
+
+    The kernels read their inputs while they write the output, in an order that depends on
+    the schedule, so an output that overlaps an input would give wrong values. Byte ranges
+    are compared (one address space for all devices), so views that interleave without
+    touching are refused too.
+    """
+    o0, o1 = _byte_span(out)
+    for name, t in zip(names, tensors):
+        if isinstance(t, torch.Tensor):
+            t0, t1 = _byte_span(t)
+            if t0 < o1 and o0 < t1:
+                raise ValueError(
+                    f"{out_name} overlaps {name} in memory: the kernel reads {name} while it writes "
+                    f"{out_name}; pass an {out_name} that shares no memory with the inputs"
+                )

@@ -244,7 +244,9 @@ def attention(
 
     Returns ``out`` [B, S_q, H, D] in q's dtype, and with ``return_lse`` also
     the fp32 log-sum-exp [B, H, S_q] (natural log). CPU tensors are evaluated
-    by :func:`attention_reference`; CUDA tensors need an sm_90 GPU.
+    by :func:`attention_reference`; CUDA tensors need an sm_90 GPU. ``out``
+    (optional): contiguous, any alignment, sharing no memory with the inputs
+    (ValueError otherwise).
 
     The arguments are fully checked at the first call with a given signature
     (dtypes, shapes, strides, devices, options); later calls with the same
@@ -254,6 +256,10 @@ def attention(
     The kernel has no backward: with grad mode on and q, k or v requiring grad,
     the outputs' backward raises (use :func:`attention_reference` for gradients).
     """
+    if isinstance(out, torch.Tensor):
+        k_v = (kv,) if isinstance(kv, torch.Tensor) else tuple(kv) if isinstance(kv, (tuple, list)) else ()
+        names = ("q", "kv") if len(k_v) == 1 else ("q", "k", "v")
+        checks.check_no_overlap("out", out, (*names, "idx", "kv_lengths"), (q, *k_v, idx, kv_lengths))
     if not _on_gpu(q):
         from .reference import attention_reference
 
@@ -305,6 +311,9 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, scale: float, validated: bool, r
     device = plan.device
     if out is None:
         out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
+    target = out  # the kernel's TMA stores need a 16-byte aligned output: else a copy
+    if out.data_ptr() & 15:
+        target = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device) if return_lse else None
 
     convert_kvl = kv_lengths is not None and not (validated and plan.kvl_int32)
@@ -337,7 +346,9 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, scale: float, validated: bool, r
             torch.clamp(kv_lengths, 0, plan.kv_len, out=kvl)
         else:
             kvl.copy_(kv_lengths.clamp(0, plan.kv_len))
-    plan.kernel(q, k, v, out, lse, cand, cand_start, tile_start, kvl, scale * _LOG2E, scale, plan.n_ctas)
+    plan.kernel(q, k, v, target, lse, cand, cand_start, tile_start, kvl, scale * _LOG2E, scale, plan.n_ctas)
+    if target is not out:
+        out.copy_(target)
     return (out, lse) if return_lse else out
 
 

@@ -37,7 +37,7 @@ from cute_kernels import (
     max_active_clusters,
 )
 
-from cute_kernels.checks import check_index_range, validation_enabled
+from cute_kernels.checks import check_index_range, check_no_overlap, validation_enabled
 
 from .checks import check_lce_inputs, check_schedule
 from .lce_sm90 import LceSm90
@@ -204,6 +204,7 @@ def _signature(tensors) -> tuple:
 
 
 _plans = PlanCache()
+_INPUT_NAMES = ("w_cand", "w_user", "e_cand", "e_user", "idx")
 
 
 def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
@@ -272,6 +273,9 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     order). fp16 or bf16, all operands one dtype; fp32 accumulation, the user
     and candidate partial sums added in fp32 and rounded once.
 
+    ``out`` (optional): a contiguous [B, M, N] tensor of the operands' dtype, any
+    alignment, sharing no memory with the inputs (ValueError otherwise).
+
     ``validate`` (default: the IKBO_VALIDATE environment variable) checks that
     every idx lies in [0, U), raising IndexError at the first bad position;
     it synchronizes with the device. Without it an out-of-range index never
@@ -290,6 +294,8 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     """
     check_schedule(schedule)
     plan = _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule)
+    if out is not None:
+        check_no_overlap("out", out, _INPUT_NAMES, (w_cand, w_user, e_cand, e_user, idx))
     if validation_enabled(validate):
         check_index_range("idx", idx, e_user.shape[0], "U")
     if plan is None:

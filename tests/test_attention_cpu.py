@@ -265,7 +265,7 @@ class _EmulatedKernels:
             t.copy_(r)
 
     def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, scale_log2, scale, n_ctas):
-        self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k))
+        self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k, out=out))
         assert scale_log2 == pytest.approx(scale * LOG2E)
         assert scale > 0  # the kernel's running max assumes it
         assert cand.dtype == torch.int32 and cand.is_contiguous() and 1 <= n_ctas <= 132
@@ -429,6 +429,23 @@ def test_gpu_path_signature_changes_rebuild_and_recheck(emulated):
     out = ikbo_fa.attention(wide[..., :64], kv, idx)
     assert emulated.fwd_calls[-1]["q"].is_contiguous()
     torch.testing.assert_close(out, attention_reference(q, kv, idx), rtol=1e-2, atol=1e-2)
+
+
+def test_gpu_path_out_alignment_overlap_and_grad(emulated):
+    q, kv, idx, _ = _gpu_path_problem(5, "kv", B=6, U=2)
+    expected = ikbo_fa.attention(q, kv, idx)
+    out = torch.full((q.numel() + 1,), float("nan"), dtype=q.dtype)[1:].view(q.shape)
+    assert out.data_ptr() % 16
+    assert ikbo_fa.attention(q, kv, idx, out=out) is out
+    assert emulated.fwd_calls[-1]["out"].data_ptr() % 16 == 0  # the kernel stores to an aligned copy
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="out overlaps q in memory"):
+        ikbo_fa.attention(q, kv, idx, out=q)
+    q.requires_grad_(True)
+    res = ikbo_fa.attention(q, kv, idx)
+    assert res.requires_grad and torch.equal(res.detach(), expected)
+    with pytest.raises(RuntimeError, match="ikbo_fa.attention has no backward.*attention_reference"):
+        res.float().sum().backward()
 
 
 def test_gpu_path_large_sq_chunks(emulated):

@@ -208,6 +208,15 @@ def test_unsorted_equals_sorted():
     torch.testing.assert_close(out[perm], out_sorted, rtol=0, atol=0)
 
 
+def test_out_at_any_alignment():
+    B, U, S_q, H, D, L = 256, 4, 64, 2, 128, 300
+    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=10)
+    out = torch.full((q.numel() + 1,), float("nan"), dtype=q.dtype, device="cuda")[1:].view(q.shape)
+    assert out.data_ptr() % 16
+    assert ikbo_fa.attention(q, kv, idx, out=out) is out
+    assert torch.equal(out, ikbo_fa.attention(q, kv, idx))
+
+
 def test_inputs_that_require_grad():
     """The outputs are right and their backward raises: no silently missing gradient."""
     B, U, S_q, H, D, L = 256, 4, 64, 2, 128, 300

@@ -108,6 +108,16 @@ def test_plan_cache_is_bounded():
     assert len(plans) == 1 and plans[("b", 9)] == "again"
 
 
+def test_no_overlap_check():
+    buf = torch.randn(4, 10)
+    checks.check_no_overlap("out", buf[2:], ("a", "b", "c"), (buf[:2], None, torch.randn(3)))
+    for view in (buf[1:3], buf[:, 3:5], buf.t(), buf[3, 9:]):
+        with pytest.raises(ValueError, match="out overlaps b in memory"):
+            checks.check_no_overlap("out", buf[2:], ("a", "b"), (buf[:2], view))
+    with pytest.raises(ValueError, match="overlaps"):  # interleaved columns: refused too
+        checks.check_no_overlap("out", buf[:, ::2], ("a",), (buf[:, 1::2],))
+
+
 def test_checks_name_the_argument():
     x = torch.randn(2, 3)
     with pytest.raises(TypeError, match="w must be float16 or bfloat16, got float32"):

@@ -115,6 +115,13 @@ def test_op_on_cpu_runs_reference(schedule):
     assert torch.equal(lce(*args, schedule=schedule), lce_reference(*args))
 
 
+def test_out_sharing_memory_with_an_input_raises():
+    w_cand, w_user, e_cand, e_user, idx = make_inputs(4, 2, 8, 16, 8, 8, torch.float16)
+    with pytest.raises(ValueError, match="out overlaps e_cand"):
+        lce(w_cand, w_user, e_cand, e_user, idx, out=e_cand)  # M == K_cand: the shapes match
+    lce(w_cand, w_user, e_cand, e_user, idx, out=e_cand.clone())
+
+
 def test_plans_stay_bounded_when_the_batch_keeps_changing(monkeypatch):
     lce_module = importlib.import_module("ikbo_gemm.lce")
     monkeypatch.setattr(lce_module, "_plans", PlanCache(limit=4))

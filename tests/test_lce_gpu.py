@@ -225,6 +225,15 @@ def test_output_and_workspace_past_2_31_elements():
     assert_matches_reference(out[rows], picked)
 
 
+def test_out_at_any_alignment():
+    B, M, N = 32, 433, 256
+    args = make_inputs(B, 4, M, N, 200, 136, F16, shuffle=True)
+    out = torch.full((B * M * N + 1,), float("nan"), dtype=F16, device=DEVICE)[1:].view(B, M, N)
+    assert out.data_ptr() % 16
+    assert lce(**args, out=out) is out
+    assert_matches_reference(out, args)
+
+
 def test_inputs_that_require_grad():
     """The output is right and its backward raises: no silently missing gradient."""
     args = make_inputs(64, 8, 433, 256, 200, 136, F16, shuffle=True)
