@@ -79,6 +79,8 @@ def forward_only(op: str, reference: str, run: Callable, inputs: Sequence) -> ob
     results an autograd node whose backward raises (naming ``reference``, the differentiable
     PyTorch version) instead of silently carrying no gradient to the inputs.
     """
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-        return _NoBackward.apply(op, reference, run, *inputs)
+    if torch.is_grad_enabled():  # a plain loop: this runs on every call of the ops
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return _NoBackward.apply(op, reference, run, *inputs)
     return run(*inputs)
