@@ -14,8 +14,8 @@ The output is always a contiguous [B, M, N] tensor.
 
 Memory: besides the output, each call allocates the fp32 user tiles, 4 bytes per
 element of [U, M, N] with each size rounded up to the tile and cluster (7.5 MB at
-U 15, M 433, N 256), and one int32 ready flag per user tile. Offsets into both
-the output and the user tiles are 64-bit: either may pass 2^31 elements.
+U 15, M 433, N 256), and one int32 ready flag per user tile. The output and the
+user tiles may each pass 2^31 elements.
 """
 from __future__ import annotations
 
