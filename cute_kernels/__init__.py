@@ -1,6 +1,7 @@
 """Shared CuTeDSL machinery: compile cache, architecture checks, torch interop
-(fake tensors, the forward-only autograd guard), launch-plan cache, persistent tile
-scheduling and small synchronization helpers.
+(fake tensors, TMA-ready operands and store targets, the forward-only autograd
+guard), launch-plan cache, persistent tile scheduling and small synchronization
+helpers.
 
 Nothing here knows about IKBO; the kernels in ``ikbo_gemm`` and ``ikbo_fa`` build on it.
 """
@@ -13,7 +14,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from . import checks  # noqa: E402
 from .arch import TARGET_ARCH, cuda_sm90_available, is_sm90, max_active_clusters, require_sm90, sm_count  # noqa: E402
 from .compile import CompiledKernel, compile_kernel, kernel_cache  # noqa: E402
-from .interop import cutlass_dtype, fake_stream, fake_tensor, forward_only  # noqa: E402
+from .interop import copy_back, cutlass_dtype, fake_stream, fake_tensor, forward_only, store_target, tma_ready  # noqa: E402
 from .plans import PlanCache  # noqa: E402
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "TARGET_ARCH",
     "CompiledKernel",
     "compile_kernel",
+    "copy_back",
     "cuda_sm90_available",
     "cutlass_dtype",
     "fake_stream",
@@ -32,4 +34,6 @@ __all__ = [
     "max_active_clusters",
     "require_sm90",
     "sm_count",
+    "store_target",
+    "tma_ready",
 ]

@@ -50,6 +50,30 @@ def fake_tensor(
     return cute.runtime.make_fake_tensor(dtype, sizes, stride=strides, assumed_align=align)
 
 
+def tma_ready(t: torch.Tensor, strides_ok: Optional[bool] = None) -> torch.Tensor:
+    """``t`` as a TMA descriptor can take it: ``t`` itself where its data is 16-byte aligned and
+    its strides are usable (``strides_ok``; default: contiguous), else a contiguous, aligned copy."""
+    if (t.is_contiguous() if strides_ok is None else strides_ok) and t.data_ptr() % 16 == 0:
+        return t
+    t = t.contiguous()
+    return t.clone() if t.data_ptr() % 16 else t  # a contiguous view of misaligned data
+
+
+def store_target(out: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Where a kernel's TMA stores of ``shape`` go for ``out``: ``out`` itself when it has that
+    shape and 16-byte aligned data, else a new tensor (:func:`copy_back` then fills ``out``)."""
+    if tuple(out.shape) == tuple(shape) and out.data_ptr() % 16 == 0:
+        return out
+    return torch.empty(tuple(shape), dtype=out.dtype, device=out.device)
+
+
+def copy_back(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``out`` holding what the kernel stored in ``target`` (its leading columns, where wider)."""
+    if target is not out:
+        out.copy_(target[..., : out.shape[-1]])
+    return out
+
+
 def fake_stream():
     """The stream argument: at run time the TVM-FFI launcher uses torch's current stream."""
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

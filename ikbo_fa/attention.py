@@ -42,7 +42,7 @@ import torch
 
 from cute_kernels import checks
 from cute_kernels.arch import require_sm90, sm_count
-from cute_kernels.interop import forward_only
+from cute_kernels.interop import copy_back, forward_only, store_target, tma_ready
 from cute_kernels.plans import PlanCache
 
 from .worklist import kv_worklist, max_tiles_per_head
@@ -302,18 +302,13 @@ def attention(
 
 def _run(plan: _Plan, q, k, v, idx, kv_lengths, scale: float, validated: bool, return_lse: bool, out):
     """Launch the plan's kernels on checked inputs (k, v unpacked; scale > 0)."""
-    if plan.copy_q or q.data_ptr() & 15:
-        q = _tma_copy(q)
-    if plan.copy_k or k.data_ptr() & 15:
-        k = _tma_copy(k)
-    if plan.copy_v or v.data_ptr() & 15:
-        v = _tma_copy(v)
+    q = tma_ready(q, not plan.copy_q)
+    k = tma_ready(k, not plan.copy_k)
+    v = tma_ready(v, not plan.copy_v)
     device = plan.device
     if out is None:
         out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
-    target = out  # the kernel's TMA stores need a 16-byte aligned output: else a copy
-    if out.data_ptr() & 15:
-        target = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
+    target = store_target(out, plan.out_shape)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device) if return_lse else None
 
     convert_kvl = kv_lengths is not None and not (validated and plan.kvl_int32)
@@ -347,19 +342,13 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, scale: float, validated: bool, r
         else:
             kvl.copy_(kv_lengths.clamp(0, plan.kv_len))
     plan.kernel(q, k, v, target, lse, cand, cand_start, tile_start, kvl, scale * _LOG2E, scale, plan.n_ctas)
-    if target is not out:
-        out.copy_(target)
+    copy_back(out, target)
     return (out, lse) if return_lse else out
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
     """Last dim contiguous, other strides multiples of 16 bytes (the base alignment is checked per call)."""
     return t.stride(-1) == 1 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
-
-
-def _tma_copy(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t.clone() if t.data_ptr() & 15 else t
 
 
 def _fwd_kernel(cfg):

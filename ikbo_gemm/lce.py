@@ -27,6 +27,7 @@ import torch
 from cute_kernels import (
     CompiledKernel,
     compile_kernel,
+    copy_back,
     cutlass_dtype,
     fake_stream,
     fake_tensor,
@@ -35,6 +36,8 @@ from cute_kernels import (
     PlanCache,
     require_sm90,
     max_active_clusters,
+    store_target,
+    tma_ready,
 )
 
 from cute_kernels.checks import check_index_range, check_no_overlap, validation_enabled
@@ -134,17 +137,9 @@ def _ceil(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_contiguous() or t.data_ptr() % 16:
-        t = t.contiguous()
-        if t.data_ptr() % 16:
-            t = t.clone()
-    return t
-
-
 def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
     if t.shape[-1] == size:
-        return _tma_ready(t)
+        return tma_ready(t)
     return torch.nn.functional.pad(t, (0, size - t.shape[-1]))
 
 
@@ -203,6 +198,10 @@ def _signature(tensors) -> tuple:
     )
 
 
+def _on_gpu(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
 _plans = PlanCache()
 _INPUT_NAMES = ("w_cand", "w_user", "e_cand", "e_user", "idx")
 
@@ -216,7 +215,7 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
     B, U, M, N, K_cand, K_user = check_lce_inputs(w_cand, w_user, e_cand, e_user, idx, out, False)
     device = e_cand.device
     plan = None
-    if device.type == "cuda":
+    if _on_gpu(device):
         require_sm90(device, "lce")
         cfg = pick_config(e_cand.dtype, idx.dtype, M, N, B)
         n8 = _ceil(N, 8)
@@ -319,9 +318,7 @@ def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
     idx_k = idx if idx.is_contiguous() else idx.contiguous()
     if out is None:
         out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
-    target = out
-    if n8 != plan.out_shape[2] or out.data_ptr() % 16:
-        target = torch.empty((*plan.out_shape[:2], n8), dtype=plan.dtype, device=device)
+    target = store_target(out, (*plan.out_shape[:2], n8))
     workspace = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
     flags = torch.zeros(plan.n_flags, dtype=torch.int32, device=device)
     # Every launch's arguments first: a second launch (the spare SMs') can start only once the
@@ -333,6 +330,4 @@ def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
         calls.append((launch.kernel, (*args, *launch.tiles, launch.grid, launch.wait_prior)))
     for kernel, args in calls:
         kernel(*args)
-    if target is not out:
-        out.copy_(target[..., : plan.out_shape[2]])
-    return out
+    return copy_back(out, target)

@@ -7,7 +7,18 @@ import cutlass.cute as cute
 import pytest
 import torch
 
-from cute_kernels import PlanCache, checks, compile_kernel, fake_stream, fake_tensor, forward_only, kernel_cache
+from cute_kernels import (
+    PlanCache,
+    checks,
+    compile_kernel,
+    copy_back,
+    fake_stream,
+    fake_tensor,
+    forward_only,
+    kernel_cache,
+    store_target,
+    tma_ready,
+)
 from cute_kernels import compile as compile_mod
 from cute_kernels.compile import KernelCache
 
@@ -106,6 +117,39 @@ def test_plan_cache_is_bounded():
         assert len(plans) <= 3 and plans[("b", b)] == b
     plans.keep(("b", 9), "again")  # a key already held never clears the others
     assert len(plans) == 1 and plans[("b", 9)] == "again"
+
+
+def _misaligned(shape):
+    """Random contiguous data whose first element is 2 bytes past a 16-byte boundary."""
+    flat = torch.randn(torch.Size(shape).numel() + 1).half()[1:]
+    assert flat.data_ptr() % 16 == 2
+    return flat.view(shape)
+
+
+def test_tma_ready_copies_only_what_tma_cannot_take():
+    t = torch.randn(4, 24).half()
+    assert tma_ready(t) is t
+    assert tma_ready(t[:, :8], strides_ok=True).data_ptr() == t.data_ptr()  # strided but usable
+    for bad in (t.t(), t[:, :8], _misaligned((4, 24)), _misaligned((4, 24))[:, :8]):
+        ready = tma_ready(bad)
+        assert ready.is_contiguous() and ready.data_ptr() % 16 == 0 and torch.equal(ready, bad)
+    ready = tma_ready(_misaligned((4, 24)), strides_ok=True)  # usable strides, misaligned data
+    assert ready.data_ptr() % 16 == 0
+
+
+def test_store_target_and_copy_back():
+    out = torch.full((3, 5, 7), float("nan")).half()
+    assert store_target(out, (3, 5, 7)) is out
+    assert copy_back(out, out) is out
+    wide = store_target(out, (3, 5, 8))  # columns padded for the kernel
+    assert wide.shape == (3, 5, 8) and wide.dtype == out.dtype
+    wide.copy_(torch.randn(3, 5, 8))
+    assert copy_back(out, wide) is out and torch.equal(out, wide[..., :7])
+    bad = _misaligned((3, 5, 8))
+    target = store_target(bad, (3, 5, 8))
+    assert target is not bad and target.data_ptr() % 16 == 0
+    target.copy_(torch.randn(3, 5, 8))
+    assert torch.equal(copy_back(bad, target), target)
 
 
 def test_no_overlap_check():

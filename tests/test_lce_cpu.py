@@ -357,6 +357,84 @@ def test_spare_sm_split(B, monkeypatch):
     assert abs(main_per_sm - spare_per_sm) <= kb_cand * cfg.cluster_b / 12
 
 
+class _EmulatedLaunches:
+    """Stands in for the compiled kernel on CPU tensors: each launch writes its candidates'
+    outputs (when its tile range reaches the candidate tiles) by the reference formula on
+    the padded operands it receives, and is recorded."""
+
+    def __init__(self):
+        self.launches = []
+
+    def kernel(self, cfg):
+        return lambda *args: self.launch(cfg, *args)
+
+    def launch(self, cfg, w_c, w_u, e_c, e_u, idx, target, workspace, flags, tile_begin, tile_end, grid, wait_prior):
+        U, M, n8 = e_u.shape[0], w_c.shape[1], e_c.shape[2]
+        assert w_c.shape[0] == w_u.shape[0] == 1 and w_c.shape[2] % 8 == 0 and w_u.shape[2] % 8 == 0 and n8 % 8 == 0
+        for t in (w_c, w_u, e_c, e_u, target):
+            assert t.is_contiguous() and t.data_ptr() % 16 == 0
+        assert workspace.dtype == torch.float32 and flags.dtype == torch.int32
+        user_tiles = -(-U // cfg.cluster_b) * -(-M // cfg.tile_w) * -(-n8 // (cfg.tile_n * cfg.cluster_n))
+        self.launches.append(dict(cfg=cfg, cands=idx.shape[0], tiles=(tile_begin, tile_end), wait_prior=wait_prior))
+        if tile_end > user_tiles:
+            acc = w_c[0, :, : e_c.shape[1]].float() @ e_c.float()  # the K tail past e's rows is padding
+            user = w_u[0, :, : e_u.shape[1]].float() @ e_u.float()
+            valid = (idx >= 0) & (idx < U)
+            acc += user[torch.where(valid, idx, 0).long()]
+            acc[~valid] = float("nan")
+            target.copy_(acc)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    lce_mod = importlib.import_module("ikbo_gemm.lce")
+    kernels = _EmulatedLaunches()
+    monkeypatch.setattr(lce_mod, "_plans", PlanCache())
+    monkeypatch.setattr(lce_mod, "_on_gpu", lambda device: True)
+    monkeypatch.setattr(lce_mod, "require_sm90", lambda device, op: None)
+    monkeypatch.setattr(lce_mod, "max_active_clusters", h200_clusters)
+    monkeypatch.setattr(lce_mod, "_kernel", kernels.kernel)
+    return kernels
+
+
+@pytest.mark.parametrize("schedule", ["fused", "two_launch"])
+def test_gpu_path_split_covers_every_candidate_once(emulated, schedule):
+    """The host side of the GPU path: at M 433, N 256 an H200's spare SMs take the first
+    candidates in a second launch; every candidate is written by exactly one launch."""
+    B, U = 64, 5
+    args = make_inputs(B, U, 433, 256, 7, 9, torch.float16, order="shuffled", seed=3)
+    out = torch.full((B, 433, 256), float("nan"), dtype=torch.float16)
+    assert lce(*args, out=out, schedule=schedule) is out
+    torch.testing.assert_close(out, lce_reference(*args), rtol=2e-3, atol=2e-3)
+    launches = emulated.launches
+    if schedule == "fused":
+        (main, spare) = launches
+        assert main["wait_prior"] == 1 and spare["wait_prior"] == 0 and spare["cfg"].cluster_b == 1
+        assert main["tiles"][0] == 0 and main["cands"] + spare["cands"] == B and 0 < spare["cands"] < B
+    else:
+        (users, cands) = launches
+        assert users["tiles"][1] == cands["tiles"][0] and users["cands"] == cands["cands"] == B
+
+
+def test_gpu_path_pads_copies_and_stores_through_an_aligned_target(emulated):
+    """Odd N and K, strided and misaligned inputs, int64 idx, a misaligned out: the operands the
+    kernel gets are padded, contiguous and aligned, and out holds the exact result."""
+    B, U, M, N, K_user, K_cand = 9, 3, 20, 13, 11, 5
+    w_cand, w_user, e_cand, e_user, idx = make_inputs(B, U, M, N, K_user, K_cand, torch.bfloat16,
+                                                      torch.int64, order="random", seed=4)
+    e_cand_t = e_cand.transpose(1, 2).contiguous().transpose(1, 2)  # same values, strided
+    flat = torch.randn(e_user.numel() + 1).to(torch.bfloat16)[1:]
+    flat.copy_(e_user.flatten())
+    e_user_m = flat.view(e_user.shape)  # contiguous, 2 bytes past alignment
+    assert e_user_m.data_ptr() % 16
+    out = torch.full((B * M * N + 1,), float("nan"), dtype=torch.bfloat16)[1:].view(B, M, N)
+    assert out.data_ptr() % 16
+    assert lce(w_cand, w_user, e_cand_t, e_user_m, idx, out=out) is out
+    assert torch.equal(out, lce_reference(w_cand, w_user, e_cand, e_user, idx))
+    fresh = lce(w_cand, w_user, e_cand_t, e_user_m, idx)
+    assert fresh.shape == (B, M, N) and fresh.is_contiguous() and torch.equal(fresh, out)
+
+
 def test_no_spare_sm_split_without_idle_sms(monkeypatch):
     lce_mod = importlib.import_module("ikbo_gemm.lce")
 
