@@ -14,7 +14,16 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from . import checks  # noqa: E402
 from .arch import TARGET_ARCH, cuda_sm90_available, is_sm90, max_active_clusters, require_sm90, sm_count  # noqa: E402
 from .compile import CompiledKernel, compile_kernel, kernel_cache  # noqa: E402
-from .interop import copy_back, cutlass_dtype, fake_stream, fake_tensor, forward_only, store_target, tma_ready  # noqa: E402
+from .interop import (  # noqa: E402
+    copy_back,
+    cutlass_dtype,
+    dense_unit_strides,
+    fake_stream,
+    fake_tensor,
+    forward_only,
+    store_target,
+    tma_ready,
+)
 from .plans import PlanCache  # noqa: E402
 
 __all__ = [
@@ -25,6 +34,7 @@ __all__ = [
     "copy_back",
     "cuda_sm90_available",
     "cutlass_dtype",
+    "dense_unit_strides",
     "fake_stream",
     "fake_tensor",
     "forward_only",

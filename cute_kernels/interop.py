@@ -52,24 +52,40 @@ def fake_tensor(
 
 def tma_ready(t: torch.Tensor, strides_ok: Optional[bool] = None) -> torch.Tensor:
     """``t`` as a TMA descriptor can take it: ``t`` itself where its data is 16-byte aligned and
-    its strides are usable (``strides_ok``; default: contiguous), else a contiguous, aligned copy."""
-    if (t.is_contiguous() if strides_ok is None else strides_ok) and t.data_ptr() % 16 == 0:
-        return t
-    t = t.contiguous()
-    return t.clone() if t.data_ptr() % 16 else t  # a contiguous view of misaligned data
+    its strides are usable (``strides_ok``; default: contiguous), else a contiguous, aligned copy.
+    Either way with :func:`dense_unit_strides`."""
+    if not ((t.is_contiguous() if strides_ok is None else strides_ok) and t.data_ptr() % 16 == 0):
+        t = t.contiguous()
+        if t.data_ptr() % 16:  # a contiguous view of misaligned data
+            t = t.clone()
+    return dense_unit_strides(t)
+
+
+def dense_unit_strides(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a view of the same elements whose size-1 dims have the strides a dense layout
+    gives them. torch calls a tensor contiguous whatever its size-1 dims' strides are (movedim
+    and empty_like make odd ones), and the launcher does not check them, but a TMA descriptor
+    takes every stride: one that is not a multiple of 16 bytes makes it invalid."""
+    strides, inner, changed = list(t.stride()), 1, False
+    for d in reversed(range(t.dim())):
+        if t.shape[d] == 1 and strides[d] != inner:
+            strides[d], changed = inner, True
+        inner = strides[d] * t.shape[d]
+    return t.as_strided(t.shape, strides) if changed else t
 
 
 def store_target(out: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """Where a kernel's TMA stores of ``shape`` go for ``out``: ``out`` itself when it has that
-    shape and 16-byte aligned data, else a new tensor (:func:`copy_back` then fills ``out``)."""
+    """Where a kernel's TMA stores of ``shape`` go for ``out``: ``out`` itself (as
+    :func:`dense_unit_strides` gives it) when it has that shape and 16-byte aligned data,
+    else a new tensor (:func:`copy_back` then fills ``out``)."""
     if tuple(out.shape) == tuple(shape) and out.data_ptr() % 16 == 0:
-        return out
+        return dense_unit_strides(out)
     return torch.empty(tuple(shape), dtype=out.dtype, device=out.device)
 
 
 def copy_back(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``out`` holding what the kernel stored in ``target`` (its leading columns, where wider)."""
-    if target is not out:
+    if target.data_ptr() != out.data_ptr():
         out.copy_(target[..., : out.shape[-1]])
     return out
 

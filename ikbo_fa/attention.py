@@ -347,8 +347,11 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, scale: float, validated: bool, r
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
-    """Last dim contiguous, other strides multiples of 16 bytes (the base alignment is checked per call)."""
-    return t.stride(-1) == 1 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
+    """Last dim contiguous, other strides multiples of 16 bytes (the base alignment is checked
+    per call; size-1 dims get dense strides from ``tma_ready``)."""
+    return t.stride(-1) == 1 and all(
+        n == 1 or (s * t.element_size()) % 16 == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1])
+    )
 
 
 def _fwd_kernel(cfg):

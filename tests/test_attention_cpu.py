@@ -269,6 +269,10 @@ class _EmulatedKernels:
         assert scale_log2 == pytest.approx(scale * LOG2E)
         assert scale > 0  # the kernel's running max assumes it
         assert cand.dtype == torch.int32 and cand.is_contiguous() and 1 <= n_ctas <= 132
+        # What the TMA descriptors need (the launcher checks no stride of a size-1 dim).
+        for t in (q, k, v, out):
+            assert t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]), t.stride()
+            assert t.data_ptr() % 16 == 0
         L = k.shape[1]
         if kvl is not None:
             assert kvl.dtype == torch.int32 and kvl.is_contiguous()
@@ -446,6 +450,20 @@ def test_gpu_path_out_alignment_overlap_and_grad(emulated):
     assert res.requires_grad and torch.equal(res.detach(), expected)
     with pytest.raises(RuntimeError, match="ikbo_fa.attention has no backward.*attention_reference"):
         res.float().sum().backward()
+
+
+def test_gpu_path_size1_dims_with_any_stride(emulated):
+    """torch calls a tensor contiguous whatever the strides of its size-1 dims (movedim and
+    empty_like make odd ones): the kernel still gets strides a TMA descriptor takes."""
+    q, kv, idx, _ = _gpu_path_problem(27, "kv", 6, 2, S_q=1)
+    odd_q = q.permute(0, 2, 3, 1).clone(memory_format=torch.contiguous_format).movedim(3, 1)
+    assert odd_q.is_contiguous() and odd_q.stride(1) == 1  # S_q = 1 with a stride of one element
+    out = torch.empty_like(odd_q)  # keeps that stride
+    k1 = kv[0][:, :, :1].permute(0, 1, 3, 2).clone(memory_format=torch.contiguous_format).movedim(3, 2)
+    assert k1.is_contiguous() and k1.stride(2) == 1  # H_kv = 1 with a stride of one element
+    assert ikbo_fa.attention(odd_q, (k1, k1), idx, out=out) is out
+    assert emulated.fwd_calls[-1]["out"].data_ptr() == out.data_ptr()  # a view of out, no copy
+    torch.testing.assert_close(out, attention_reference(q, (k1, k1), idx), rtol=1e-2, atol=1e-2)
 
 
 def test_gpu_path_large_sq_chunks(emulated):

@@ -12,6 +12,7 @@ from cute_kernels import (
     checks,
     compile_kernel,
     copy_back,
+    dense_unit_strides,
     fake_stream,
     fake_tensor,
     forward_only,
@@ -135,6 +136,19 @@ def test_tma_ready_copies_only_what_tma_cannot_take():
         assert ready.is_contiguous() and ready.data_ptr() % 16 == 0 and torch.equal(ready, bad)
     ready = tma_ready(_misaligned((4, 24)), strides_ok=True)  # usable strides, misaligned data
     assert ready.data_ptr() % 16 == 0
+
+
+def test_size1_dims_get_dense_strides():
+    t = torch.randn(5, 1, 8).half().movedim(1, 0)  # [1, 5, 8], the size-1 dim's stride 8
+    assert t.is_contiguous() and t.stride() == (8, 8, 1)
+    d = dense_unit_strides(t)
+    assert d.stride() == (40, 8, 1) and d.data_ptr() == t.data_ptr() and torch.equal(d, t)
+    odd = torch.randn(3, 8, 1).half().movedim(2, 1)  # [3, 1, 8], stride 1 on the size-1 dim
+    assert odd.is_contiguous() and odd.stride(1) == 1
+    assert tma_ready(odd).stride() == (8, 8, 1)
+    assert store_target(odd, (3, 1, 8)).stride() == (8, 8, 1)
+    strided = torch.randn(4, 1, 32).half()[:, :, :16]  # strided rows: only the size-1 dim changes
+    assert dense_unit_strides(strided.movedim(1, 0)).stride() == (128, 32, 1)
 
 
 def test_store_target_and_copy_back():

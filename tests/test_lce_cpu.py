@@ -371,8 +371,9 @@ class _EmulatedLaunches:
     def launch(self, cfg, w_c, w_u, e_c, e_u, idx, target, workspace, flags, tile_begin, tile_end, grid, wait_prior):
         U, M, n8 = e_u.shape[0], w_c.shape[1], e_c.shape[2]
         assert w_c.shape[0] == w_u.shape[0] == 1 and w_c.shape[2] % 8 == 0 and w_u.shape[2] % 8 == 0 and n8 % 8 == 0
-        for t in (w_c, w_u, e_c, e_u, target):
+        for t in (w_c, w_u, e_c, e_u, target):  # what the TMA descriptors need, size-1 dims included
             assert t.is_contiguous() and t.data_ptr() % 16 == 0
+            assert t.stride(-1) == 1 and all(st % 8 == 0 for st in t.stride()[:-1]), t.stride()
         assert workspace.dtype == torch.float32 and flags.dtype == torch.int32
         user_tiles = -(-U // cfg.cluster_b) * -(-M // cfg.tile_w) * -(-n8 // (cfg.tile_n * cfg.cluster_n))
         self.launches.append(dict(cfg=cfg, cands=idx.shape[0], tiles=(tile_begin, tile_end), wait_prior=wait_prior))
@@ -433,6 +434,21 @@ def test_gpu_path_pads_copies_and_stores_through_an_aligned_target(emulated):
     assert torch.equal(out, lce_reference(w_cand, w_user, e_cand, e_user, idx))
     fresh = lce(w_cand, w_user, e_cand_t, e_user_m, idx)
     assert fresh.shape == (B, M, N) and fresh.is_contiguous() and torch.equal(fresh, out)
+
+
+def test_gpu_path_size1_dims_with_any_stride(emulated):
+    """torch calls a tensor contiguous whatever the strides of its size-1 dims (movedim and
+    empty_like make odd ones): the kernel still gets strides a TMA descriptor takes."""
+    w_cand, w_user, e_cand, e_user, idx = make_inputs(1, 1, 1, 16, 24, 16, torch.float16, seed=5)
+    def odd(t):  # the same values, dim 0 (of size 1) with a stride of one element
+        return torch.empty(*t.shape[1:], 1, dtype=t.dtype).movedim(-1, 0).copy_(t)
+
+    args = [odd(t) for t in (w_cand, w_user, e_cand, e_user)]
+    assert all(t.is_contiguous() and t.stride(0) == 1 for t in args)
+    out = torch.empty(16, 1, 1, dtype=torch.float16).movedim(0, -1)  # B = M = 1, strides (1, 1, 1)
+    assert out.is_contiguous() and out.stride()[:2] == (1, 1)
+    assert lce(*args, idx, out=out) is out
+    assert torch.equal(out, lce_reference(w_cand, w_user, e_cand, e_user, idx))
 
 
 def test_no_spare_sm_split_without_idle_sms(monkeypatch):

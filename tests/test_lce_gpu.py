@@ -234,6 +234,24 @@ def test_out_at_any_alignment():
     assert_matches_reference(out, args)
 
 
+def _unit_stride_on_dim0(t):
+    """The same values with dim 0 (of size 1) given a stride of one element: torch still calls
+    it contiguous, and the launcher does not check that stride."""
+    return torch.empty(*t.shape[1:], 1, dtype=t.dtype, device=t.device).movedim(-1, 0).copy_(t)
+
+
+def test_size1_dims_with_any_stride():
+    """B = U = M = 1 with unit strides on those dims (inputs and out): the TMA descriptors still
+    get strides they take."""
+    args = make_inputs(1, 1, 1, 256, 200, 136, F16)
+    odd = {name: _unit_stride_on_dim0(t) for name, t in args.items() if name != "idx"}
+    assert all(t.is_contiguous() and t.stride(0) == 1 for t in odd.values())
+    out = torch.full((256, 1, 1), float("nan"), dtype=F16, device=DEVICE).movedim(-1, 0)  # [1, 1, 256]
+    assert out.is_contiguous() and out.stride()[:2] == (1, 1)
+    assert lce(**odd, idx=args["idx"], out=out) is out
+    assert_matches_reference(out, args)
+
+
 def test_inputs_that_require_grad():
     """The output is right and its backward raises: no silently missing gradient."""
     args = make_inputs(64, 8, 433, 256, 200, 136, F16, shuffle=True)
