@@ -40,6 +40,8 @@ def check_tensor(
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor {layout}, got layout {t.layout}")
     dtypes = tuple(dtypes)
     if t.dtype not in dtypes:
         names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
@@ -101,6 +103,8 @@ def check_index_range(name: str, idx: torch.Tensor, upper: int, upper_what: str)
 def check_output(name: str, out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
+    if out.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {out.layout}")
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {_shape(out)}, expected [{', '.join(map(str, shape))}]")
     if out.dtype != dtype:
@@ -129,12 +133,23 @@ def check_no_overlap(out_name: str, out: torch.Tensor, names: Iterable[str], ten
     are compared (one address space for all devices), so views that interleave without
     touching are refused too.
     """
+    if out.device.type == "meta" or out.layout != torch.strided:
+        return  # no storage to overlap (meta), or refused by the shape checks (sparse)
     o0, o1 = _byte_span(out)
     for name, t in zip(names, tensors):
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
             t0, t1 = _byte_span(t)
             if t0 < o1 and o0 < t1:
                 raise ValueError(
                     f"{out_name} overlaps {name} in memory: the kernel reads {name} while it writes "
                     f"{out_name}; pass an {out_name} that shares no memory with the inputs"
                 )
+
+
+def check_writable(name: str, out: torch.Tensor) -> None:
+    """The checks torch makes before writing ``out`` in place. A kernel stores through the
+    pointer, past autograd's and inference mode's own checks, so they are made here."""
+    if out.requires_grad and out.is_leaf and torch.is_grad_enabled():
+        raise RuntimeError(f"{name} is a leaf tensor that requires grad: it cannot be written in place")
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{name} is an inference tensor: it can be written only under torch.inference_mode()")

@@ -84,9 +84,13 @@ def store_target(out: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 
 
 def copy_back(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``out`` holding what the kernel stored in ``target`` (its leading columns, where wider)."""
+    """``out`` holding what the kernel stored in ``target`` (its leading columns, where wider).
+    Its version counter moves either way, as after any in-place write, so a backward that saved
+    ``out`` before the call raises instead of reading the new values."""
     if target.data_ptr() != out.data_ptr():
         out.copy_(target[..., : out.shape[-1]])
+    else:
+        torch.autograd.graph.increment_version(out)
     return out
 
 

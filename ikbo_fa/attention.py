@@ -260,6 +260,7 @@ def attention(
         k_v = (kv,) if isinstance(kv, torch.Tensor) else tuple(kv) if isinstance(kv, (tuple, list)) else ()
         names = ("q", "kv") if len(k_v) == 1 else ("q", "k", "v")
         checks.check_no_overlap("out", out, (*names, "idx", "kv_lengths"), (q, *k_v, idx, kv_lengths))
+        checks.check_writable("out", out)
     if not _on_gpu(q):
         from .reference import attention_reference
 
@@ -268,8 +269,8 @@ def attention(
     try:
         key = _key(q, kv, idx, kv_lengths, broadcast, return_lse, out, scale is None)
         plan = _plans.get(key)
-    except (AttributeError, TypeError):
-        key = plan = None  # not tensors (or unhashable options): the full checks raise
+    except (AttributeError, TypeError, RuntimeError):
+        key = plan = None  # not dense tensors (or unhashable options): the full checks raise
     if plan is None:
         plan = _make_plan(q, kv, idx, scale, kv_lengths, broadcast, return_lse, out)
         if key is not None:

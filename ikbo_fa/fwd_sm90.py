@@ -80,8 +80,10 @@ class IkboAttentionFwdSm90:
         while that P V is in flight; the two warpgroups take turns issuing
         their GEMMs (named barriers 4, 5 below), and after a tile's first block the
         softmax runs against the running max as it stands (rescaling P and O only when a
-        P may exceed 2^STALE_MAX). A warp whose max moved by more than REDO_MAX (log2
-        units) recomputes its rows exactly on the CUDA cores after the main loop.
+        P may exceed 2^STALE_MAX). A row whose max moved by more than REDO_MAX (log2
+        units) is recomputed exactly on the CUDA cores after the main loop. Both decisions are
+        taken per row: a row's result never depends on the other rows of its warp (with
+        S_q <= 8, another candidate's).
         Epilogue: O / row_sum into the warpgroup's 64 rows of sO (stmatrix), one TMA
         store per stored slot.
 
@@ -500,8 +502,8 @@ class IkboAttentionFwdSm90:
             acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, col_offset=col_offset,
             row_max=row_max, row_sum=row_sum, corr=cute.make_rmem_tensor((n_rows,), Float32),
             pipe_k=pipe_k, pipe_v=pipe_v, sV=sV, wg=wg,
-            # The largest move of the running max in one rescale of this tile (log2 units).
-            jump=cute.make_rmem_tensor((1,), Float32), sQ=sQ, mKg=mKg, mVg=mVg,
+            # Per row: the largest move of its running max in one rescale of this tile (log2 units).
+            jump=cute.make_rmem_tensor((n_rows,), Float32), sQ=sQ, mKg=mKg, mVg=mVg,
             tOcO_mn=_acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, d)))))
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
@@ -524,7 +526,7 @@ class IkboAttentionFwdSm90:
             acc_O.fill(0.0)
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
-            ctx.jump[0] = Float32(0.0)
+            ctx.jump.fill(0.0)
             if n_blocks > 0:
                 # Blocks run last to first: only the first one processed needs the key mask.
                 n_cols = n_keys - (n_blocks - 1) * n
@@ -535,7 +537,10 @@ class IkboAttentionFwdSm90:
                     kv_state = self.mainloop_serial(ctx, kv_state, q_state.index, n_blocks, n_cols,
                                                     scale_log2, tidx)
             if const_expr(self.cfg.overlap):
-                if cute.arch.vote_any_sync(ctx.jump[0] > Float32(REDO_MAX)):
+                redo = False
+                for m in cutlass.range_constexpr(n_rows):
+                    redo = redo | (ctx.jump[m] > Float32(REDO_MAX))
+                if cute.arch.vote_any_sync(redo):
                     self.exact_rows(ctx, q_state.index, n_keys, info[0] // (n_heads // n_kv_heads), info[1],
                                     scale_log2, tidx)
             pipe_q.consumer_release(q_state)
@@ -706,9 +711,16 @@ class IkboAttentionFwdSm90:
                 p_max = cute.arch.fmax(p_max, acc_S_mn[m, c])
             p_max = cute.arch.fmax(p_max, cute.arch.shuffle_sync_bfly(p_max, offset=1))
             p_max = cute.arch.fmax(p_max, cute.arch.shuffle_sync_bfly(p_max, offset=2))
+            # Only a row that itself crossed 2^STALE_MAX moves: the warp-wide vote that brought us
+            # here must not change other rows (with S_q <= 8 they belong to another candidate).
+            # The sums are softmax_stale_max's, to the bit (same chains over the same P).
+            part = _sum_row(acc_S_mn, m)
+            part = cute.arch.fmax(part, cute.arch.shuffle_sync_bfly(part, offset=1))
+            part = cute.arch.fmax(part, cute.arch.shuffle_sync_bfly(part, offset=2))
             jump = cute.arch.fmax(cute.math.log2(p_max, fastmath=True), Float32(0.0))
-            ctx.jump[0] = cute.arch.fmax(ctx.jump[0], jump)
-            new_max = row_max[m] + jump / scale_log2
+            jump = jump if part > Float32(2.0 ** STALE_MAX) else Float32(0.0)
+            ctx.jump[m] = cute.arch.fmax(ctx.jump[m], jump)
+            new_max = row_max[m] + jump / scale_log2 if jump > Float32(0.0) else row_max[m]
             # Through new_max * scale_log2, the offset later blocks exponentiate against, so the
             # rescaled P and the later P share one offset to the last bit.
             f = cute.math.exp2(row_max[m] * scale_log2 - new_max * scale_log2, fastmath=True)
@@ -723,18 +735,24 @@ class IkboAttentionFwdSm90:
     def exact_rows(self, ctx, q_stage: Int32, n_keys: Int32, h_kv: Int32, kv_coord: Int32,
                    scale_log2: Float32, tidx: Int32):
         """This thread's rows of O, their max and sum, recomputed on the CUDA cores in fp32
-        over all ``n_keys`` keys (Q from shared memory, K and V from global memory). Runs only
-        for a warp whose running max moved by more than REDO_MAX in one rescale (scores far
-        outside the usual range), after the tile's main loop. The four lanes sharing a row
-        split each dot product."""
+        over all ``n_keys`` keys (Q from shared memory, K and V from global memory). Runs
+        after the tile's main loop in a warp where some row's running max moved by more than
+        REDO_MAX in one rescale (scores far outside the usual range); only those rows are
+        recomputed, the others keep their values. The four lanes sharing a row split each dot
+        product."""
         acc_O_mn, row_max, row_sum, tOcO = ctx.acc_O_mn, ctx.row_max, ctx.row_sum, ctx.tOcO_mn
         n_rows = cute.size(acc_O_mn, mode=[0])
         n_cols = cute.size(acc_O_mn, mode=[1])
         quarter = self.head_dim // 4
         lane = tidx % 4
-        acc_O_mn.fill(0.0)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
+        # Only the rows whose own max moved past REDO_MAX (uniform over the four lanes of a row);
+        # the other rows of the warp keep their results (with S_q <= 8: another candidate's).
+        redo = [ctx.jump[m] > Float32(REDO_MAX) for m in range(n_rows)]
+        for m in cutlass.range_constexpr(n_rows):
+            row_max[m] = -Float32.inf if redo[m] else row_max[m]
+            row_sum[m] = Float32(0.0) if redo[m] else row_sum[m]
+            for c in cutlass.range_constexpr(n_cols):
+                acc_O_mn[m, c] = Float32(0.0) if redo[m] else acc_O_mn[m, c]
         for key in cutlass.range(n_keys, unroll=1):
             s = [Float32(0.0)] * n_rows
             for j in cutlass.range_constexpr(quarter):
@@ -748,13 +766,14 @@ class IkboAttentionFwdSm90:
                 new_max = cute.arch.fmax(row_max[m], s[m])
                 f = cute.math.exp2((row_max[m] - new_max) * scale_log2, fastmath=True)
                 p = cute.math.exp2((s[m] - new_max) * scale_log2, fastmath=True)
-                row_sum[m] = row_sum[m] * f + p
-                row_max[m] = new_max
+                row_sum[m] = row_sum[m] * f + p if redo[m] else row_sum[m]
+                row_max[m] = new_max if redo[m] else row_max[m]
                 for c in cutlass.range_constexpr(n_cols):
-                    acc_O_mn[m, c] = acc_O_mn[m, c] * f + p * v[c]
-        # The epilogue adds the row sum over the four lanes of a row.
-        if lane != 0:
-            row_sum.fill(0.0)
+                    acc_O_mn[m, c] = acc_O_mn[m, c] * f + p * v[c] if redo[m] else acc_O_mn[m, c]
+        # The epilogue adds the row sum over the four lanes of a row: a recomputed row's sum is whole
+        # in every lane.
+        for m in cutlass.range_constexpr(n_rows):
+            row_sum[m] = Float32(0.0) if redo[m] and lane != 0 else row_sum[m]
 
     @cute.jit
     def rescale_o(self, ctx, corr):
@@ -863,6 +882,16 @@ def _exp2_row(acc_S_mn, m: int, scale_log2: Float32, offset: Float32):
             p = cute.math.exp2(acc_S_mn[m, c + i] * scale_log2 - offset, fastmath=True)
             acc_S_mn[m, c + i] = p
             sums[i] = sums[i] + p
+    return (sums[0] + sums[1]) + (sums[2] + sums[3])
+
+
+def _sum_row(acc_S_mn, m: int):
+    """This thread's sum of row m of P, in _exp2_row's order (the same bits)."""
+    n_cols = cute.size(acc_S_mn, mode=[1])
+    sums = [Float32(0.0)] * 4
+    for c in range(0, n_cols, 4):
+        for i in range(4):
+            sums[i] = sums[i] + acc_S_mn[m, c + i]
     return (sums[0] + sums[1]) + (sums[2] + sums[3])
 
 

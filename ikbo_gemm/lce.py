@@ -40,7 +40,7 @@ from cute_kernels import (
     tma_ready,
 )
 
-from cute_kernels.checks import check_index_range, check_no_overlap, validation_enabled
+from cute_kernels.checks import check_index_range, check_no_overlap, check_writable, validation_enabled
 
 from .checks import check_lce_inputs, check_schedule
 from .lce_sm90 import LceSm90
@@ -124,6 +124,7 @@ def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool
         cutlass.Int32(1),  # tile_end
         cutlass.Int32(1),  # grid_size
         cutlass.Int32(1),  # wait_prior
+        cutlass.Int32(1),  # cooperative
         fake_stream(),
     )
     return compile_kernel(kernel, *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
@@ -150,6 +151,7 @@ class _Launch:
     tiles: tuple  # (tile_begin, tile_end): cluster tiles of its own tile walk
     grid: int  # CTAs
     wait_prior: int  # 1: waits for the previous grid before it starts; 0: before it ends
+    cooperative: int  # 1: its candidate tiles wait on user tiles of its own grid (all CTAs resident)
 
 
 def _spare_sm_split(cfg, device, B, U, kb_user, kb_cand):
@@ -194,7 +196,8 @@ class _Plan:
 
 def _signature(tensors) -> tuple:
     return tuple(
-        (t.dtype, t.shape, t.device, t.is_contiguous()) if isinstance(t, torch.Tensor) else type(t) for t in tensors
+        (t.dtype, t.shape, t.device, t.layout, t.is_contiguous()) if isinstance(t, torch.Tensor) else type(t)
+        for t in tensors
     )
 
 
@@ -232,8 +235,14 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
             begin = 0 if "user" in phases else user_tiles
             end = user_tiles + cand_tiles if "cand" in phases else user_tiles
             cluster = c.cluster_n * c.cluster_b
-            grid = min(max_active_clusters(device, cluster), end - begin) * cluster
-            return _Launch(_kernel(c), (b0, b1), (begin, end), grid, wait_prior)
+            clusters = min(max_active_clusters(device, cluster), end - begin)
+            if end + 2 * clusters >= 2**31:  # the kernel's tile walk is 32-bit
+                raise ValueError(
+                    f"lce: {end} cluster tiles (B {B}, U {U}, M {M}, N {N}) pass the kernel's 32-bit "
+                    f"tile index; call it on fewer candidates at a time"
+                )
+            cooperative = int(phases == ("user", "cand"))
+            return _Launch(_kernel(c), (b0, b1), (begin, end), clusters * cluster, wait_prior, cooperative)
 
         split = None
         if schedule == "fused":
@@ -295,6 +304,7 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     plan = _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule)
     if out is not None:
         check_no_overlap("out", out, _INPUT_NAMES, (w_cand, w_user, e_cand, e_user, idx))
+        check_writable("out", out)
     if validation_enabled(validate):
         check_index_range("idx", idx, e_user.shape[0], "U")
     if plan is None:
@@ -327,7 +337,16 @@ def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
     for launch in plan.launches:
         part = slice(*launch.batches)
         args = (w_c, w_u, e_c[part], e_u, idx_k[part], target[part], workspace, flags)
-        calls.append((launch.kernel, (*args, *launch.tiles, launch.grid, launch.wait_prior)))
-    for kernel, args in calls:
-        kernel(*args)
+        calls.append((launch.kernel, (*args, *launch.tiles, launch.grid, launch.wait_prior, launch.cooperative)))
+    for (kernel, args), launch in zip(calls, plan.launches):
+        try:
+            kernel(*args)
+        except Exception as e:
+            if not launch.cooperative:
+                raise
+            raise RuntimeError(
+                f"lce: the fused launch was refused ({type(e).__name__}: {e}). It needs all of its "
+                f"{launch.grid} CTAs resident at once (a cooperative launch); a green context or an MPS "
+                f"SM limit smaller than that refuses it. Call lce(..., schedule='two_launch') there."
+            ) from e
     return copy_back(out, target)

@@ -41,7 +41,10 @@ class LceSm90:
     cluster tiles reading the same e[b] run at the same time (L2 reuse). Cluster
     c of G takes cluster tiles c, c+G, ... (cute_kernels.scheduler), alternating
     between its two consumer warpgroups. Every user tile precedes every
-    candidate tile in each walk, which makes the ready-flag waits deadlock-free.
+    candidate tile in each walk, so the ready-flag waits cannot deadlock while
+    every cluster of the grid is resident: a grid that runs both phases is
+    launched cooperative (``cooperative`` 1), which guarantees that or refuses
+    the launch (a green context or an MPS limit with fewer SMs than the grid).
 
     Warp roles (384 threads, 1 CTA per SM):
       warpgroup 0, producer (setmaxnreg 24): warp 0 issues the TMA loads of each
@@ -173,6 +176,7 @@ class LceSm90:
         tile_end: Int32,
         grid_size: Int32,  # CTAs, a multiple of the cluster size
         wait_prior: Int32,  # 1: wait for the previous grid on the stream before starting; 0: at the end
+        cooperative: Int32,  # 1: every CTA resident at once, or the launch is refused (see the class)
         stream,
     ):
         # GEMM views: A = e^T (N, K, batch) N-major, B = w^T (M, K, 1) K-major,
@@ -258,6 +262,7 @@ class LceSm90:
             min_blocks_per_mp=1,
             stream=stream,
             use_pdl=True,
+            cooperative=cooperative,
         )
 
     # ---------------------------------------------------------------- device

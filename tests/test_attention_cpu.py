@@ -306,9 +306,9 @@ class _EmulatedKernels:
             if bad:
                 o.fill_(float("nan"))
                 l.fill_(float("nan"))
-            out[members] = o.to(out.dtype)
+            out.data[members] = o.to(out.dtype)  # through the pointer, as the kernel: autograd sees no write
             if lse is not None:
-                lse[members] = l
+                lse.data[members] = l
 
 
 @pytest.fixture
@@ -464,6 +464,24 @@ def test_gpu_path_size1_dims_with_any_stride(emulated):
     assert ikbo_fa.attention(odd_q, (k1, k1), idx, out=out) is out
     assert emulated.fwd_calls[-1]["out"].data_ptr() == out.data_ptr()  # a view of out, no copy
     torch.testing.assert_close(out, attention_reference(q, (k1, k1), idx), rtol=1e-2, atol=1e-2)
+
+
+def test_gpu_path_out_written_in_place_as_torch_would(emulated):
+    """The kernel writes out through its pointer: out's version counter still moves (a backward
+    that saved out raises), and out is refused where torch refuses an in-place write."""
+    q, kv, idx, _ = _gpu_path_problem(28, "kv", B=6, U=2)
+    out = torch.zeros_like(q)
+    x = torch.ones_like(q, requires_grad=True)
+    y = x * out  # saves out for backward
+    assert ikbo_fa.attention(q, kv, idx, out=out) is out
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()
+    with pytest.raises(RuntimeError, match="out is a leaf tensor that requires grad"):
+        ikbo_fa.attention(q, kv, idx, out=torch.zeros_like(q, requires_grad=True))
+    with torch.inference_mode():
+        inference_out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="out is an inference tensor"):
+        ikbo_fa.attention(q, kv, idx, out=inference_out)
 
 
 def test_gpu_path_large_sq_chunks(emulated):

@@ -166,6 +166,30 @@ def test_store_target_and_copy_back():
     assert torch.equal(copy_back(bad, target), target)
 
 
+def test_copy_back_moves_the_version_counter():
+    out = torch.zeros(2, 8).half()
+    version = out._version
+    copy_back(out, out)  # the kernel stored into out itself
+    assert out._version > version
+    version = out._version
+    copy_back(out, torch.ones(2, 16).half())
+    assert out._version > version and torch.equal(out, torch.ones(2, 8).half())
+
+
+def test_writable_check():
+    checks.check_writable("out", torch.zeros(3))
+    checks.check_writable("out", torch.zeros(3, requires_grad=True) * 2)  # not a leaf: autograd tracks it
+    with torch.no_grad():
+        checks.check_writable("out", torch.zeros(3, requires_grad=True))
+    with pytest.raises(RuntimeError, match="out is a leaf tensor that requires grad"):
+        checks.check_writable("out", torch.zeros(3, requires_grad=True))
+    with torch.inference_mode():
+        inference = torch.zeros(3)
+        checks.check_writable("out", inference)
+    with pytest.raises(RuntimeError, match="out is an inference tensor"):
+        checks.check_writable("out", inference)
+
+
 def test_no_overlap_check():
     buf = torch.randn(4, 10)
     checks.check_no_overlap("out", buf[2:], ("a", "b", "c"), (buf[:2], None, torch.randn(3)))
@@ -174,6 +198,9 @@ def test_no_overlap_check():
             checks.check_no_overlap("out", buf[2:], ("a", "b"), (buf[:2], view))
     with pytest.raises(ValueError, match="overlaps"):  # interleaved columns: refused too
         checks.check_no_overlap("out", buf[:, ::2], ("a",), (buf[:, 1::2],))
+    meta = torch.empty(4, 10, device="meta")  # no storage: every data_ptr is 0
+    checks.check_no_overlap("out", meta, ("a",), (torch.empty(3, device="meta"),))
+    checks.check_no_overlap("out", buf, ("a",), (buf.to_sparse(),))  # refused by the shape checks instead
 
 
 def test_checks_name_the_argument():

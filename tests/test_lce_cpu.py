@@ -368,7 +368,12 @@ class _EmulatedLaunches:
     def kernel(self, cfg):
         return lambda *args: self.launch(cfg, *args)
 
-    def launch(self, cfg, w_c, w_u, e_c, e_u, idx, target, workspace, flags, tile_begin, tile_end, grid, wait_prior):
+    refuse_cooperative = False
+
+    def launch(self, cfg, w_c, w_u, e_c, e_u, idx, target, workspace, flags, tile_begin, tile_end, grid, wait_prior,
+               cooperative):
+        if cooperative and self.refuse_cooperative:  # as the driver does where the grid cannot fit
+            raise RuntimeError("cudaErrorCooperativeLaunchTooLarge")
         U, M, n8 = e_u.shape[0], w_c.shape[1], e_c.shape[2]
         assert w_c.shape[0] == w_u.shape[0] == 1 and w_c.shape[2] % 8 == 0 and w_u.shape[2] % 8 == 0 and n8 % 8 == 0
         for t in (w_c, w_u, e_c, e_u, target):  # what the TMA descriptors need, size-1 dims included
@@ -376,14 +381,15 @@ class _EmulatedLaunches:
             assert t.stride(-1) == 1 and all(st % 8 == 0 for st in t.stride()[:-1]), t.stride()
         assert workspace.dtype == torch.float32 and flags.dtype == torch.int32
         user_tiles = -(-U // cfg.cluster_b) * -(-M // cfg.tile_w) * -(-n8 // (cfg.tile_n * cfg.cluster_n))
-        self.launches.append(dict(cfg=cfg, cands=idx.shape[0], tiles=(tile_begin, tile_end), wait_prior=wait_prior))
+        self.launches.append(dict(cfg=cfg, cands=idx.shape[0], tiles=(tile_begin, tile_end), wait_prior=wait_prior,
+                                  cooperative=cooperative))
         if tile_end > user_tiles:
             acc = w_c[0, :, : e_c.shape[1]].float() @ e_c.float()  # the K tail past e's rows is padding
             user = w_u[0, :, : e_u.shape[1]].float() @ e_u.float()
             valid = (idx >= 0) & (idx < U)
             acc += user[torch.where(valid, idx, 0).long()]
             acc[~valid] = float("nan")
-            target.copy_(acc)
+            target.data.copy_(acc)  # through the pointer, as the kernel: autograd sees no write
 
 
 @pytest.fixture
@@ -412,9 +418,67 @@ def test_gpu_path_split_covers_every_candidate_once(emulated, schedule):
         (main, spare) = launches
         assert main["wait_prior"] == 1 and spare["wait_prior"] == 0 and spare["cfg"].cluster_b == 1
         assert main["tiles"][0] == 0 and main["cands"] + spare["cands"] == B and 0 < spare["cands"] < B
+        # Only the grid whose candidate tiles wait on its own user tiles must be resident whole.
+        assert main["cooperative"] == 1 and spare["cooperative"] == 0
     else:
         (users, cands) = launches
         assert users["tiles"][1] == cands["tiles"][0] and users["cands"] == cands["cands"] == B
+        assert users["cooperative"] == cands["cooperative"] == 0
+
+
+def test_gpu_path_refused_fused_launch_names_the_way_out(emulated):
+    """Where the cooperative (fused) grid cannot be resident whole (a green context, an MPS SM
+    limit), the error says so and names the schedule that needs no co-residency."""
+    emulated.refuse_cooperative = True
+    args = make_inputs(64, 5, 433, 256, 7, 9, torch.float16, seed=6)
+    with pytest.raises(RuntimeError, match="schedule='two_launch'"):
+        lce(*args)
+    out = lce(*args, schedule="two_launch")
+    torch.testing.assert_close(out, lce_reference(*args), rtol=2e-3, atol=2e-3)
+
+
+def test_gpu_path_tile_index_past_32_bits_raises(emulated):
+    """The kernel walks its tiles in 32 bits: a call with more tiles is refused, not wrapped."""
+    B = 2**31 - 2
+    meta = dict(device="meta", dtype=torch.float16)
+    w, e_cand, e_user = torch.empty(1, 1, **meta), torch.empty(B, 1, 1, **meta), torch.empty(1, 1, 1, **meta)
+    with pytest.raises(ValueError, match="32-bit tile index"):
+        lce(w, w, e_cand, e_user, torch.empty(B, dtype=torch.int32, device="meta"))
+
+
+def test_dense_tensors_only_even_after_a_cached_plan():
+    args = list(make_inputs(3, 2, 5, 8, 7, 7, torch.float16))
+    lce(*args)  # the plan for these shapes is cached
+    for i, name in enumerate(("w_cand", "w_user", "e_cand", "e_user")):
+        bad = list(args)
+        bad[i] = args[i].to_sparse()
+        with pytest.raises(TypeError, match=f"{name} must be a dense"):
+            lce(*bad)
+
+
+def test_out_written_in_place_only_where_torch_allows():
+    args = make_inputs(3, 2, 5, 8, 7, 7, torch.float16)
+    with pytest.raises(RuntimeError, match="leaf tensor that requires grad"):
+        lce(*args, out=torch.zeros(3, 5, 8, dtype=torch.float16, requires_grad=True))
+    with torch.inference_mode():
+        inference_out = torch.empty(3, 5, 8, dtype=torch.float16)
+        lce(*args, out=inference_out)  # fine under inference mode
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        lce(*args, out=inference_out)
+
+
+def test_gpu_path_out_version_moves(emulated):
+    """The kernel writes out through its pointer: out's version counter still moves, so a
+    backward that saved out before the call raises instead of reading the new values."""
+    args = make_inputs(4, 2, 16, 16, 8, 8, torch.float16, seed=7)
+    out = torch.zeros(4, 16, 16, dtype=torch.float16)
+    x = torch.ones(4, 16, 16, dtype=torch.float16, requires_grad=True)
+    y = x * out  # saves out for backward
+    version = out._version
+    assert lce(*args, out=out) is out and emulated.launches[-1]["cands"] > 0
+    assert out._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()
 
 
 def test_gpu_path_pads_copies_and_stores_through_an_aligned_target(emulated):

@@ -252,6 +252,19 @@ def test_size1_dims_with_any_stride():
     assert_matches_reference(out, args)
 
 
+def test_out_version_moves():
+    """The kernel writes out through its pointer: a backward that saved out before the call
+    raises, as after any in-place write, instead of reading the new values."""
+    args = make_inputs(64, 8, 433, 256, 200, 136, F16, shuffle=True)
+    out = torch.zeros(64, 433, 256, dtype=F16, device=DEVICE)
+    x = torch.ones_like(out, requires_grad=True)
+    y = x * out  # saves out for backward
+    assert lce(**args, out=out) is out
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()
+    assert_matches_reference(out, args)
+
+
 def test_inputs_that_require_grad():
     """The output is right and its backward raises: no silently missing gradient."""
     args = make_inputs(64, 8, 433, 256, 200, 136, F16, shuffle=True)
