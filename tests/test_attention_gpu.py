@@ -247,13 +247,13 @@ def test_size1_dims_with_any_stride():
     tensors contiguous, and the launcher does not check those strides): same result."""
     B, U, S_q, H, D, L = 1, 1, 1, 2, 128, 300
     q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, 1, D, L, torch.bfloat16, jagged=False, packed=False, seed=12)
-    expected = ikbo_fa.attention(q, kv, idx)
+    expected = ikbo_fa.attention(q, kv, idx, broadcast="kv")  # B = U = 1: say which side idx picks
     odd_q = torch.empty(H, D, 1, 1, dtype=q.dtype, device="cuda").permute(2, 3, 0, 1).copy_(q)
     odd_k, odd_v = (torch.empty(U, L, D, 1, dtype=t.dtype, device="cuda").movedim(3, 2).copy_(t) for t in (k, v))
     out = torch.full((H, D, 1, 1), float("nan"), dtype=q.dtype, device="cuda").permute(2, 3, 0, 1)
     for t in (odd_q, odd_k, out):
         assert t.is_contiguous() and 1 in [st for n, st in zip(t.shape, t.stride()) if n == 1]
-    assert ikbo_fa.attention(odd_q, (odd_k, odd_v), idx, out=out) is out
+    assert ikbo_fa.attention(odd_q, (odd_k, odd_v), idx, out=out, broadcast="kv") is out
     assert torch.equal(out, expected)
 
 

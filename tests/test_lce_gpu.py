@@ -246,7 +246,7 @@ def test_size1_dims_with_any_stride():
     args = make_inputs(1, 1, 1, 256, 200, 136, F16)
     odd = {name: _unit_stride_on_dim0(t) for name, t in args.items() if name != "idx"}
     assert all(t.is_contiguous() and t.stride(0) == 1 for t in odd.values())
-    out = torch.full((256, 1, 1), float("nan"), dtype=F16, device=DEVICE).movedim(-1, 0)  # [1, 1, 256]
+    out = torch.full((256, 1, 1), float("nan"), dtype=F16, device=DEVICE).permute(1, 2, 0)  # [1, 1, 256]
     assert out.is_contiguous() and out.stride()[:2] == (1, 1)
     assert lce(**odd, idx=args["idx"], out=out) is out
     assert_matches_reference(out, args)

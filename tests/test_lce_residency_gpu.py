@@ -43,19 +43,21 @@ def close(out, ref):
 """
 
 
-def _run_child(body: str, timeout: float = 240.0) -> str:
-    """The child's last line starting with RESULT (or why there is none)."""
-    code = _COMMON + textwrap.dedent(body)
+def _run_child(body: str, directory, timeout: float = 240.0) -> str:
+    """The child's last line starting with RESULT (or why there is none). The child runs from a
+    file: the DSL compiles kernels from their source."""
+    script = directory / "child.py"
+    script.write_text(_COMMON + textwrap.dedent(body))
     env = dict(os.environ, IKBO_VALIDATE="0")
     try:
-        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"no result in {timeout:.0f} s (hung)"
     lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT")]
     return lines[-1] if lines else f"child exited {p.returncode}: {p.stderr.strip()[-1500:]}"
 
 
-def test_two_calls_on_two_streams_while_other_work_holds_sms():
+def test_two_calls_on_two_streams_while_other_work_holds_sms(tmp_path):
     """A kernel holds some SMs while two calls start on streams of different priority: the
     SMs it frees must not leave both grids part-resident (each waiting on the other)."""
     result = _run_child("""
@@ -104,11 +106,11 @@ def test_two_calls_on_two_streams_while_other_work_holds_sms():
                 break
         else:
             print("RESULT ok", flush=True)
-    """)
+    """, tmp_path)
     assert result == "RESULT ok"
 
 
-def test_green_context_with_fewer_sms():
+def test_green_context_with_fewer_sms(tmp_path):
     """In a green context of 64 SMs the fused grid cannot be resident whole: the call raises,
     naming the schedule that needs no co-residency, and that schedule gives the result."""
     result = _run_child("""
@@ -141,7 +143,7 @@ def test_green_context_with_fewer_sms():
             import os
             os._exit(3)
         print("RESULT ok" if close(out, ref) else "RESULT two_launch wrong values", flush=True)
-    """)
+    """, tmp_path)
     if result.startswith("RESULT skip"):
         pytest.skip(result[12:])
     assert result == "RESULT ok"
