@@ -66,12 +66,17 @@ def dense_unit_strides(t: torch.Tensor) -> torch.Tensor:
     gives them. torch calls a tensor contiguous whatever its size-1 dims' strides are (movedim
     and empty_like make odd ones), and the launcher does not check them, but a TMA descriptor
     takes every stride: one that is not a multiple of 16 bytes makes it invalid."""
-    strides, inner, changed = list(t.stride()), 1, False
-    for d in reversed(range(t.dim())):
-        if t.shape[d] == 1 and strides[d] != inner:
-            strides[d], changed = inner, True
-        inner = strides[d] * t.shape[d]
-    return t.as_strided(t.shape, strides) if changed else t
+    shape = t.shape
+    if 1 not in shape:
+        return t
+    strides, inner, fixed = t.stride(), 1, None
+    for d in range(len(shape) - 1, -1, -1):
+        if shape[d] != 1:
+            inner = strides[d] * shape[d]
+        elif strides[d] != inner:
+            fixed = fixed or list(strides)
+            fixed[d] = inner
+    return t if fixed is None else t.as_strided(shape, fixed)
 
 
 def store_target(out: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:

@@ -246,7 +246,9 @@ def attention(
     the fp32 log-sum-exp [B, H, S_q] (natural log). CPU tensors are evaluated
     by :func:`attention_reference`; CUDA tensors need an sm_90 GPU. ``out``
     (optional): contiguous, any alignment, sharing no memory with the inputs
-    (ValueError otherwise).
+    (ValueError otherwise); written as torch writes in place (its version counter
+    moves; a leaf that requires grad or an inference tensor outside inference mode
+    raises RuntimeError).
 
     The arguments are fully checked at the first call with a given signature
     (dtypes, shapes, strides, devices, options); later calls with the same

@@ -282,7 +282,9 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     and candidate partial sums added in fp32 and rounded once.
 
     ``out`` (optional): a contiguous [B, M, N] tensor of the operands' dtype, any
-    alignment, sharing no memory with the inputs (ValueError otherwise).
+    alignment, sharing no memory with the inputs (ValueError otherwise); written as
+    torch writes in place (its version counter moves; a leaf that requires grad or an
+    inference tensor outside inference mode raises RuntimeError).
 
     ``validate`` (default: the IKBO_VALIDATE environment variable) checks that
     every idx lies in [0, U), raising IndexError at the first bad position;
@@ -293,7 +295,9 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     tiles wait on per-tile ready flags; where its clusters leave SMs idle, a second
     launch on those SMs takes the first candidates, see ``_spare_sm_split``) or
     "two_launch" (the same kernel run over the user tiles, then over the candidate
-    tiles).
+    tiles). The fused grid waits on itself, so it is a cooperative launch: where it
+    can never be resident whole (a green context or an MPS SM limit smaller than the
+    device) the call raises RuntimeError, and "two_launch" runs there.
 
     CPU tensors run :func:`lce_reference`; a CUDA GPU other than sm_90 raises.
     No host synchronization (unless validating); CUDA-graph capturable. The
