@@ -341,10 +341,10 @@ def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
     for launch in plan.launches:
         part = slice(*launch.batches)
         args = (w_c, w_u, e_c[part], e_u, idx_k[part], target[part], workspace, flags)
-        calls.append((launch.kernel, (*args, *launch.tiles, launch.grid, launch.wait_prior, launch.cooperative)))
-    for (kernel, args), launch in zip(calls, plan.launches):
+        calls.append((launch, (*args, *launch.tiles, launch.grid, launch.wait_prior, launch.cooperative)))
+    for launch, args in calls:
         try:
-            kernel(*args)
+            launch.kernel(*args)
         except Exception as e:
             if not launch.cooperative:
                 raise
