@@ -12,7 +12,15 @@ import os
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from . import checks  # noqa: E402
-from .arch import TARGET_ARCH, cuda_sm90_available, is_sm90, max_active_clusters, require_sm90, sm_count  # noqa: E402
+from .arch import (  # noqa: E402
+    TARGET_ARCH,
+    cuda_sm90_available,
+    is_sm90,
+    max_active_clusters,
+    on_device,
+    require_sm90,
+    sm_count,
+)
 from .compile import CompiledKernel, compile_kernel, kernel_cache  # noqa: E402
 from .interop import (  # noqa: E402
     copy_back,
@@ -42,6 +50,7 @@ __all__ = [
     "kernel_cache",
     "PlanCache",
     "max_active_clusters",
+    "on_device",
     "require_sm90",
     "sm_count",
     "store_target",

@@ -1,6 +1,7 @@
 """Which devices the kernels run on, and clear errors for the others."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -13,6 +14,15 @@ def is_sm90(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def on_device(device: torch.device):
+    """A context in which ``device`` is the current CUDA device (no-op where it already is, or
+    for a CPU device). A kernel launches in the current device's context, on the current stream
+    of its first tensor's device: operands on another GPU need their own device current."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device.index)
 
 
 def cuda_sm90_available() -> bool:

@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from cute_kernels import checks
-from cute_kernels.arch import require_sm90, sm_count
+from cute_kernels.arch import on_device, require_sm90, sm_count
 from cute_kernels.interop import copy_back, forward_only, store_target, tma_ready
 from cute_kernels.plans import PlanCache
 
@@ -295,12 +295,13 @@ def attention(
             checks.check_index_range("kv_lengths", kv_lengths, plan.kv_len + 1, "L + 1")
 
     k, v = kv.unbind(2) if plan.packed else kv
-    return forward_only(
-        "ikbo_fa.attention",
-        "ikbo_fa.attention_reference",
-        lambda q, k, v: _run(plan, q, k, v, idx, kv_lengths, scale, validated, return_lse, out),
-        (q, k, v),
-    )
+    with on_device(plan.device):
+        return forward_only(
+            "ikbo_fa.attention",
+            "ikbo_fa.attention_reference",
+            lambda q, k, v: _run(plan, q, k, v, idx, kv_lengths, scale, validated, return_lse, out),
+            (q, k, v),
+        )
 
 
 def _run(plan: _Plan, q, k, v, idx, kv_lengths, scale: float, validated: bool, return_lse: bool, out):

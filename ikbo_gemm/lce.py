@@ -36,6 +36,7 @@ from cute_kernels import (
     PlanCache,
     require_sm90,
     max_active_clusters,
+    on_device,
     store_target,
     tma_ready,
 )
@@ -313,12 +314,13 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
         check_index_range("idx", idx, e_user.shape[0], "U")
     if plan is None:
         return lce_reference(w_cand, w_user, e_cand, e_user, idx, out=out, validate=False)
-    return forward_only(
-        "ikbo_gemm.lce",
-        "ikbo_gemm.lce_reference",
-        lambda wc, wu, ec, eu: _run(plan, wc, wu, ec, eu, idx, out),
-        (w_cand, w_user, e_cand, e_user),
-    )
+    with on_device(e_cand.device):
+        return forward_only(
+            "ikbo_gemm.lce",
+            "ikbo_gemm.lce_reference",
+            lambda wc, wu, ec, eu: _run(plan, wc, wu, ec, eu, idx, out),
+            (w_cand, w_user, e_cand, e_user),
+        )
 
 
 def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """CPU tests of ikbo_fa: the reference against float64 attention on materialized
 tensors, argument validation, and sm_90a compiles of every shipped kernel configuration."""
+import contextlib
 import importlib
 import math
 
@@ -335,6 +336,29 @@ def _gpu_path_problem(seed, direction, B, U, idx_dtype=torch.int32, S_q=3, L=9, 
     q, kv, k, v, idx, lengths = _problem(seed, direction=direction, B=B, U=U, S_q=S_q, H=2, H_kv=1, D=64, L=L,
                                          dtype=torch.bfloat16, jagged=jagged, packed=packed)
     return q, kv, idx.to(idx_dtype), lengths
+
+
+def test_gpu_path_launches_with_the_operands_device_current(emulated, monkeypatch):
+    """A kernel launches in the current device's context: operands on another GPU have their
+    device made current around both launches (the work list and the attention kernel)."""
+    current = []
+
+    @contextlib.contextmanager
+    def on_device(device):
+        current.append(device)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(attention_mod, "on_device", on_device)
+    seen = []
+    for name in ("fwd", "worklist"):
+        kernel = getattr(emulated, name)
+        monkeypatch.setattr(emulated, name, lambda *a, kernel=kernel, name=name: (
+            seen.append((name, list(current))), kernel(*a))[1])
+    q, kv, idx, _ = _gpu_path_problem(23, "kv", 11, 3)
+    out = ikbo_fa.attention(q, kv, idx)
+    torch.testing.assert_close(out, attention_reference(q, kv, idx), rtol=1e-2, atol=1e-2)
+    assert seen == [("worklist", [q.device]), ("fwd", [q.device])] and not current
 
 
 @pytest.mark.parametrize("direction", ["kv", "q"])

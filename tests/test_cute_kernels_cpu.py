@@ -17,6 +17,7 @@ from cute_kernels import (
     fake_tensor,
     forward_only,
     kernel_cache,
+    on_device,
     store_target,
     tma_ready,
 )
@@ -174,6 +175,16 @@ def test_copy_back_moves_the_version_counter():
     version = out._version
     copy_back(out, torch.ones(2, 16).half())
     assert out._version > version and torch.equal(out, torch.ones(2, 8).half())
+
+
+def test_on_device_makes_only_another_gpu_current(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for device in (torch.device("cpu"), torch.device("cuda", 0)):
+        with on_device(device):  # nothing to switch
+            pass
+        assert not isinstance(on_device(device), torch.cuda.device)
+    guard = on_device(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
 
 
 def test_writable_check():

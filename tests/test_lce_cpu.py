@@ -3,6 +3,7 @@ formula in float64, the input checks, and the sm_90a compile of every shipped
 kernel configuration."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 
@@ -424,6 +425,27 @@ def test_gpu_path_split_covers_every_candidate_once(emulated, schedule):
         (users, cands) = launches
         assert users["tiles"][1] == cands["tiles"][0] and users["cands"] == cands["cands"] == B
         assert users["cooperative"] == cands["cooperative"] == 0
+
+
+def test_gpu_path_launches_with_the_operands_device_current(emulated, monkeypatch):
+    """A kernel launches in the current device's context: operands on another GPU have their
+    device made current around every launch."""
+    lce_mod = importlib.import_module("ikbo_gemm.lce")
+    current = []
+
+    @contextlib.contextmanager
+    def on_device(device):
+        current.append(device)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(lce_mod, "on_device", on_device)
+    launch, seen = emulated.launch, []
+    monkeypatch.setattr(emulated, "launch", lambda *a: (seen.append(list(current)), launch(*a))[1])
+    args = make_inputs(64, 5, 433, 256, 7, 9, torch.float16, seed=4)
+    for schedule in ("fused", "two_launch"):
+        torch.testing.assert_close(lce(*args, schedule=schedule), lce_reference(*args), rtol=2e-3, atol=2e-3)
+    assert seen == [[args[2].device]] * 4 and not current
 
 
 def test_gpu_path_refused_fused_launch_names_the_way_out(emulated):
