@@ -55,7 +55,11 @@ def sm_count(device: torch.device) -> int:
 def _max_active_clusters(index: int, cluster_size: int) -> int:
     from cutlass.utils import HardwareInfo
 
-    with torch.cuda.device(index):
+    from .compile import _compile_lock
+
+    # The occupancy query compiles and loads a probe kernel, and the DSL is not thread-safe:
+    # it runs under the lock that every compile takes.
+    with _compile_lock, torch.cuda.device(index):
         return HardwareInfo(index).get_max_active_clusters(cluster_size)
 
 

@@ -3,7 +3,7 @@ shape and what was expected, and the optional index range check.
 
 The range check reads the index tensor back to the host (a synchronization),
 so it runs only when asked: ``validate=True`` on the op, or ``IKBO_VALIDATE=1``
-in the environment.
+in the environment, and never inside a CUDA-graph capture.
 """
 from __future__ import annotations
 
@@ -17,9 +17,25 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def validation_enabled(validate: Optional[bool]) -> bool:
+    """Whether to range-check the indices: ``validate`` where given (a bool), else the
+    IKBO_VALIDATE environment variable ("", "0", "false", "no", "off", "n": off). Inside a
+    CUDA-graph capture the check cannot run (it reads the indices back to the host):
+    ``validate=True`` raises there, and IKBO_VALIDATE does not apply to captured calls."""
     if validate is not None:
+        if not isinstance(validate, (bool, int)):  # a string such as "0" or "false" is truthy
+            raise TypeError(f"validate must be a bool or None, got {type(validate).__name__} {validate!r}")
+        if validate and _capturing():
+            raise RuntimeError(
+                "validate=True reads the indices back to the host, which a CUDA-graph capture forbids: "
+                "capture with validate=False (and validate the indices before, outside the capture)"
+            )
         return bool(validate)
-    return os.environ.get("IKBO_VALIDATE", "0").lower() not in ("", "0", "false", "no")
+    enabled = os.environ.get("IKBO_VALIDATE", "0").strip().lower() not in ("", "0", "false", "no", "off", "n")
+    return enabled and not _capturing()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _shape(t: torch.Tensor) -> str:

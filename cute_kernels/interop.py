@@ -121,15 +121,22 @@ class _NoBackward(torch.autograd.Function):
         )
 
 
-def forward_only(op: str, reference: str, run: Callable, inputs: Sequence) -> object:
-    """``run(*inputs)``: results computed from ``inputs`` by a kernel with no backward.
+def forward_only(op: str, reference: str, run: Callable, inputs: Sequence, out: Optional[torch.Tensor] = None):
+    """``run(*inputs, out=out)``: results computed from ``inputs`` by a kernel with no backward
+    (the first result written into ``out`` where given).
 
     When grad mode is on and an input requires grad, ``run`` gets the inputs detached and its
     results an autograd node whose backward raises (naming ``reference``, the differentiable
-    PyTorch version) instead of silently carrying no gradient to the inputs.
+    PyTorch version) instead of silently carrying no gradient to the inputs. ``out`` then takes
+    the first result by an in-place copy that autograd records, so that a tensor ``out`` is a
+    view of depends on the node too.
     """
     if torch.is_grad_enabled():  # a plain loop: this runs on every call of the ops
         for t in inputs:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                return _NoBackward.apply(op, reference, run, *inputs)
-    return run(*inputs)
+                result = _NoBackward.apply(op, reference, lambda *ts: run(*ts, out=None), *inputs)
+                if out is None:
+                    return result
+                out.copy_(result[0] if isinstance(result, tuple) else result)
+                return (out, *result[1:]) if isinstance(result, tuple) else out
+    return run(*inputs, out=out)

@@ -248,12 +248,14 @@ def attention(
     (optional): contiguous, any alignment, sharing no memory with the inputs
     (ValueError otherwise); written as torch writes in place (its version counter
     moves; a leaf that requires grad or an inference tensor outside inference mode
-    raises RuntimeError).
+    raises RuntimeError; with an autograd node, out takes the result by a recorded copy).
 
     The arguments are fully checked at the first call with a given signature
     (dtypes, shapes, strides, devices, options); later calls with the same
     signature reuse the launch plan and only check the index ranges (when
-    validating). No host synchronization otherwise; CUDA-graph capturable.
+    validating; not inside a CUDA-graph capture, where validate=True raises and
+    IKBO_VALIDATE does not apply). No host synchronization otherwise; CUDA-graph
+    capturable.
     A ``scale`` <= 0 costs one extra pass over q (see the module docstring).
     The kernel has no backward: with grad mode on and q, k or v requiring grad,
     the outputs' backward raises (use :func:`attention_reference` for gradients).
@@ -299,8 +301,9 @@ def attention(
         return forward_only(
             "ikbo_fa.attention",
             "ikbo_fa.attention_reference",
-            lambda q, k, v: _run(plan, q, k, v, idx, kv_lengths, scale, validated, return_lse, out),
+            lambda q, k, v, out: _run(plan, q, k, v, idx, kv_lengths, scale, validated, return_lse, out),
             (q, k, v),
+            out,
         )
 
 

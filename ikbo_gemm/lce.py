@@ -285,12 +285,14 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     ``out`` (optional): a contiguous [B, M, N] tensor of the operands' dtype, any
     alignment, sharing no memory with the inputs (ValueError otherwise); written as
     torch writes in place (its version counter moves; a leaf that requires grad or an
-    inference tensor outside inference mode raises RuntimeError).
+    inference tensor outside inference mode raises RuntimeError; with an autograd node,
+    out takes the result by a recorded copy).
 
     ``validate`` (default: the IKBO_VALIDATE environment variable) checks that
     every idx lies in [0, U), raising IndexError at the first bad position;
-    it synchronizes with the device. Without it an out-of-range index never
-    reads or writes outside the tensors: that candidate's output is NaN.
+    it synchronizes with the device (inside a CUDA-graph capture validate=True
+    raises and IKBO_VALIDATE does not apply). Without it an out-of-range index
+    never reads or writes outside the tensors: that candidate's output is NaN.
 
     ``schedule``: "fused" (one persistent launch: user tiles first, candidate
     tiles wait on per-tile ready flags; where its clusters leave SMs idle, a second
@@ -318,8 +320,9 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
         return forward_only(
             "ikbo_gemm.lce",
             "ikbo_gemm.lce_reference",
-            lambda wc, wu, ec, eu: _run(plan, wc, wu, ec, eu, idx, out),
+            lambda wc, wu, ec, eu, out: _run(plan, wc, wu, ec, eu, idx, out),
             (w_cand, w_user, e_cand, e_user),
+            out,
         )
 
 

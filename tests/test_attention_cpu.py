@@ -476,6 +476,21 @@ def test_gpu_path_out_alignment_overlap_and_grad(emulated):
         res.float().sum().backward()
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_gpu_path_out_view_with_grad_keeps_the_gradient_honest(emulated, return_lse):
+    """out= a view of a buffer while q requires grad: a loss read through the buffer raises
+    (naming the reference) instead of silently missing the attention term."""
+    q, kv, idx, _ = _gpu_path_problem(29, "kv", B=6, U=2)
+    expected = ikbo_fa.attention(q, kv, idx)
+    buf = torch.full((2, *q.shape), float("nan"), dtype=q.dtype)
+    q.requires_grad_(True)
+    res = ikbo_fa.attention(q, kv, idx, out=buf[1], return_lse=return_lse)
+    assert (res[0] if return_lse else res).data_ptr() == buf[1].data_ptr() and torch.equal(buf[1], expected)
+    assert buf.requires_grad
+    with pytest.raises(RuntimeError, match="ikbo_fa.attention has no backward"):
+        buf.float().sum().backward()
+
+
 def test_gpu_path_size1_dims_with_any_stride(emulated):
     """torch calls a tensor contiguous whatever the strides of its size-1 dims (movedim and
     empty_like make odd ones): the kernel still gets strides a TMA descriptor takes."""

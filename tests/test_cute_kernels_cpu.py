@@ -94,8 +94,9 @@ def test_forward_only_gives_no_silent_gradient():
     e = torch.randn(3, 4)
     seen = []
 
-    def run(w_, e_):
+    def run(w_, e_, out):
         seen.append((w_.requires_grad, w_.data_ptr() == w.data_ptr()))
+        assert out is None
         return w_ @ e_
 
     plain = forward_only("op", "op_reference", run, (w.detach(), e))
@@ -109,6 +110,31 @@ def test_forward_only_gives_no_silent_gradient():
     assert out.requires_grad and torch.allclose(out, w.detach() @ e)
     with pytest.raises(RuntimeError, match="op has no backward.*op_reference"):
         out.sum().backward()
+    assert w.grad is None
+
+
+@pytest.mark.parametrize("lse", [False, True])
+def test_forward_only_out_view_keeps_its_base_on_the_node(lse):
+    """out= a view of a buffer: a loss read through the buffer must raise, not lose the term."""
+    w = torch.randn(5, 3, requires_grad=True)
+    e = torch.randn(3, 4)
+
+    def run(w_, e_, out):
+        res = w_ @ e_
+        if out is not None:
+            out.data.copy_(res)  # as the kernels store: through the pointer
+            res = out
+        return (res, res.sum(-1)) if lse else res
+
+    for grad in (False, True):
+        buf = torch.full((3, 5, 4), float("nan"))
+        out = buf[1]
+        with torch.set_grad_enabled(grad):
+            res = forward_only("op", "op_reference", run, (w, e), out)
+        assert (res[0] if lse else res) is out and torch.allclose(buf[1], w.detach() @ e)
+        assert buf.requires_grad == grad
+    with pytest.raises(RuntimeError, match="op has no backward"):
+        buf.sum().backward()
     assert w.grad is None
 
 
@@ -242,6 +268,55 @@ def test_validation_switch(monkeypatch):
     assert not checks.validation_enabled(False)
     monkeypatch.setenv("IKBO_VALIDATE", "0")
     assert not checks.validation_enabled(None)
+    for off in (" 0", "0 ", "off", "N", "FALSE\n", ""):
+        monkeypatch.setenv("IKBO_VALIDATE", off)
+        assert not checks.validation_enabled(None), off
+    for on in ("1", " yes", "true"):
+        monkeypatch.setenv("IKBO_VALIDATE", on)
+        assert checks.validation_enabled(None), on
+    for bad in ("0", "false", 0.0):
+        with pytest.raises(TypeError, match="validate must be a bool or None"):
+            checks.validation_enabled(bad)
+
+
+def test_validation_inside_a_graph_capture(monkeypatch):
+    """The range check reads the indices back to the host, which a capture forbids: asked for
+    explicitly it raises there; switched on by the environment it does not apply."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setenv("IKBO_VALIDATE", "1")
+    assert not checks.validation_enabled(None) and not checks.validation_enabled(False)
+    with pytest.raises(RuntimeError, match="validate=True .* CUDA-graph capture"):
+        checks.validation_enabled(True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert checks.validation_enabled(None) and checks.validation_enabled(True)
+
+
+def test_occupancy_query_holds_the_compile_lock(monkeypatch):
+    """The occupancy query compiles a probe kernel; the DSL is not thread-safe."""
+    import contextlib
+
+    import cutlass.utils
+
+    from cute_kernels import arch
+
+    held = []
+
+    class FakeHardwareInfo:
+        def __init__(self, index):
+            pass
+
+        def get_max_active_clusters(self, size):
+            held.append(compile_mod._compile_lock._is_owned())
+            return 120 // size
+
+    monkeypatch.setattr(cutlass.utils, "HardwareInfo", FakeHardwareInfo)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    arch._max_active_clusters.cache_clear()
+    try:
+        assert arch._max_active_clusters(7, 8) == 15 and held == [True]
+    finally:
+        arch._max_active_clusters.cache_clear()
 
 
 def _never():

@@ -503,6 +503,21 @@ def test_gpu_path_out_version_moves(emulated):
         y.float().sum().backward()
 
 
+def test_gpu_path_out_view_with_grad_keeps_the_gradient_honest(emulated):
+    """out= a view of a buffer while an input requires grad: a loss read through the buffer
+    raises (naming the reference) instead of silently missing the lce term."""
+    args = make_inputs(4, 2, 16, 16, 8, 8, torch.float16, seed=8)
+    expected = lce_reference(*args)
+    buf = torch.full((2, 4, 16, 16), float("nan"), dtype=torch.float16)
+    args[0].requires_grad_(True)
+    assert lce(*args, out=buf[1]).data_ptr() == buf[1].data_ptr()
+    torch.testing.assert_close(buf[1], expected, rtol=2e-3, atol=2e-3)
+    assert buf.requires_grad
+    with pytest.raises(RuntimeError, match="ikbo_gemm.lce has no backward"):
+        buf.float().sum().backward()
+    assert args[0].grad is None
+
+
 def test_gpu_path_pads_copies_and_stores_through_an_aligned_target(emulated):
     """Odd N and K, strided and misaligned inputs, int64 idx, a misaligned out: the operands the
     kernel gets are padded, contiguous and aligned, and out holds the exact result."""

@@ -304,6 +304,29 @@ def test_cuda_graph_capture(schedule):
         assert_matches_reference(out, fresh)
 
 
+def test_validation_inside_a_graph_capture(monkeypatch):
+    """The range check cannot run in a capture: IKBO_VALIDATE does not apply to captured calls,
+    validate=True raises a clear error, and eager calls stay validated."""
+    monkeypatch.setenv("IKBO_VALIDATE", "1")
+    args = make_inputs(256, 10, 433, 256, 1184, 872, F16, shuffle=True, seed=4)
+    out = poisoned(256, 433, 256, F16)
+    lce(**args, out=out)  # eager and validated; compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lce(**args, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_reference(out, args)
+    with pytest.raises(RuntimeError, match="validate=True .* CUDA-graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            lce(**args, out=out, validate=True)
+    bad = dict(args, idx=args["idx"].clone())
+    bad["idx"][7] = 10**6
+    with pytest.raises(IndexError, match=r"idx\[7\]"):
+        lce(**bad)
+
+
 def test_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
     """A process that finds the kernels on disk loads them instead of compiling; the loaded
     kernels compute exactly what the compiled ones did."""
