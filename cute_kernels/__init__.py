@@ -1,7 +1,7 @@
 """Shared CuTeDSL machinery: compile cache, architecture checks, torch interop
 (fake tensors, TMA-ready operands and store targets, the forward-only autograd
-guard), launch-plan cache, persistent tile scheduling and small synchronization
-helpers.
+guard, torch.library registration for torch.compile), launch-plan cache,
+persistent tile scheduling and small synchronization helpers.
 
 Nothing here knows about IKBO; the kernels in ``ikbo_gemm`` and ``ikbo_fa`` build on it.
 """
@@ -29,6 +29,8 @@ from .interop import (  # noqa: E402
     fake_stream,
     fake_tensor,
     forward_only,
+    into_out,
+    library_op,
     store_target,
     tma_ready,
 )
@@ -46,6 +48,8 @@ __all__ = [
     "fake_stream",
     "fake_tensor",
     "forward_only",
+    "into_out",
+    "library_op",
     "is_sm90",
     "kernel_cache",
     "PlanCache",

@@ -104,6 +104,14 @@ def fake_stream():
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
+def _no_backward(op: str, reference: str) -> RuntimeError:
+    return RuntimeError(
+        f"{op} has no backward: it is an inference kernel. For gradients call "
+        f"{reference} (same signature); for inference, run it under torch.no_grad() "
+        f"or torch.inference_mode()."
+    )
+
+
 class _NoBackward(torch.autograd.Function):
     """An autograd node for a kernel's results whose backward raises."""
 
@@ -114,11 +122,36 @@ class _NoBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError(
-            f"{ctx.op} has no backward: it is an inference kernel. For gradients call "
-            f"{ctx.reference} (same signature); for inference, run it under torch.no_grad() "
-            f"or torch.inference_mode()."
-        )
+        raise _no_backward(ctx.op, ctx.reference)
+
+
+def into_out(out: Optional[torch.Tensor], result):
+    """``result`` (an op's tensor, or tuple of tensors whose first is the output) with its output
+    copied into ``out`` where given, by an in-place copy that autograd records."""
+    if out is None:
+        return result
+    if isinstance(result, tuple):
+        out.copy_(result[0])
+        return (out, *result[1:])
+    out.copy_(result)
+    return out
+
+
+def library_op(name: str, op: str, reference: str, fake: Callable):
+    """Register the decorated function as the torch.library op ``name``: torch.compile traces
+    it as one node whose outputs ``fake`` describes (from fake tensors), and its backward raises,
+    naming ``reference``, as :func:`forward_only`'s does."""
+
+    def backward(ctx, *grads):
+        raise _no_backward(op, reference)
+
+    def register(fn: Callable):
+        library = torch.library.custom_op(name, mutates_args=())(fn)
+        library.register_fake(fake)
+        library.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
+        return library
+
+    return register
 
 
 def forward_only(op: str, reference: str, run: Callable, inputs: Sequence, out: Optional[torch.Tensor] = None):
@@ -134,9 +167,5 @@ def forward_only(op: str, reference: str, run: Callable, inputs: Sequence, out: 
     if torch.is_grad_enabled():  # a plain loop: this runs on every call of the ops
         for t in inputs:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                result = _NoBackward.apply(op, reference, lambda *ts: run(*ts, out=None), *inputs)
-                if out is None:
-                    return result
-                out.copy_(result[0] if isinstance(result, tuple) else result)
-                return (out, *result[1:]) if isinstance(result, tuple) else out
+                return into_out(out, _NoBackward.apply(op, reference, lambda *ts: run(*ts, out=None), *inputs))
     return run(*inputs, out=out)

@@ -42,7 +42,7 @@ import torch
 
 from cute_kernels import checks
 from cute_kernels.arch import on_device, require_sm90, sm_count
-from cute_kernels.interop import copy_back, forward_only, store_target, tma_ready
+from cute_kernels.interop import copy_back, forward_only, into_out, library_op, store_target, tma_ready
 from cute_kernels.plans import PlanCache
 
 from .worklist import kv_worklist, max_tiles_per_head
@@ -255,11 +255,17 @@ def attention(
     signature reuse the launch plan and only check the index ranges (when
     validating; not inside a CUDA-graph capture, where validate=True raises and
     IKBO_VALIDATE does not apply). No host synchronization otherwise; CUDA-graph
-    capturable.
+    capturable. Under torch.compile a call is traced as one node,
+    ``torch.ops.ikbo_fa.attention`` (``out`` is then filled by a copy of its result).
     A ``scale`` <= 0 costs one extra pass over q (see the module docstring).
     The kernel has no backward: with grad mode on and q, k or v requiring grad,
     the outputs' backward raises (use :func:`attention_reference` for gradients).
     """
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: the registered op (one node), out= filled by a copy.
+        kv_list = [kv] if isinstance(kv, torch.Tensor) else list(kv) if isinstance(kv, (tuple, list)) else kv
+        o, lse = torch.ops.ikbo_fa.attention(q, kv_list, idx, scale, kv_lengths, broadcast, return_lse, validate)
+        return into_out(out, (o, lse) if return_lse else o)
     if isinstance(out, torch.Tensor):
         k_v = (kv,) if isinstance(kv, torch.Tensor) else tuple(kv) if isinstance(kv, (tuple, list)) else ()
         names = ("q", "kv") if len(k_v) == 1 else ("q", "k", "v")
@@ -305,6 +311,31 @@ def attention(
             (q, k, v),
             out,
         )
+
+
+def _attention_shapes(q, kv, idx, scale=None, kv_lengths=None, broadcast=None, return_lse=False, validate=None):
+    p = resolve_problem(q, kv[0] if len(kv) == 1 else tuple(kv), idx, scale=scale, kv_lengths=kv_lengths,
+                        broadcast=broadcast, out=None, validate=False, op="attention")
+    lse_shape = (p.batch, p.heads, p.s_q) if return_lse else (0,)
+    return q.new_empty((p.batch, p.s_q, p.heads, p.head_dim)), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@library_op("ikbo_fa::attention", "ikbo_fa.attention", "ikbo_fa.attention_reference", _attention_shapes)
+def _attention_op(
+    q: torch.Tensor,
+    kv: list[torch.Tensor],
+    idx: torch.Tensor,
+    scale: Optional[float] = None,
+    kv_lengths: Optional[torch.Tensor] = None,
+    broadcast: Optional[str] = None,
+    return_lse: bool = False,
+    validate: Optional[bool] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.ikbo_fa.attention``: what torch.compile traces a call of :func:`attention` as.
+    ``kv`` is [packed kv] or [k, v]; without ``return_lse`` the second result is empty."""
+    res = attention(q, kv[0] if len(kv) == 1 else tuple(kv), idx, scale=scale, kv_lengths=kv_lengths,
+                    broadcast=broadcast, return_lse=return_lse, validate=validate)
+    return res if return_lse else (res, q.new_empty((0,), dtype=torch.float32))
 
 
 def _run(plan: _Plan, q, k, v, idx, kv_lengths, scale: float, validated: bool, return_lse: bool, out):

@@ -20,6 +20,7 @@ user tiles may each pass 2^31 elements.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import cutlass
 import torch
@@ -32,7 +33,9 @@ from cute_kernels import (
     fake_stream,
     fake_tensor,
     forward_only,
+    into_out,
     kernel_cache,
+    library_op,
     PlanCache,
     require_sm90,
     max_active_clusters,
@@ -302,11 +305,17 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     can never be resident whole (a green context or an MPS SM limit smaller than the
     device) the call raises RuntimeError, and "two_launch" runs there.
 
+    Under torch.compile a call is traced as one node, ``torch.ops.ikbo_gemm.lce``
+    (``out`` is then filled by a copy of its result).
+
     CPU tensors run :func:`lce_reference`; a CUDA GPU other than sm_90 raises.
     No host synchronization (unless validating); CUDA-graph capturable. The
     kernel has no backward: with grad mode on and an operand that requires
     grad, the output's backward raises (use :func:`lce_reference` for gradients).
     """
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: the registered op (one node), out= filled by a copy.
+        return into_out(out, torch.ops.ikbo_gemm.lce(w_cand, w_user, e_cand, e_user, idx, validate, schedule))
     check_schedule(schedule)
     plan = _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule)
     if out is not None:
@@ -324,6 +333,26 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
             (w_cand, w_user, e_cand, e_user),
             out,
         )
+
+
+def _lce_shape(w_cand, w_user, e_cand, e_user, idx, validate=None, schedule="fused"):
+    check_schedule(schedule)
+    B, _, M, N, _, _ = check_lce_inputs(w_cand, w_user, e_cand, e_user, idx, None, False)
+    return e_cand.new_empty((B, M, N))
+
+
+@library_op("ikbo_gemm::lce", "ikbo_gemm.lce", "ikbo_gemm.lce_reference", _lce_shape)
+def _lce_op(
+    w_cand: torch.Tensor,
+    w_user: torch.Tensor,
+    e_cand: torch.Tensor,
+    e_user: torch.Tensor,
+    idx: torch.Tensor,
+    validate: Optional[bool] = None,
+    schedule: str = "fused",
+) -> torch.Tensor:
+    """``torch.ops.ikbo_gemm.lce``: what torch.compile traces a call of :func:`lce` as."""
+    return lce(w_cand, w_user, e_cand, e_user, idx, validate=validate, schedule=schedule)
 
 
 def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""Both ops under torch.compile: each call is traced as one registered torch.library op.
+
+On CPU the registered ops run the references; what is checked here is the registration
+(schema, shapes from fake tensors, no graph break, out=, the raising backward), which is
+the same on the GPU (tests/test_torch_compile_gpu.py runs the kernels).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import ikbo_fa
+import ikbo_gemm
+from attention_inputs import random_problem
+
+
+def lce_inputs(B, U, M=5, N=12, K_cand=7, K_user=9, idx_dtype=torch.int32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        (torch.randn(M, K_cand, generator=g) / 4).half(),
+        (torch.randn(M, K_user, generator=g) / 4).half(),
+        torch.randn(B, K_cand, N, generator=g).half(),
+        torch.randn(U, K_user, N, generator=g).half(),
+        torch.randint(0, U, (B,), generator=g).to(idx_dtype),
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_lce_library_op_passes_opcheck(idx_dtype):
+    args = lce_inputs(6, 2, N=13, idx_dtype=idx_dtype)
+    torch.library.opcheck(torch.ops.ikbo_gemm.lce.default, args)
+    torch.library.opcheck(torch.ops.ikbo_gemm.lce.default, args, dict(schedule="two_launch"))
+
+
+@pytest.mark.parametrize("packed, lengths, lse", [(False, False, False), (True, True, True), (False, True, True)])
+@pytest.mark.parametrize("direction", ["kv", "q"])
+def test_attention_library_op_passes_opcheck(packed, lengths, lse, direction):
+    q, kv, _, _, idx, kvl = random_problem(1, direction, 6, 2, 3, 2, 1, 64, 9, torch.bfloat16, packed=packed,
+                                           jagged=lengths)
+    kv_list = [kv] if packed else list(kv)
+    torch.library.opcheck(torch.ops.ikbo_fa.attention.default, (q, kv_list, idx),
+                          dict(kv_lengths=kvl, return_lse=lse))
+
+
+def test_lce_compiles_whole_with_dynamic_batch_and_out():
+    """fullgraph: no graph break; dynamic: one graph for every batch size; out= filled."""
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def model(w_cand, w_user, e_cand, e_user, idx, out=None):
+        return ikbo_gemm.lce(w_cand, w_user, e_cand, e_user, idx, out=out).float().relu()
+
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for B, seed in ((6, 1), (11, 2), (3, 3)):
+        args = lce_inputs(B, 2, seed=seed)
+        torch.testing.assert_close(compiled(*args), ikbo_gemm.lce_reference(*args).float().relu())
+        out = torch.full((B, 5, 12), float("nan"), dtype=torch.float16)
+        compiled(*args, out=out)
+        torch.testing.assert_close(out, ikbo_gemm.lce_reference(*args))
+    assert counter.frame_count == 2  # with and without out=, each for every batch size
+    assert all("ikbo_gemm.lce" in str(g.graph) for g in counter.graphs)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_compiles_whole(packed):
+    counter = CompileCounterWithBackend("aot_eager")
+    q, kv, _, _, idx, kvl = random_problem(2, "kv", 6, 2, 3, 2, 1, 64, 9, torch.bfloat16, packed=packed,
+                                           jagged=True)
+
+    def model(q, kv, idx, kvl, out=None):
+        o, lse = ikbo_fa.attention(q, kv, idx, kv_lengths=kvl, return_lse=True, out=out)
+        return o * 2, lse
+
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    ref_o, ref_lse = ikbo_fa.attention_reference(q, kv, idx, kv_lengths=kvl, return_lse=True)
+    o, lse = compiled(q, kv, idx, kvl)
+    torch.testing.assert_close(o, ref_o * 2)
+    torch.testing.assert_close(lse, ref_lse)
+    out = torch.full_like(ref_o, float("nan"))
+    compiled(q, kv, idx, kvl, out=out)
+    torch.testing.assert_close(out, ref_o)
+    assert counter.frame_count == 2 and all("ikbo_fa.attention" in str(g.graph) for g in counter.graphs)
+    o = torch.compile(lambda q, kv, idx: ikbo_fa.attention(q, kv, idx), fullgraph=True, backend="aot_eager")(q, kv, idx)
+    torch.testing.assert_close(o, ikbo_fa.attention_reference(q, kv, idx))
+
+
+@pytest.mark.filterwarnings("ignore:Error detected in")
+def test_compiled_backward_raises_naming_the_reference():
+    args = list(lce_inputs(6, 2))
+    args[0].requires_grad_(True)
+    compiled = torch.compile(lambda *a: ikbo_gemm.lce(*a).sum(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="ikbo_gemm.lce has no backward.*lce_reference"):
+        compiled(*args).backward()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*args), ikbo_gemm.lce_reference(*args).sum())
+
+
+def test_compiled_bad_shapes_name_the_argument():
+    args = list(lce_inputs(6, 2))
+    args[2] = args[2][:, :5]  # K_cand 5, w_cand has 7
+    compiled = torch.compile(ikbo_gemm.lce, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"e_cand has shape \[6, 5, 12\]"):
+        compiled(*args)
