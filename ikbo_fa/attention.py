@@ -17,9 +17,11 @@ broadcast, B for Q broadcast): only the first ``kv_lengths[r]`` keys of row r
 take part. A length of 0 gives output 0 and log-sum-exp -inf. With
 validation on, lengths outside [0, L] raise; with it off they are clamped.
 
-``scale`` defaults to 1/sqrt(D); any finite value is accepted. The kernel needs
-scale > 0, so a scale <= 0 runs it on -q (or on zeros for 0) with |scale| (or 1):
-the same scores, for one extra pass over q.
+``scale`` defaults to 1/sqrt(D); any finite value is accepted whose product with
+log2(e) fits in float32 (ValueError past it). The kernel needs scale > 0, so a
+scale <= 0 runs it on -q (or on zeros for 0) with |scale| (or 1): the same scores,
+for one extra pass over q. A |scale| * log2(e) below float32's normal range runs
+as scale 0 (the scaled scores round to 0 there).
 
 Speed depends on the scores only in one extreme: a query row whose scaled scores
 in some block of 128 keys exceed every score processed before them by more than
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from typing import Optional
 
@@ -150,10 +153,7 @@ def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, 
     if out is not None:
         checks.check_output("out", out, (batch, s_q, heads, head_dim), q.dtype, q.device)
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(scale, (int, float)) or not math.isfinite(float(scale)):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _check_scale(scale)
 
     p = Problem(q=q, k=k, v=v, idx=idx, kv_lengths=kv_lengths, direction=direction, batch=batch,
                 kv_batch=kv_batch, s_q=s_q, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -166,8 +166,26 @@ def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, 
     return p
 
 
+def _check_scale(scale) -> float:
+    """``scale`` as a float: a finite real whose product with log2(e) fits in float32 (the
+    kernel takes it in float32)."""
+    value = math.nan
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        try:
+            value = float(scale)
+        except OverflowError:  # an int past float's range
+            pass
+    if not math.isfinite(value):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    if abs(value) * _LOG2E > _F32_MAX:
+        raise ValueError(f"scale {scale!r} is outside float32's range: |scale| * log2(e) must be <= {_F32_MAX:g}")
+    return value
+
+
 # ------------------------------------------------------------------ launch plan
 _LOG2E = 1.4426950408889634
+_F32_MIN_NORMAL = 2.0**-126
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,10 +303,11 @@ def attention(
         plan = _make_plan(q, kv, idx, scale, kv_lengths, broadcast, return_lse, out)
         if key is not None:
             _plans.keep(key, plan)
-    if scale is None:
-        scale = plan.default_scale
-    elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    scale = plan.default_scale if scale is None else _check_scale(scale)
+    if abs(scale) * _LOG2E < _F32_MIN_NORMAL:
+        # The kernel takes scale * log2(e) in float32: below its normal range that is 0 (or
+        # flushed), and exp2(-inf * 0) is NaN. Every scaled score is 0 there: run it as scale 0.
+        scale = 0.0
     if scale <= 0.0:
         # The kernel takes each row's running max over the raw scores, so it needs scale > 0:
         # softmax(scale Q K^T) = softmax(-scale (-Q) K^T), and scale 0 is Q = 0 with scale 1.

@@ -608,6 +608,12 @@ class IkboAttentionFwdSm90:
         ctx.pipe_k.consumer_release(kv_state)
         self.mask_keys(ctx, acc_S, n_cols)
         self.online_softmax(ctx, acc_S, scale_log2, first=True)
+        if const_expr(self.cfg.overlap):
+            # A row with no finite score in this block (every valid key -inf: an inf in K or an
+            # overflowed q.k) has no running max for softmax_stale_max to exponentiate against:
+            # recompute it exactly at the end of the tile.
+            for m in cutlass.range_constexpr(cute.size(ctx.row_max, mode=[0])):
+                ctx.jump[m] = Float32.inf if ctx.row_max[m] == -Float32.inf else ctx.jump[m]
         self.convert_p(ctx, acc_S)
         if const_expr(self.cfg.has_kv_lengths):
             ctx.pipe_v.consumer_wait(kv_state)
@@ -764,8 +770,10 @@ class IkboAttentionFwdSm90:
                 s[m] = s[m] + cute.arch.shuffle_sync_bfly(s[m], offset=1)
                 s[m] = s[m] + cute.arch.shuffle_sync_bfly(s[m], offset=2)
                 new_max = cute.arch.fmax(row_max[m], s[m])
-                f = cute.math.exp2((row_max[m] - new_max) * scale_log2, fastmath=True)
-                p = cute.math.exp2((s[m] - new_max) * scale_log2, fastmath=True)
+                # No finite score yet (new_max -inf): nothing to rescale, and this key weighs 0.
+                none = new_max == -Float32.inf
+                f = Float32(1.0) if none else cute.math.exp2((row_max[m] - new_max) * scale_log2, fastmath=True)
+                p = Float32(0.0) if none else cute.math.exp2((s[m] - new_max) * scale_log2, fastmath=True)
                 row_sum[m] = row_sum[m] * f + p if redo[m] else row_sum[m]
                 row_max[m] = new_max if redo[m] else row_max[m]
                 for c in cutlass.range_constexpr(n_cols):

@@ -361,6 +361,26 @@ def test_gpu_path_launches_with_the_operands_device_current(emulated, monkeypatc
     assert seen == [("worklist", [q.device]), ("fwd", [q.device])] and not current
 
 
+def test_gpu_path_scale_values(emulated):
+    """Any finite scale whose product with log2(e) fits in float32; below float32's normal range
+    the kernel runs as scale 0 (q zeroed, scale 1), where exp2(-inf * 0) would be NaN."""
+    q, kv, idx, _ = _gpu_path_problem(30, "kv", 6, 2)
+    for tiny in (1e-300, -1e-300, 1e-45):
+        out = ikbo_fa.attention(q, kv, idx, scale=tiny)
+        call = emulated.fwd_calls[-1]
+        assert call["scale"] == 1.0 and not call["q"].any()
+        torch.testing.assert_close(out, attention_reference(q, kv, idx, scale=0.0), rtol=1e-2, atol=1e-2)
+    for op in (ikbo_fa.attention, attention_reference):
+        with pytest.raises(ValueError, match="outside float32's range"):
+            op(q, kv, idx, scale=1e39)
+        for bad in (10**400, float("inf"), True, "0.1"):
+            with pytest.raises(TypeError, match="scale must be a finite float"):
+                op(q, kv, idx, scale=bad)
+    np = pytest.importorskip("numpy")
+    torch.testing.assert_close(ikbo_fa.attention(q, kv, idx, scale=np.float32(0.25)),
+                               attention_reference(q, kv, idx, scale=0.25), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("direction", ["kv", "q"])
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("use_kernel_worklist", [True, False])

@@ -224,6 +224,40 @@ def test_scale_zero_negative_and_large(scale):
     assert err <= 1.5 * sdpa_err + 1e-6, (err, sdpa_err)
 
 
+@pytest.mark.parametrize("scale", [1e-300, -1e-300, 1e-45])
+def test_scale_below_float32_normal_range(scale):
+    """scale * log2(e) under float32's normal range: the scaled scores are 0 (O = mean of V)."""
+    B, U, S_q, H, D, L = 300, 5, 64, 2, 128, 300
+    q, kv, k, v, idx, lengths = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=True, packed=False,
+                                      seed=9)
+    out = ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, scale=scale)
+    qm, km, vm, lm = materialize(q, k, v, idx, "kv", lengths)
+    ref, _ = _attention_fp32(qm, km, vm, 0.0, lm)
+    assert torch.isfinite(out).all() and _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("L, inf_keys", [(300, None), (257, (0, 256)), (257, (256,)), (700, (5, 640))])
+def test_scores_of_minus_inf_on_valid_keys(L, inf_keys):
+    """An inf in K (or q.k overflowing fp32) gives keys a score of -inf: they weigh 0, and a row
+    whose keys all score -inf gives 0 and lse -inf, as in the reference; other users unaffected."""
+    B, U, S_q, H, D = 48, 3, 64, 2, 128
+    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=10)
+    q[..., 0] = q[..., 0].abs() + 0.5  # so that +inf in k[..., 0] scores +inf, -inf scores -inf
+    if inf_keys is None:
+        k[0, :, :, 0] = float("-inf")
+    else:
+        for j in inf_keys:
+            k[0, j, :, 0] = float("-inf")
+    out, lse = ikbo_fa.attention(q, (k, v), idx, return_lse=True)
+    ref, ref_lse = ikbo_fa.attention_reference(q, (k, v), idx, return_lse=True)
+    assert torch.isfinite(ref).all()
+    assert torch.isfinite(out).all() and _rel(out, ref.float()) < 1e-2
+    if inf_keys is None:
+        assert (out[idx == 0] == 0).all() and torch.isneginf(lse[idx == 0]).all()
+    keep = torch.isfinite(ref_lse)
+    assert torch.equal(keep, torch.isfinite(lse)) and torch.allclose(lse[keep], ref_lse[keep], atol=1e-3)
+
+
 def test_unsorted_equals_sorted():
     B, U, S_q, H, D, L = 1000, 16, 64, 2, 128, 333
     q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=6)
