@@ -60,7 +60,26 @@ def _max_active_clusters(index: int, cluster_size: int) -> int:
     # The occupancy query compiles and loads a probe kernel, and the DSL is not thread-safe:
     # it runs under the lock that every compile takes.
     with _compile_lock, torch.cuda.device(index):
+        _primary_context_current(index)
         return HardwareInfo(index).get_max_active_clusters(cluster_size)
+
+
+def _primary_context_current(index: int) -> None:
+    """Make the device's primary context current in this thread where none is. The occupancy
+    query calls the driver API, which needs one; a thread that has made no CUDA runtime call
+    yet has none (the runtime makes the primary context current at its first call)."""
+    from cuda.bindings import driver
+
+    err, ctx = driver.cuCtxGetCurrent()
+    if err == driver.CUresult.CUDA_SUCCESS and int(ctx) != 0:
+        return
+    err, device = driver.cuDeviceGet(index)
+    if err == driver.CUresult.CUDA_SUCCESS:
+        err, ctx = driver.cuDevicePrimaryCtxRetain(device)
+    if err == driver.CUresult.CUDA_SUCCESS:
+        (err,) = driver.cuCtxSetCurrent(ctx)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cannot make the primary CUDA context of device {index} current: {err}")
 
 
 def max_active_clusters(device: torch.device, cluster_size: int) -> int:

@@ -292,6 +292,32 @@ def test_validation_inside_a_graph_capture(monkeypatch):
     assert checks.validation_enabled(None) and checks.validation_enabled(True)
 
 
+def test_occupancy_query_makes_a_context_current(monkeypatch):
+    """A thread that has made no CUDA runtime call has no current context; the occupancy query
+    (driver API) then runs in the device's primary context, as the runtime would."""
+    import types
+
+    import cuda.bindings
+
+    from cute_kernels import arch
+
+    ok = types.SimpleNamespace(CUDA_SUCCESS=0)
+    calls = []
+    current = {"ctx": 0}
+    fake = types.SimpleNamespace(
+        CUresult=ok,
+        cuCtxGetCurrent=lambda: (0, current["ctx"]),
+        cuDeviceGet=lambda i: calls.append(("get", i)) or (0, 100 + i),
+        cuDevicePrimaryCtxRetain=lambda d: calls.append(("retain", d)) or (0, 7000 + d),
+        cuCtxSetCurrent=lambda c: calls.append(("set", c)) or current.update(ctx=c) or (0,),
+    )
+    monkeypatch.setattr(cuda.bindings, "driver", fake)
+    arch._primary_context_current(1)
+    assert calls == [("get", 1), ("retain", 101), ("set", 7101)]
+    arch._primary_context_current(1)  # one is current now: nothing to do
+    assert len(calls) == 3
+
+
 def test_occupancy_query_holds_the_compile_lock(monkeypatch):
     """The occupancy query compiles a probe kernel; the DSL is not thread-safe."""
     import contextlib
@@ -312,6 +338,7 @@ def test_occupancy_query_holds_the_compile_lock(monkeypatch):
 
     monkeypatch.setattr(cutlass.utils, "HardwareInfo", FakeHardwareInfo)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(arch, "_primary_context_current", lambda index: None)
     arch._max_active_clusters.cache_clear()
     try:
         assert arch._max_active_clusters(7, 8) == 15 and held == [True]
