@@ -1,3 +1,4 @@
+import contextlib
 import os
 import tempfile
 import time
@@ -59,3 +60,22 @@ def cpu_timing(monkeypatch):
     monkeypatch.setattr(harness, "bench_interleaved", cpu_bench_interleaved)
     monkeypatch.setattr(harness, "bench_graph_interleaved", lambda fns, **k: {
         n: (0.5 * v if isinstance(v, float) else None) for n, v in cpu_bench_interleaved(fns, **k).items()})
+
+
+@pytest.fixture
+def devices_made_current(monkeypatch):
+    """``patch(module)`` replaces the module's ``on_device`` with a recorder and returns the
+    stack of devices made current (empty outside the op's guard)."""
+    current = []
+
+    @contextlib.contextmanager
+    def on_device(device):
+        current.append(device)
+        yield
+        current.pop()
+
+    def patch(module):
+        monkeypatch.setattr(module, "on_device", on_device)
+        return current
+
+    return patch

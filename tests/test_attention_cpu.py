@@ -1,6 +1,5 @@
 """CPU tests of ikbo_fa: the reference against float64 attention on materialized
 tensors, argument validation, and sm_90a compiles of every shipped kernel configuration."""
-import contextlib
 import importlib
 import math
 
@@ -338,18 +337,10 @@ def _gpu_path_problem(seed, direction, B, U, idx_dtype=torch.int32, S_q=3, L=9, 
     return q, kv, idx.to(idx_dtype), lengths
 
 
-def test_gpu_path_launches_with_the_operands_device_current(emulated, monkeypatch):
+def test_gpu_path_launches_with_the_operands_device_current(emulated, monkeypatch, devices_made_current):
     """A kernel launches in the current device's context: operands on another GPU have their
     device made current around both launches (the work list and the attention kernel)."""
-    current = []
-
-    @contextlib.contextmanager
-    def on_device(device):
-        current.append(device)
-        yield
-        current.pop()
-
-    monkeypatch.setattr(attention_mod, "on_device", on_device)
+    current = devices_made_current(attention_mod)
     seen = []
     for name in ("fwd", "worklist"):
         kernel = getattr(emulated, name)

@@ -3,7 +3,6 @@ formula in float64, the input checks, and the sm_90a compile of every shipped
 kernel configuration."""
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
 
@@ -427,19 +426,10 @@ def test_gpu_path_split_covers_every_candidate_once(emulated, schedule):
         assert users["cooperative"] == cands["cooperative"] == 0
 
 
-def test_gpu_path_launches_with_the_operands_device_current(emulated, monkeypatch):
+def test_gpu_path_launches_with_the_operands_device_current(emulated, monkeypatch, devices_made_current):
     """A kernel launches in the current device's context: operands on another GPU have their
     device made current around every launch."""
-    lce_mod = importlib.import_module("ikbo_gemm.lce")
-    current = []
-
-    @contextlib.contextmanager
-    def on_device(device):
-        current.append(device)
-        yield
-        current.pop()
-
-    monkeypatch.setattr(lce_mod, "on_device", on_device)
+    current = devices_made_current(importlib.import_module("ikbo_gemm.lce"))
     launch, seen = emulated.launch, []
     monkeypatch.setattr(emulated, "launch", lambda *a: (seen.append(list(current)), launch(*a))[1])
     args = make_inputs(64, 5, 433, 256, 7, 9, torch.float16, seed=4)
