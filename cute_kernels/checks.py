@@ -169,3 +169,10 @@ def check_writable(name: str, out: torch.Tensor) -> None:
         raise RuntimeError(f"{name} is a leaf tensor that requires grad: it cannot be written in place")
     if out.is_inference() and not torch.is_inference_mode_enabled():
         raise RuntimeError(f"{name} is an inference tensor: it can be written only under torch.inference_mode()")
+
+
+def check_out_target(out_name: str, out: torch.Tensor, names: Iterable[str], tensors: Iterable) -> None:
+    """``out`` may take a kernel's stores: it shares no memory with the inputs
+    (:func:`check_no_overlap`) and torch would let it be written in place (:func:`check_writable`)."""
+    check_no_overlap(out_name, out, names, tensors)
+    check_writable(out_name, out)

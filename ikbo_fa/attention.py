@@ -79,6 +79,16 @@ class Problem:
         return self.kv_batch if self.direction == "kv" else self.q.shape[0]
 
 
+def _kv_list(kv) -> list:
+    """kv's tensors: [packed kv] or [k, v] (empty for what is neither; the checks name it)."""
+    return [kv] if isinstance(kv, torch.Tensor) else list(kv) if isinstance(kv, (tuple, list)) else []
+
+
+def _kv_arg(kv_list: list):
+    """The ``kv`` argument that :func:`_kv_list` took apart."""
+    return kv_list[0] if len(kv_list) == 1 else tuple(kv_list)
+
+
 def _split_kv(kv):
     if isinstance(kv, torch.Tensor):
         checks.check_tensor("kv", kv, ndim=5, dtypes=_REFERENCE_DTYPES, layout="[batch, L, 2, H_kv, D]")
@@ -281,14 +291,12 @@ def attention(
     """
     if torch.compiler.is_compiling():
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
-        kv_list = [kv] if isinstance(kv, torch.Tensor) else list(kv) if isinstance(kv, (tuple, list)) else kv
-        o, lse = torch.ops.ikbo_fa.attention(q, kv_list, idx, scale, kv_lengths, broadcast, return_lse, validate)
+        o, lse = torch.ops.ikbo_fa.attention(q, _kv_list(kv), idx, scale, kv_lengths, broadcast, return_lse, validate)
         return into_out(out, (o, lse) if return_lse else o)
     if isinstance(out, torch.Tensor):
-        k_v = (kv,) if isinstance(kv, torch.Tensor) else tuple(kv) if isinstance(kv, (tuple, list)) else ()
+        k_v = _kv_list(kv)
         names = ("q", "kv") if len(k_v) == 1 else ("q", "k", "v")
-        checks.check_no_overlap("out", out, (*names, "idx", "kv_lengths"), (q, *k_v, idx, kv_lengths))
-        checks.check_writable("out", out)
+        checks.check_out_target("out", out, (*names, "idx", "kv_lengths"), (q, *k_v, idx, kv_lengths))
     if not _on_gpu(q):
         from .reference import attention_reference
 
@@ -333,7 +341,7 @@ def attention(
 
 
 def _attention_shapes(q, kv, idx, scale=None, kv_lengths=None, broadcast=None, return_lse=False, validate=None):
-    p = resolve_problem(q, kv[0] if len(kv) == 1 else tuple(kv), idx, scale=scale, kv_lengths=kv_lengths,
+    p = resolve_problem(q, _kv_arg(kv), idx, scale=scale, kv_lengths=kv_lengths,
                         broadcast=broadcast, out=None, validate=False, op="attention")
     lse_shape = (p.batch, p.heads, p.s_q) if return_lse else (0,)
     return q.new_empty((p.batch, p.s_q, p.heads, p.head_dim)), q.new_empty(lse_shape, dtype=torch.float32)
@@ -352,7 +360,7 @@ def _attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.ikbo_fa.attention``: what torch.compile traces a call of :func:`attention` as.
     ``kv`` is [packed kv] or [k, v]; without ``return_lse`` the second result is empty."""
-    res = attention(q, kv[0] if len(kv) == 1 else tuple(kv), idx, scale=scale, kv_lengths=kv_lengths,
+    res = attention(q, _kv_arg(kv), idx, scale=scale, kv_lengths=kv_lengths,
                     broadcast=broadcast, return_lse=return_lse, validate=validate)
     return res if return_lse else (res, q.new_empty((0,), dtype=torch.float32))
 

@@ -44,7 +44,7 @@ from cute_kernels import (
     tma_ready,
 )
 
-from cute_kernels.checks import check_index_range, check_no_overlap, check_writable, validation_enabled
+from cute_kernels.checks import check_index_range, check_out_target, validation_enabled
 
 from .checks import check_lce_inputs, check_schedule
 from .lce_sm90 import LceSm90
@@ -319,8 +319,7 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     check_schedule(schedule)
     plan = _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule)
     if out is not None:
-        check_no_overlap("out", out, _INPUT_NAMES, (w_cand, w_user, e_cand, e_user, idx))
-        check_writable("out", out)
+        check_out_target("out", out, _INPUT_NAMES, (w_cand, w_user, e_cand, e_user, idx))
     if validation_enabled(validate):
         check_index_range("idx", idx, e_user.shape[0], "U")
     if plan is None:

@@ -240,6 +240,15 @@ def test_no_overlap_check():
     checks.check_no_overlap("out", buf, ("a",), (buf.to_sparse(),))  # refused by the shape checks instead
 
 
+def test_out_target_check_is_both_checks():
+    buf = torch.zeros(8)
+    checks.check_out_target("out", buf[4:], ("a",), (buf[:4],))
+    with pytest.raises(ValueError, match="out overlaps a"):
+        checks.check_out_target("out", buf[3:], ("a",), (buf[:4],))
+    with pytest.raises(RuntimeError, match="out is a leaf tensor that requires grad"):
+        checks.check_out_target("out", torch.zeros(3, requires_grad=True), ("a",), (buf,))
+
+
 def test_checks_name_the_argument():
     x = torch.randn(2, 3)
     with pytest.raises(TypeError, match="w must be float16 or bfloat16, got float32"):
