@@ -24,17 +24,18 @@ def validation_enabled(validate: Optional[bool]) -> bool:
     if validate is not None:
         if not isinstance(validate, (bool, int)):  # a string such as "0" or "false" is truthy
             raise TypeError(f"validate must be a bool or None, got {type(validate).__name__} {validate!r}")
-        if validate and _capturing():
+        if validate and capturing():
             raise RuntimeError(
                 "validate=True reads the indices back to the host, which a CUDA-graph capture forbids: "
                 "capture with validate=False (and validate the indices before, outside the capture)"
             )
         return bool(validate)
     enabled = os.environ.get("IKBO_VALIDATE", "0").strip().lower() not in ("", "0", "false", "no", "off", "n")
-    return enabled and not _capturing()
+    return enabled and not capturing()
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 

@@ -20,6 +20,7 @@ user tiles may each pass 2^31 elements.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Optional
 
 import cutlass
@@ -44,7 +45,7 @@ from cute_kernels import (
     tma_ready,
 )
 
-from cute_kernels.checks import check_index_range, check_out_target, validation_enabled
+from cute_kernels.checks import capturing, check_index_range, check_out_target, validation_enabled
 
 from .checks import check_lce_inputs, check_schedule
 from .lce_sm90 import LceSm90
@@ -303,7 +304,9 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     "two_launch" (the same kernel run over the user tiles, then over the candidate
     tiles). The fused grid waits on itself, so it is a cooperative launch: where it
     can never be resident whole (a green context or an MPS SM limit smaller than the
-    device) the call raises RuntimeError, and "two_launch" runs there.
+    device) the driver refuses it, and the call runs "two_launch" instead (a
+    RuntimeWarning once per process; inside a CUDA-graph capture it raises
+    RuntimeError: capture with schedule="two_launch" there).
 
     Under torch.compile a call is traced as one node, ``torch.ops.ikbo_gemm.lce``
     (``out`` is then filled by a copy of its result).
@@ -368,22 +371,43 @@ def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
     target = store_target(out, (*plan.out_shape[:2], n8))
     workspace = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
     flags = torch.zeros(plan.n_flags, dtype=torch.int32, device=device)
+    args = (w_c, w_u, e_c, e_u, idx_k, target, workspace, flags)
+    if not _launch_all(plan.launches, args):
+        # The fused grid was refused before anything ran (the flags are still zero): the
+        # launches that wait on nothing within their grid give the same result.
+        _launch_all(_plan(w_cand, w_user, e_cand, e_user, idx, None, "two_launch").launches, args)
+    return copy_back(out, target)
+
+
+_warned_refused = False
+
+
+def _launch_all(launches, args) -> bool:
+    """Issue every launch of a plan; False where the driver refused the cooperative (fused)
+    grid because it can never be resident whole (a green context, an MPS SM limit)."""
+    global _warned_refused
     # Every launch's arguments first: a second launch (the spare SMs') can start only once the
     # host has issued it, so nothing else runs on the host between the launches.
+    w_c, w_u, e_c, e_u, idx, target, workspace, flags = args
     calls = []
-    for launch in plan.launches:
+    for launch in launches:
         part = slice(*launch.batches)
-        args = (w_c, w_u, e_c[part], e_u, idx_k[part], target[part], workspace, flags)
-        calls.append((launch, (*args, *launch.tiles, launch.grid, launch.wait_prior, launch.cooperative)))
-    for launch, args in calls:
+        per_launch = (w_c, w_u, e_c[part], e_u, idx[part], target[part], workspace, flags)
+        calls.append((launch, (*per_launch, *launch.tiles, launch.grid, launch.wait_prior, launch.cooperative)))
+    for launch, call_args in calls:
         try:
-            launch.kernel(*args)
+            launch.kernel(*call_args)
         except Exception as e:
             if not launch.cooperative:
                 raise
-            raise RuntimeError(
-                f"lce: the fused launch was refused ({type(e).__name__}: {e}). It needs all of its "
-                f"{launch.grid} CTAs resident at once (a cooperative launch); a green context or an MPS "
-                f"SM limit smaller than that refuses it. Call lce(..., schedule='two_launch') there."
-            ) from e
-    return copy_back(out, target)
+            why = (f"the fused launch was refused ({type(e).__name__}: {e}). It needs all of its "
+                   f"{launch.grid} CTAs resident at once (a cooperative launch); a green context or an MPS "
+                   f"SM limit smaller than that refuses it.")
+            if capturing():
+                raise RuntimeError(f"lce: {why} Capture lce(..., schedule='two_launch') there.") from e
+            if not _warned_refused:
+                _warned_refused = True
+                warnings.warn(f"lce: {why} Running schedule='two_launch' instead; pass it to skip the "
+                              f"refused attempt on each call.", RuntimeWarning, stacklevel=2)
+            return False
+    return True

@@ -4,6 +4,7 @@ kernel configuration."""
 from __future__ import annotations
 
 import importlib
+import warnings
 import math
 
 import cutlass
@@ -438,15 +439,36 @@ def test_gpu_path_launches_with_the_operands_device_current(emulated, monkeypatc
     assert seen == [[args[2].device]] * 4 and not current
 
 
-def test_gpu_path_refused_fused_launch_names_the_way_out(emulated):
+def test_gpu_path_refused_fused_launch_runs_two_launch(emulated, monkeypatch):
     """Where the cooperative (fused) grid cannot be resident whole (a green context, an MPS SM
-    limit), the error says so and names the schedule that needs no co-residency."""
+    limit), the driver refuses it before anything runs: the call warns once, naming the cause
+    and the schedule that needs no co-residency, and runs that schedule."""
+    lce_mod = importlib.import_module("ikbo_gemm.lce")
+    monkeypatch.setattr(lce_mod, "_warned_refused", False)
     emulated.refuse_cooperative = True
     args = make_inputs(64, 5, 433, 256, 7, 9, torch.float16, seed=6)
-    with pytest.raises(RuntimeError, match="schedule='two_launch'"):
-        lce(*args)
-    out = lce(*args, schedule="two_launch")
+    out = torch.full((64, 433, 256), float("nan"), dtype=torch.float16)
+    with pytest.warns(RuntimeWarning, match="refused.*schedule='two_launch'"):
+        assert lce(*args, out=out) is out
     torch.testing.assert_close(out, lce_reference(*args), rtol=2e-3, atol=2e-3)
+    (users, cands) = emulated.launches
+    assert users["cooperative"] == cands["cooperative"] == 0 and users["cands"] == cands["cands"] == 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        torch.testing.assert_close(lce(*args), lce_reference(*args), rtol=2e-3, atol=2e-3)
+    assert len(emulated.launches) == 4
+
+
+def test_gpu_path_refused_fused_launch_in_a_capture_raises(emulated, monkeypatch):
+    """Inside a CUDA-graph capture the refusal raises, naming the schedule to capture instead."""
+    lce_mod = importlib.import_module("ikbo_gemm.lce")
+    monkeypatch.setattr(lce_mod, "capturing", lambda: True)
+    emulated.refuse_cooperative = True
+    args = make_inputs(64, 5, 433, 256, 7, 9, torch.float16, seed=7)
+    with pytest.raises(RuntimeError, match="refused.*schedule='two_launch'"):
+        lce(*args, validate=False)
+    assert emulated.launches == []
+    torch.testing.assert_close(lce(*args, schedule="two_launch"), lce_reference(*args), rtol=2e-3, atol=2e-3)
 
 
 def test_gpu_path_tile_index_past_32_bits_raises(emulated):

@@ -111,9 +111,11 @@ def test_two_calls_on_two_streams_while_other_work_holds_sms(tmp_path):
 
 
 def test_green_context_with_fewer_sms(tmp_path):
-    """In a green context of 64 SMs the fused grid cannot be resident whole: the call raises,
-    naming the schedule that needs no co-residency, and that schedule gives the result."""
+    """In a green context of 64 SMs the fused grid cannot be resident whole: the driver refuses
+    it, and the call warns and runs the schedule that needs no co-residency. Inside a graph
+    capture the refusal raises, and that schedule captures and replays."""
     result = _run_child("""
+        import warnings
         gc = getattr(torch.cuda, "green_contexts", None)
         if gc is None or not getattr(gc, "SUPPORTED", False):
             print("RESULT skip: no green contexts in this torch", flush=True)
@@ -124,25 +126,49 @@ def test_green_context_with_fewer_sms(tmp_path):
         torch.cuda.synchronize()
         ctx = gc.GreenContext.create(num_sms=64, device_id=0)
         (getattr(ctx, "set_context", None) or ctx.make_current)()
-        try:
-            lce(**args)
+
+        def check(out, what):
             event = torch.cuda.Event()
             event.record()
-            print("RESULT " + ("ran" if finished([event]) else "hang"), flush=True)
-            import os
-            os._exit(3)
-        except RuntimeError as e:
-            if "schedule='two_launch'" not in str(e):
-                print(f"RESULT unclear error: {e}", flush=True)
+            if not finished([event]):
+                print(f"RESULT {what}: hang", flush=True)
+                import os
+                os._exit(3)
+            if not close(out, ref):
+                print(f"RESULT {what}: wrong values", flush=True)
                 raise SystemExit
-        out = lce(**args, schedule="two_launch")
-        event = torch.cuda.Event()
-        event.record()
-        if not finished([event]):
-            print("RESULT two_launch hang", flush=True)
-            import os
-            os._exit(3)
-        print("RESULT ok" if close(out, ref) else "RESULT two_launch wrong values", flush=True)
+
+        for call in range(2):
+            out = torch.full_like(ref, float("nan"), dtype=torch.float16)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                lce(**args, out=out)
+            warned = [w for w in seen if "schedule='two_launch'" in str(w.message)]
+            if len(warned) != (call == 0):
+                print(f"RESULT call {call}: {len(warned)} warnings: {[str(w.message) for w in seen]}", flush=True)
+                raise SystemExit
+            check(out, f"fallback call {call}")
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph, out = torch.cuda.CUDAGraph(), torch.full_like(ref, float("nan"), dtype=torch.float16)
+        with torch.cuda.stream(stream):
+            try:
+                with torch.cuda.graph(graph, stream=stream):
+                    lce(**args, out=out)
+                print("RESULT fused captured in the green context", flush=True)
+                raise SystemExit
+            except RuntimeError as e:
+                if "schedule='two_launch'" not in str(e):
+                    print(f"RESULT unclear error in capture: {e}", flush=True)
+                    raise SystemExit
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                lce(**args, out=out, schedule="two_launch")
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        check(out, "captured two_launch")
+        print("RESULT ok", flush=True)
     """, tmp_path)
     if result.startswith("RESULT skip"):
         pytest.skip(result[12:])
