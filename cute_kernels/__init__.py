@@ -14,6 +14,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from . import checks  # noqa: E402
 from .arch import (  # noqa: E402
     TARGET_ARCH,
+    context_sm_count,
     cuda_sm90_available,
     is_sm90,
     max_active_clusters,
@@ -41,6 +42,7 @@ __all__ = [
     "TARGET_ARCH",
     "CompiledKernel",
     "compile_kernel",
+    "context_sm_count",
     "copy_back",
     "cuda_sm90_available",
     "cutlass_dtype",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Optional
 
 import torch
 
@@ -80,6 +81,23 @@ def _primary_context_current(index: int) -> None:
         (err,) = driver.cuCtxSetCurrent(ctx)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cannot make the primary CUDA context of device {index} current: {err}")
+
+
+def context_sm_count() -> Optional[int]:
+    """SMs that the current CUDA context may use: a green context's share, else the device's.
+    None where the driver cannot say (no current context, a driver without the query)."""
+    try:
+        from cuda.bindings import driver
+
+        err, ctx = driver.cuCtxGetCurrent()
+        if err != driver.CUresult.CUDA_SUCCESS or int(ctx) == 0:
+            return None
+        err, resource = driver.cuCtxGetDevResource(ctx, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return None
+        return int(resource.sm.smCount)
+    except Exception:  # noqa: BLE001 - an older cuda-python or driver: unknown
+        return None
 
 
 def max_active_clusters(device: torch.device, cluster_size: int) -> int:

@@ -29,6 +29,7 @@ import torch
 from cute_kernels import (
     CompiledKernel,
     compile_kernel,
+    context_sm_count,
     copy_back,
     cutlass_dtype,
     fake_stream,
@@ -40,6 +41,7 @@ from cute_kernels import (
     PlanCache,
     require_sm90,
     max_active_clusters,
+    sm_count,
     on_device,
     store_target,
     tma_ready,
@@ -305,8 +307,10 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     tiles). The fused grid waits on itself, so it is a cooperative launch: where it
     can never be resident whole (a green context or an MPS SM limit smaller than the
     device) the driver refuses it, and the call runs "two_launch" instead (a
-    RuntimeWarning once per process; inside a CUDA-graph capture it raises
-    RuntimeError: capture with schedule="two_launch" there).
+    RuntimeWarning once per process). A CUDA-graph capture records the launch
+    without that check, so there the op captures "two_launch" where the current
+    context has fewer SMs than the device (a green context); under an MPS SM
+    limit, capture with schedule="two_launch".
 
     Under torch.compile a call is traced as one node, ``torch.ops.ikbo_gemm.lce``
     (``out`` is then filled by a copy of its result).
@@ -372,23 +376,48 @@ def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
     workspace = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
     flags = torch.zeros(plan.n_flags, dtype=torch.int32, device=device)
     args = (w_c, w_u, e_c, e_u, idx_k, target, workspace, flags)
-    if not _launch_all(plan.launches, args):
+    launches = plan.launches
+    if capturing() and _fused_cannot_fit(launches, device):
+        launches = _two_launch(w_cand, w_user, e_cand, e_user, idx)
+    if not _launch_all(launches, args):
         # The fused grid was refused before anything ran (the flags are still zero): the
         # launches that wait on nothing within their grid give the same result.
-        _launch_all(_plan(w_cand, w_user, e_cand, e_user, idx, None, "two_launch").launches, args)
+        _launch_all(_two_launch(w_cand, w_user, e_cand, e_user, idx), args)
     return copy_back(out, target)
 
 
-_warned_refused = False
+_warned_fallback = False
+
+
+def _two_launch(w_cand, w_user, e_cand, e_user, idx) -> tuple:
+    """The launches of schedule "two_launch" (the same tile, workspace and flags as "fused"),
+    run where the fused grid cannot be resident whole; warns once per process."""
+    global _warned_fallback
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(
+            "lce: the fused grid cannot be resident whole here (a green context or an MPS SM limit with "
+            "fewer SMs than the device): running schedule='two_launch' instead; pass it to skip the check.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return _plan(w_cand, w_user, e_cand, e_user, idx, None, "two_launch").launches
+
+
+def _fused_cannot_fit(launches, device) -> bool:
+    """Inside a capture the driver records a cooperative launch without checking that it fits
+    (replayed in a green context of fewer SMs it hangs), so the op checks the context itself:
+    a fused grid is captured only where the context has every SM of the device."""
+    sms = context_sm_count()
+    return any(launch.cooperative for launch in launches) and sms is not None and sms < sm_count(device)
 
 
 def _launch_all(launches, args) -> bool:
     """Issue every launch of a plan; False where the driver refused the cooperative (fused)
     grid because it can never be resident whole (a green context, an MPS SM limit)."""
-    global _warned_refused
+    w_c, w_u, e_c, e_u, idx, target, workspace, flags = args
     # Every launch's arguments first: a second launch (the spare SMs') can start only once the
     # host has issued it, so nothing else runs on the host between the launches.
-    w_c, w_u, e_c, e_u, idx, target, workspace, flags = args
     calls = []
     for launch in launches:
         part = slice(*launch.batches)
@@ -400,14 +429,11 @@ def _launch_all(launches, args) -> bool:
         except Exception as e:
             if not launch.cooperative:
                 raise
-            why = (f"the fused launch was refused ({type(e).__name__}: {e}). It needs all of its "
-                   f"{launch.grid} CTAs resident at once (a cooperative launch); a green context or an MPS "
-                   f"SM limit smaller than that refuses it.")
             if capturing():
-                raise RuntimeError(f"lce: {why} Capture lce(..., schedule='two_launch') there.") from e
-            if not _warned_refused:
-                _warned_refused = True
-                warnings.warn(f"lce: {why} Running schedule='two_launch' instead; pass it to skip the "
-                              f"refused attempt on each call.", RuntimeWarning, stacklevel=2)
+                raise RuntimeError(
+                    f"lce: the fused launch was refused ({type(e).__name__}: {e}). It needs all of its "
+                    f"{launch.grid} CTAs resident at once (a cooperative launch), which this context cannot "
+                    f"give. Capture lce(..., schedule='two_launch') there."
+                ) from e
             return False
     return True

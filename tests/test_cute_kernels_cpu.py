@@ -327,6 +327,35 @@ def test_occupancy_query_makes_a_context_current(monkeypatch):
     assert len(calls) == 3
 
 
+def test_context_sm_count(monkeypatch):
+    """The SMs of the current context (a green context's share) from the driver; None where
+    there is no current context or the driver cannot say."""
+    import types
+
+    import cuda.bindings
+
+    from cute_kernels import arch
+
+    state = {"ctx": 5, "err": 0}
+    fake = types.SimpleNamespace(
+        CUresult=types.SimpleNamespace(CUDA_SUCCESS=0),
+        CUdevResourceType=types.SimpleNamespace(CU_DEV_RESOURCE_TYPE_SM=1),
+        cuCtxGetCurrent=lambda: (0, state["ctx"]),
+        cuCtxGetDevResource=lambda ctx, kind: (
+            state["err"], types.SimpleNamespace(sm=types.SimpleNamespace(smCount=64 if ctx == 5 and kind == 1 else 0))
+        ),
+    )
+    monkeypatch.setattr(cuda.bindings, "driver", fake)
+    assert arch.context_sm_count() == 64
+    state["err"] = 3
+    assert arch.context_sm_count() is None
+    state.update(err=0, ctx=0)
+    assert arch.context_sm_count() is None
+    del fake.cuCtxGetDevResource  # a cuda-python without the query
+    state["ctx"] = 5
+    assert arch.context_sm_count() is None
+
+
 def test_occupancy_query_holds_the_compile_lock(monkeypatch):
     """The occupancy query compiles a probe kernel; the DSL is not thread-safe."""
     import contextlib

@@ -444,11 +444,11 @@ def test_gpu_path_refused_fused_launch_runs_two_launch(emulated, monkeypatch):
     limit), the driver refuses it before anything runs: the call warns once, naming the cause
     and the schedule that needs no co-residency, and runs that schedule."""
     lce_mod = importlib.import_module("ikbo_gemm.lce")
-    monkeypatch.setattr(lce_mod, "_warned_refused", False)
+    monkeypatch.setattr(lce_mod, "_warned_fallback", False)
     emulated.refuse_cooperative = True
     args = make_inputs(64, 5, 433, 256, 7, 9, torch.float16, seed=6)
     out = torch.full((64, 433, 256), float("nan"), dtype=torch.float16)
-    with pytest.warns(RuntimeWarning, match="refused.*schedule='two_launch'"):
+    with pytest.warns(RuntimeWarning, match="cannot be resident whole.*schedule='two_launch'"):
         assert lce(*args, out=out) is out
     torch.testing.assert_close(out, lce_reference(*args), rtol=2e-3, atol=2e-3)
     (users, cands) = emulated.launches
@@ -459,10 +459,32 @@ def test_gpu_path_refused_fused_launch_runs_two_launch(emulated, monkeypatch):
     assert len(emulated.launches) == 4
 
 
-def test_gpu_path_refused_fused_launch_in_a_capture_raises(emulated, monkeypatch):
-    """Inside a CUDA-graph capture the refusal raises, naming the schedule to capture instead."""
+@pytest.mark.parametrize("context_sms", [None, 132, 64])
+def test_gpu_path_capture_checks_the_contexts_sms(emulated, monkeypatch, context_sms):
+    """A capture records a cooperative launch without the driver's check, so the op checks the
+    current context: with fewer SMs than the device (a green context) it captures two_launch."""
     lce_mod = importlib.import_module("ikbo_gemm.lce")
     monkeypatch.setattr(lce_mod, "capturing", lambda: True)
+    monkeypatch.setattr(lce_mod, "context_sm_count", lambda: context_sms)
+    monkeypatch.setattr(lce_mod, "sm_count", lambda device: 132)
+    monkeypatch.setattr(lce_mod, "_warned_fallback", False)
+    args = make_inputs(64, 5, 433, 256, 7, 9, torch.float16, seed=7)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(lce(*args, validate=False), lce_reference(*args), rtol=2e-3, atol=2e-3)
+    cooperative = [launch["cooperative"] for launch in emulated.launches]
+    if context_sms == 64:
+        assert cooperative == [0, 0] and len(seen) == 1 and "two_launch" in str(seen[0].message)
+    else:  # the whole device, or a driver that cannot say: the fused grid and the spare launch
+        assert cooperative == [1, 0] and not seen
+
+
+def test_gpu_path_refused_fused_launch_in_a_capture_raises(emulated, monkeypatch):
+    """Should a driver refuse the fused grid inside a capture, the call raises, naming the
+    schedule to capture instead."""
+    lce_mod = importlib.import_module("ikbo_gemm.lce")
+    monkeypatch.setattr(lce_mod, "capturing", lambda: True)
+    monkeypatch.setattr(lce_mod, "context_sm_count", lambda: None)
     emulated.refuse_cooperative = True
     args = make_inputs(64, 5, 433, 256, 7, 9, torch.float16, seed=7)
     with pytest.raises(RuntimeError, match="refused.*schedule='two_launch'"):

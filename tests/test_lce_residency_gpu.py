@@ -57,10 +57,13 @@ def _run_child(body: str, directory, timeout: float = 240.0) -> str:
     return lines[-1] if lines else f"child exited {p.returncode}: {p.stderr.strip()[-1500:]}"
 
 
-def test_two_calls_on_two_streams_while_other_work_holds_sms(tmp_path):
-    """A kernel holds some SMs while two calls start on streams of different priority: the
-    SMs it frees must not leave both grids part-resident (each waiting on the other)."""
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_two_calls_on_two_streams_while_other_work_holds_sms(tmp_path, mode):
+    """A kernel holds some SMs while two calls start on streams of different priority, each
+    called or replayed from a CUDA graph: the SMs it frees must not leave both grids
+    part-resident (each waiting on the other)."""
     result = _run_child("""
+        MODE = "<mode>"
         import cutlass.cute as cute
         from cutlass import Int32, Int64
         from cute_kernels import compile_kernel, fake_stream, fake_tensor
@@ -80,6 +83,15 @@ def test_two_calls_on_two_streams_while_other_work_holds_sms(tmp_path):
         dummy = torch.zeros(4, dtype=torch.int32, device="cuda")
         (a1, ref1), (a2, ref2) = problem(1), problem(2)
         out1, out2 = lce(**a1), lce(**a2)  # compiled and planned outside the experiment
+        g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        if MODE == "graph":
+            capture = torch.cuda.Stream()
+            capture.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(capture):
+                for graph, args, out in ((g1, a1, out1), (g2, a2, out2)):
+                    with torch.cuda.graph(graph, stream=capture):
+                        lce(**args, out=out)
+            torch.cuda.current_stream().wait_stream(capture)
         torch.cuda.synchronize()
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         low, high, side = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-100), torch.cuda.Stream()
@@ -92,9 +104,9 @@ def test_two_calls_on_two_streams_while_other_work_holds_sms(tmp_path):
                 hog(dummy, 300_000_000, held)
             time.sleep(0.03)  # the hog is resident
             events = []
-            for stream, args, out in ((low, a1, out1), (high, a2, out2)):
+            for stream, args, out, graph in ((low, a1, out1, g1), (high, a2, out2, g2)):
                 with torch.cuda.stream(stream):
-                    lce(**args, out=out)
+                    graph.replay() if MODE == "graph" else lce(**args, out=out)
                     events.append(torch.cuda.Event())
                     events[-1].record()
             if not finished(events):
@@ -106,14 +118,14 @@ def test_two_calls_on_two_streams_while_other_work_holds_sms(tmp_path):
                 break
         else:
             print("RESULT ok", flush=True)
-    """, tmp_path)
+    """.replace("<mode>", mode), tmp_path)
     assert result == "RESULT ok"
 
 
 def test_green_context_with_fewer_sms(tmp_path):
     """In a green context of 64 SMs the fused grid cannot be resident whole: the driver refuses
-    it, and the call warns and runs the schedule that needs no co-residency. Inside a graph
-    capture the refusal raises, and that schedule captures and replays."""
+    it, and the call warns and runs the schedule that needs no co-residency; a graph captured
+    there holds that schedule and replays."""
     result = _run_child("""
         import warnings
         gc = getattr(torch.cuda, "green_contexts", None)
@@ -149,25 +161,16 @@ def test_green_context_with_fewer_sms(tmp_path):
                 raise SystemExit
             check(out, f"fallback call {call}")
 
+        # A capture records the cooperative launch unchecked (a fused graph replayed here would
+        # hang): the op captures the launches that need no co-residency.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         graph, out = torch.cuda.CUDAGraph(), torch.full_like(ref, float("nan"), dtype=torch.float16)
-        with torch.cuda.stream(stream):
-            try:
-                with torch.cuda.graph(graph, stream=stream):
-                    lce(**args, out=out)
-                print("RESULT fused captured in the green context", flush=True)
-                raise SystemExit
-            except RuntimeError as e:
-                if "schedule='two_launch'" not in str(e):
-                    print(f"RESULT unclear error in capture: {e}", flush=True)
-                    raise SystemExit
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                lce(**args, out=out, schedule="two_launch")
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            lce(**args, out=out)
         torch.cuda.current_stream().wait_stream(stream)
         graph.replay()
-        check(out, "captured two_launch")
+        check(out, "captured call")
         print("RESULT ok", flush=True)
     """, tmp_path)
     if result.startswith("RESULT skip"):
