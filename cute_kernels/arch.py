@@ -60,27 +60,29 @@ def _max_active_clusters(index: int, cluster_size: int) -> int:
 
     # The occupancy query compiles and loads a probe kernel, and the DSL is not thread-safe:
     # it runs under the lock that every compile takes.
-    with _compile_lock, torch.cuda.device(index):
-        _primary_context_current(index)
+    with _compile_lock, torch.cuda.device(index), _primary_context(index):
         return HardwareInfo(index).get_max_active_clusters(cluster_size)
 
 
-def _primary_context_current(index: int) -> None:
-    """Make the device's primary context current in this thread where none is. The occupancy
-    query calls the driver API, which needs one; a thread that has made no CUDA runtime call
-    yet has none (the runtime makes the primary context current at its first call)."""
+@contextlib.contextmanager
+def _primary_context(index: int):
+    """The device's primary context pushed as the current one. The occupancy query reports
+    for the current context: a green context's share of the SMs, or nothing in a thread that
+    has made no CUDA runtime call yet (it has no current context). Launch plans are made per
+    device, so they are sized for the whole device, whatever context is current."""
     from cuda.bindings import driver
 
-    err, ctx = driver.cuCtxGetCurrent()
-    if err == driver.CUresult.CUDA_SUCCESS and int(ctx) != 0:
-        return
     err, device = driver.cuDeviceGet(index)
     if err == driver.CUresult.CUDA_SUCCESS:
         err, ctx = driver.cuDevicePrimaryCtxRetain(device)
     if err == driver.CUresult.CUDA_SUCCESS:
-        (err,) = driver.cuCtxSetCurrent(ctx)
+        (err,) = driver.cuCtxPushCurrent(ctx)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cannot make the primary CUDA context of device {index} current: {err}")
+    try:
+        yield
+    finally:
+        driver.cuCtxPopCurrent()
 
 
 def context_sm_count() -> Optional[int]:

@@ -301,30 +301,36 @@ def test_validation_inside_a_graph_capture(monkeypatch):
     assert checks.validation_enabled(None) and checks.validation_enabled(True)
 
 
-def test_occupancy_query_makes_a_context_current(monkeypatch):
-    """A thread that has made no CUDA runtime call has no current context; the occupancy query
-    (driver API) then runs in the device's primary context, as the runtime would."""
+def test_occupancy_query_runs_in_the_primary_context(monkeypatch):
+    """The occupancy query reports for the current context: it runs with the device's primary
+    context pushed (a thread that has made no CUDA runtime call has none current, a green
+    context has fewer SMs), and the context current before is restored after it."""
     import types
 
     import cuda.bindings
 
     from cute_kernels import arch
 
-    ok = types.SimpleNamespace(CUDA_SUCCESS=0)
     calls = []
-    current = {"ctx": 0}
+    stack = ["green"]
     fake = types.SimpleNamespace(
-        CUresult=ok,
-        cuCtxGetCurrent=lambda: (0, current["ctx"]),
+        CUresult=types.SimpleNamespace(CUDA_SUCCESS=0),
         cuDeviceGet=lambda i: calls.append(("get", i)) or (0, 100 + i),
         cuDevicePrimaryCtxRetain=lambda d: calls.append(("retain", d)) or (0, 7000 + d),
-        cuCtxSetCurrent=lambda c: calls.append(("set", c)) or current.update(ctx=c) or (0,),
+        cuCtxPushCurrent=lambda c: stack.append(c) or (0,),
+        cuCtxPopCurrent=lambda: (0, stack.pop()),
     )
     monkeypatch.setattr(cuda.bindings, "driver", fake)
-    arch._primary_context_current(1)
-    assert calls == [("get", 1), ("retain", 101), ("set", 7101)]
-    arch._primary_context_current(1)  # one is current now: nothing to do
-    assert len(calls) == 3
+    with arch._primary_context(1):
+        assert stack == ["green", 7101]
+    assert stack == ["green"] and calls == [("get", 1), ("retain", 101)]
+    with pytest.raises(ValueError), arch._primary_context(1):
+        raise ValueError  # popped on the way out
+    assert stack == ["green"]
+    fake.cuDevicePrimaryCtxRetain = lambda d: (2, None)
+    with pytest.raises(RuntimeError, match="primary CUDA context of device 1"), arch._primary_context(1):
+        pass
+    assert stack == ["green"]
 
 
 def test_context_sm_count(monkeypatch):
@@ -376,7 +382,7 @@ def test_occupancy_query_holds_the_compile_lock(monkeypatch):
 
     monkeypatch.setattr(cutlass.utils, "HardwareInfo", FakeHardwareInfo)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    monkeypatch.setattr(arch, "_primary_context_current", lambda index: None)
+    monkeypatch.setattr(arch, "_primary_context", lambda index: contextlib.nullcontext())
     arch._max_active_clusters.cache_clear()
     try:
         assert arch._max_active_clusters(7, 8) == 15 and held == [True]

@@ -176,3 +176,43 @@ def test_green_context_with_fewer_sms(tmp_path):
     if result.startswith("RESULT skip"):
         pytest.skip(result[12:])
     assert result == "RESULT ok"
+
+
+def test_first_call_in_a_green_context(tmp_path):
+    """Launch plans are sized for the whole device, whatever context is current at the first
+    call: made inside a green context of 64 SMs, the plan still fills the device afterwards."""
+    result = _run_child("""
+        import warnings
+        from cute_kernels import max_active_clusters
+        gc = getattr(torch.cuda, "green_contexts", None)
+        if gc is None or not getattr(gc, "SUPPORTED", False):
+            print("RESULT skip: no green contexts in this torch", flush=True)
+            raise SystemExit
+        args, ref = problem(4)
+        torch.cuda.synchronize()
+        ctx = gc.GreenContext.create(num_sms=64, device_id=0)
+        ctx.set_context()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = lce(**args)
+        event = torch.cuda.Event()
+        event.record()
+        if not finished([event]) or not close(out, ref):
+            print("RESULT green context: hang or wrong values", flush=True)
+            import os
+            os._exit(3)
+        if not any("two_launch" in str(w.message) for w in seen):
+            print("RESULT no warning in the green context", flush=True)
+            raise SystemExit
+        ctx.pop_context()
+        clusters = max_active_clusters(torch.device("cuda", 0), 8)
+        if clusters * 8 < torch.cuda.get_device_properties(0).multi_processor_count * 3 // 4:
+            print(f"RESULT sized for the green context: {clusters} clusters of 8", flush=True)
+            raise SystemExit
+        out = lce(**args)
+        torch.cuda.synchronize()
+        print("RESULT ok" if close(out, ref) else "RESULT wrong values on the whole device", flush=True)
+    """, tmp_path)
+    if result.startswith("RESULT skip"):
+        pytest.skip(result[12:])
+    assert result == "RESULT ok"
