@@ -40,6 +40,28 @@ def finished(events, seconds=10.0):
 
 def close(out, ref):
     return float((out.float() - ref).abs().max()) < 5e-2
+
+def check(out, ref, what):
+    # Ends the child unless the work queued so far finishes and gives ref.
+    event = torch.cuda.Event()
+    event.record()
+    if not finished([event]):
+        print(f"RESULT {what}: hang", flush=True)
+        import os
+        os._exit(3)
+    if not close(out, ref):
+        print(f"RESULT {what}: wrong values", flush=True)
+        raise SystemExit
+
+def green_context(num_sms=64):
+    # A green context of num_sms SMs made current (the child ends where torch has none).
+    gc = getattr(torch.cuda, "green_contexts", None)
+    if gc is None or not getattr(gc, "SUPPORTED", False):
+        print("RESULT skip: no green contexts in this torch", flush=True)
+        raise SystemExit
+    ctx = gc.GreenContext.create(num_sms=num_sms, device_id=0)
+    ctx.set_context()
+    return ctx
 """
 
 
@@ -128,27 +150,11 @@ def test_green_context_with_fewer_sms(tmp_path):
     there holds that schedule and replays."""
     result = _run_child("""
         import warnings
-        gc = getattr(torch.cuda, "green_contexts", None)
-        if gc is None or not getattr(gc, "SUPPORTED", False):
-            print("RESULT skip: no green contexts in this torch", flush=True)
-            raise SystemExit
         args, ref = problem(3)
         lce(**args)  # compiled and planned on the whole GPU
         lce(**args, schedule="two_launch")
         torch.cuda.synchronize()
-        ctx = gc.GreenContext.create(num_sms=64, device_id=0)
-        (getattr(ctx, "set_context", None) or ctx.make_current)()
-
-        def check(out, what):
-            event = torch.cuda.Event()
-            event.record()
-            if not finished([event]):
-                print(f"RESULT {what}: hang", flush=True)
-                import os
-                os._exit(3)
-            if not close(out, ref):
-                print(f"RESULT {what}: wrong values", flush=True)
-                raise SystemExit
+        ctx = green_context(64)  # kept: the context lives while it is current
 
         for call in range(2):
             out = torch.full_like(ref, float("nan"), dtype=torch.float16)
@@ -159,7 +165,7 @@ def test_green_context_with_fewer_sms(tmp_path):
             if len(warned) != (call == 0):
                 print(f"RESULT call {call}: {len(warned)} warnings: {[str(w.message) for w in seen]}", flush=True)
                 raise SystemExit
-            check(out, f"fallback call {call}")
+            check(out, ref, f"fallback call {call}")
 
         # A capture records the cooperative launch unchecked (a fused graph replayed here would
         # hang): the op captures the launches that need no co-residency.
@@ -170,7 +176,7 @@ def test_green_context_with_fewer_sms(tmp_path):
             lce(**args, out=out)
         torch.cuda.current_stream().wait_stream(stream)
         graph.replay()
-        check(out, "captured call")
+        check(out, ref, "captured call")
         print("RESULT ok", flush=True)
     """, tmp_path)
     if result.startswith("RESULT skip"):
@@ -184,23 +190,13 @@ def test_first_call_in_a_green_context(tmp_path):
     result = _run_child("""
         import warnings
         from cute_kernels import max_active_clusters
-        gc = getattr(torch.cuda, "green_contexts", None)
-        if gc is None or not getattr(gc, "SUPPORTED", False):
-            print("RESULT skip: no green contexts in this torch", flush=True)
-            raise SystemExit
         args, ref = problem(4)
         torch.cuda.synchronize()
-        ctx = gc.GreenContext.create(num_sms=64, device_id=0)
-        ctx.set_context()
+        ctx = green_context(64)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             out = lce(**args)
-        event = torch.cuda.Event()
-        event.record()
-        if not finished([event]) or not close(out, ref):
-            print("RESULT green context: hang or wrong values", flush=True)
-            import os
-            os._exit(3)
+        check(out, ref, "green context")
         if not any("two_launch" in str(w.message) for w in seen):
             print("RESULT no warning in the green context", flush=True)
             raise SystemExit
