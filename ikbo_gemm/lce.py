@@ -376,45 +376,53 @@ def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
     workspace = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
     flags = torch.zeros(plan.n_flags, dtype=torch.int32, device=device)
     args = (w_c, w_u, e_c, e_u, idx_k, target, workspace, flags)
+    inputs = (w_cand, w_user, e_cand, e_user, idx)
     launches = plan.launches
-    if capturing() and _fused_cannot_fit(launches, device):
-        launches = _two_launch(w_cand, w_user, e_cand, e_user, idx)
-    if not _launch_all(launches, args):
+    if capturing():
+        too_few = _context_too_small(launches, device)
+        if too_few:
+            launches = _two_launch(inputs, too_few)
+    refused = _launch_all(launches, args)
+    if refused:
         # The fused grid was refused before anything ran (the flags are still zero): the
         # launches that wait on nothing within their grid give the same result.
-        _launch_all(_two_launch(w_cand, w_user, e_cand, e_user, idx), args)
+        _launch_all(_two_launch(inputs, refused), args)
     return copy_back(out, target)
 
 
 _warned_fallback = False
 
 
-def _two_launch(w_cand, w_user, e_cand, e_user, idx) -> tuple:
+def _two_launch(inputs, why: str) -> tuple:
     """The launches of schedule "two_launch" (the same tile, workspace and flags as "fused"),
     run where the fused grid cannot be resident whole; warns once per process."""
     global _warned_fallback
     if not _warned_fallback:
         _warned_fallback = True
         warnings.warn(
-            "lce: the fused grid cannot be resident whole here (a green context or an MPS SM limit with "
-            "fewer SMs than the device): running schedule='two_launch' instead; pass it to skip the check.",
+            f"lce: the fused grid cannot be resident whole here ({why}; a green context or an MPS SM "
+            f"limit): running schedule='two_launch' instead; pass it to skip the check.",
             RuntimeWarning,
             stacklevel=2,
         )
-    return _plan(w_cand, w_user, e_cand, e_user, idx, None, "two_launch").launches
+    return _plan(*inputs, None, "two_launch").launches
 
 
-def _fused_cannot_fit(launches, device) -> bool:
+def _context_too_small(launches, device) -> str:
     """Inside a capture the driver records a cooperative launch without checking that it fits
     (replayed in a green context of fewer SMs it hangs), so the op checks the context itself:
-    a fused grid is captured only where the context has every SM of the device."""
+    a fused grid is captured only where the context has every SM of the device. Why not, or ""."""
+    if not any(launch.cooperative for launch in launches):
+        return ""
     sms = context_sm_count()
-    return any(launch.cooperative for launch in launches) and sms is not None and sms < sm_count(device)
+    if sms is None or sms >= sm_count(device):
+        return ""
+    return f"the current context has {sms} of the device's {sm_count(device)} SMs"
 
 
-def _launch_all(launches, args) -> bool:
-    """Issue every launch of a plan; False where the driver refused the cooperative (fused)
-    grid because it can never be resident whole (a green context, an MPS SM limit)."""
+def _launch_all(launches, args) -> str:
+    """Issue every launch of a plan. Returns why the driver refused the cooperative (fused)
+    grid, which can never be resident whole in this context, or "" when all launched."""
     w_c, w_u, e_c, e_u, idx, target, workspace, flags = args
     # Every launch's arguments first: a second launch (the spare SMs') can start only once the
     # host has issued it, so nothing else runs on the host between the launches.
@@ -429,11 +437,8 @@ def _launch_all(launches, args) -> bool:
         except Exception as e:
             if not launch.cooperative:
                 raise
+            why = f"the driver refused its {launch.grid} CTAs as one cooperative launch: {type(e).__name__}: {e}"
             if capturing():
-                raise RuntimeError(
-                    f"lce: the fused launch was refused ({type(e).__name__}: {e}). It needs all of its "
-                    f"{launch.grid} CTAs resident at once (a cooperative launch), which this context cannot "
-                    f"give. Capture lce(..., schedule='two_launch') there."
-                ) from e
-            return False
-    return True
+                raise RuntimeError(f"lce: {why}. Capture lce(..., schedule='two_launch') there.") from e
+            return why
+    return ""
