@@ -378,10 +378,9 @@ def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
     args = (w_c, w_u, e_c, e_u, idx_k, target, workspace, flags)
     inputs = (w_cand, w_user, e_cand, e_user, idx)
     launches = plan.launches
-    if capturing():
-        too_few = _context_too_small(launches, device)
-        if too_few:
-            launches = _two_launch(inputs, too_few)
+    too_few = _context_too_small(launches, device)
+    if too_few:
+        launches = _two_launch(inputs, too_few)
     refused = _launch_all(launches, args)
     if refused:
         # The fused grid was refused before anything ran (the flags are still zero): the
@@ -409,10 +408,11 @@ def _two_launch(inputs, why: str) -> tuple:
 
 
 def _context_too_small(launches, device) -> str:
-    """Inside a capture the driver records a cooperative launch without checking that it fits
-    (replayed in a green context of fewer SMs it hangs), so the op checks the context itself:
-    a fused grid is captured only where the context has every SM of the device. Why not, or ""."""
-    if not any(launch.cooperative for launch in launches):
+    """Why a fused grid cannot be captured here, or "". Eager, the driver refuses a grid that
+    cannot be resident whole; a capture records the cooperative launch unchecked (replayed in
+    a green context of fewer SMs it hangs), so inside one the op checks the context itself: a
+    fused grid is captured only where the context has every SM of the device."""
+    if not any(launch.cooperative for launch in launches) or not capturing():
         return ""
     sms = context_sm_count()
     if sms is None or sms >= sm_count(device):
