@@ -10,7 +10,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from perf import bench_lce as bl  # noqa: E402
 from perf import harness  # noqa: E402
 from perf import operand_bits_lce as ob  # noqa: E402
 
@@ -60,21 +59,9 @@ def test_parse_variant():
     assert e.value.code == 2
 
 
-def test_main_dry_run(monkeypatch, tmp_path, capsys, cpu_timing):
-    def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused"):
-        return torch.matmul(w_cand, e_cand) + torch.matmul(w_user, e_user)[idx.long()]
-
-    monkeypatch.setattr(bl, "DEVICE", "cpu")
-    monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
-    monkeypatch.setattr(bl, "load_ikbo_gemm", lambda: None)
-    monkeypatch.setattr(bl.LIB, "ikbo_gemm", type("M", (), {"lce": staticmethod(lce)}))
+def test_main_dry_run(monkeypatch, tmp_path, capsys, cpu_timing, lce_benchmark_on_cpu):
     monkeypatch.setattr(harness, "l2_bytes", lambda: 2**20)
     monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
-    small = {"M": 9, "N": 6, "K_user": 5, "K_cand": 7}
-    make_problem = bl.make_problem
-    monkeypatch.setattr(bl, "make_problem", lambda B, ratio, dtype, device=None: make_problem(
-        B, ratio, dtype, small, device))
-    torch.matmul(torch.ones(2, 2, dtype=torch.float16), torch.ones(2, 2, dtype=torch.float16))
     argv = ["--B", "20", "--ratio", "3", "--variants", "fp16", "fp16/3", "bf16", "--warmup", "1", "--rep", "3",
             "--out-dir", str(tmp_path)]
     assert ob.main(argv) == 0
