@@ -83,6 +83,8 @@ def parse_args(argv=None):
         args.parsed = [parse_variant(v) for v in args.variants]
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
+    if len(set(args.variants)) != len(args.variants):
+        ap.error(f"--variants: each variant once, got {args.variants}")
     return args
 
 
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
     for (text, name), row in by.items():
         if row.get("ms") is None:
             continue
-        for peer, col in (("torch materialize+bmm", "x_mat_bmm"), ("torch decomposition", "x_decomp")):
+        for peer, col in bench_lce.SPEEDUP_COLUMNS.items():  # the peers this script runs
             if by.get((text, peer), {}).get("ms"):
                 row[col] = by[(text, peer)]["ms"] / row["ms"]
         if by.get((first, name), {}).get("ms"):

@@ -57,6 +57,9 @@ def test_parse_variant():
     with pytest.raises(SystemExit) as e:
         ob.parse_args(["--variants", "fp16", "fp8"])
     assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        ob.parse_args(["--variants", "fp16", "bf16", "fp16"])
+    assert e.value.code == 2
 
 
 def test_main_dry_run(monkeypatch, tmp_path, capsys, cpu_timing, lce_benchmark_on_cpu):
