@@ -1,18 +1,15 @@
 """Shared CuTeDSL machinery: compile cache, architecture checks, torch interop
 (fake tensors, TMA-ready operands and store targets, the forward-only autograd
 guard, torch.library registration for torch.compile), launch-plan cache,
-persistent tile scheduling and small synchronization helpers.
+persistent tile scheduling, and the warp-specialized skeleton every kernel is written on
+(``warp_specialized``: register split, named barriers, ping-pong turns, pipeline contracts;
+``accumulator``: wgmma accumulator views). Importing it changes no process-wide setting:
+kernels are compiled for sm_90a by naming the target in each compile.
 
 Nothing here knows about IKBO; the kernels in ``ikbo_gemm`` and ``ikbo_fa`` build on it.
 """
-import os
-
-# The Hopper MMA helpers consult the target architecture while tracing. On a
-# machine without a GPU the DSL would otherwise assume sm_100a.
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-from . import checks  # noqa: E402
-from .arch import (  # noqa: E402
+from . import checks
+from .arch import (
     TARGET_ARCH,
     context_sm_count,
     cuda_sm90_available,
@@ -22,8 +19,8 @@ from .arch import (  # noqa: E402
     require_sm90,
     sm_count,
 )
-from .compile import CompiledKernel, compile_kernel, kernel_cache  # noqa: E402
-from .interop import (  # noqa: E402
+from .compile import CompiledKernel, compile_kernel, kernel_cache
+from .interop import (
     copy_back,
     cutlass_dtype,
     dense_unit_strides,
@@ -35,7 +32,7 @@ from .interop import (  # noqa: E402
     store_target,
     tma_ready,
 )
-from .plans import PlanCache  # noqa: E402
+from .plans import PlanCache, on_gpu, plan_key
 
 __all__ = [
     "checks",
@@ -55,6 +52,8 @@ __all__ = [
     "is_sm90",
     "kernel_cache",
     "PlanCache",
+    "plan_key",
+    "on_gpu",
     "max_active_clusters",
     "on_device",
     "require_sm90",

@@ -50,8 +50,10 @@ def check_tensor(
     ndim: int,
     dtypes: Iterable[torch.dtype],
     layout: str,
+    empty_batch: bool = False,
 ) -> torch.Tensor:
-    """``t`` is a tensor of rank ``ndim``, one of ``dtypes``, with no empty dimension.
+    """``t`` is a tensor of rank ``ndim``, one of ``dtypes``, with no empty dimension (but its
+    first, with ``empty_batch``: a batch of 0 candidates gives an empty result).
 
     ``layout`` spells the expected dimensions for the message, e.g. ``"[B, K_cand, N]"``.
     """
@@ -64,17 +66,22 @@ def check_tensor(
         names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
     if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {_shape(t)}")
-    if t.numel() == 0:
-        raise ValueError(f"{name} must not be empty: expected {layout} with every size >= 1, got {_shape(t)}")
+        dims = "1 dimension" if ndim == 1 else f"{ndim} dimensions"
+        raise ValueError(f"{name} must have {dims} {layout}, got shape {_shape(t)}")
+    if any(n == 0 for n in t.shape[1 if empty_batch else 0:]):
+        which = "every size but the first" if empty_batch else "every size"
+        raise ValueError(f"{name} must not be empty: expected {layout} with {which} >= 1, got {_shape(t)}")
     return t
 
 
 def check_dim(name: str, t: torch.Tensor, dim: int, expected: int, what: str, layout: str) -> None:
+    """Dimension ``dim`` of ``t`` (laid out as ``layout``) is ``expected``; ``what`` says where
+    that size comes from, e.g. ``"K_cand (w_cand.shape[1])"``."""
     if t.shape[dim] != expected:
+        dim_name = layout.strip("[]").split(", ")[dim] if layout.count(",") >= dim else str(dim)
         raise ValueError(
-            f"{name} has shape {_shape(t)} {layout}: dimension {dim} must be {what} = {expected}, "
-            f"got {t.shape[dim]}"
+            f"{name} has shape {_shape(t)}, expected {layout}: its {dim_name} (dimension {dim}) must be "
+            f"{what} = {expected}, got {t.shape[dim]}"
         )
 
 
@@ -99,21 +106,24 @@ def check_same_device(names: Iterable[str], tensors: Iterable[torch.Tensor]) -> 
     return device
 
 
-def check_index(name: str, idx, length: int, length_what: str):
-    """``idx`` is an int32/int64 vector of ``length`` entries."""
-    check_tensor(name, idx, ndim=1, dtypes=INDEX_DTYPES, layout=f"[{length_what}]")
+def check_index(name: str, idx, length: int, length_what: str, empty: bool = False):
+    """``idx`` is an int32/int64 vector of ``length`` entries (0 allowed with ``empty``)."""
+    check_tensor(name, idx, ndim=1, dtypes=INDEX_DTYPES, layout=f"[{length_what}]", empty_batch=empty)
     if idx.shape[0] != length:
         raise ValueError(f"{name} has shape {_shape(idx)}: expected [{length_what}] = [{length}]")
     return idx
 
 
-def check_index_range(name: str, idx: torch.Tensor, upper: int, upper_what: str) -> None:
-    """Every entry of ``idx`` lies in [0, upper). Synchronizes with the device."""
+def check_index_range(name: str, idx: torch.Tensor, upper: int, upper_name: str, meaning: str = "") -> None:
+    """Every entry of ``idx`` lies in [0, upper). Synchronizes with the device. ``upper_name``
+    names the bound (``"U"``), ``meaning`` says what it is (``"the batch of k and v"``)."""
     bad = (idx < 0) | (idx >= upper)
     if bool(bad.any()):
         pos = int(torch.nonzero(bad)[0, 0])
+        what = f", {upper_name} being {meaning}" if meaning else ""
         raise IndexError(
-            f"{name}[{pos}] = {int(idx[pos])} is out of range: values must lie in [0, {upper_what}) = [0, {upper})"
+            f"{name}[{pos}] = {int(idx[pos])} is out of range: values must lie in [0, {upper_name}) = "
+            f"[0, {upper}){what}"
         )
 
 

@@ -1,5 +1,8 @@
-"""Launch plans kept per call signature (shapes, dtypes, strides, devices, options)."""
+"""Launch plans kept per call signature (shapes, dtypes, strides, devices, options), and the key
+of a signature."""
 from __future__ import annotations
+
+import torch
 
 
 class PlanCache(dict):
@@ -17,3 +20,25 @@ class PlanCache(dict):
             self.clear()
         self[key] = plan
         return plan
+
+
+def plan_key(*parts) -> tuple:
+    """A hashable key of an op call's signature: each tensor by dtype, shape, strides, device and
+    layout (a non-strided tensor by layout alone: the full checks then refuse it), tuples and
+    lists item by item, anything else as it is."""
+    return tuple(_key_of(p) for p in parts)
+
+
+def _key_of(x):
+    if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            return ("tensor", x.layout)
+        return ("tensor", x.dtype, tuple(x.shape), x.stride(), x.device)
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, *(_key_of(v) for v in x))
+    return x
+
+
+def on_gpu(x) -> bool:
+    """Whether ``x`` is a tensor on a CUDA device (the ops' kernels run there, the references elsewhere)."""
+    return isinstance(x, torch.Tensor) and x.is_cuda

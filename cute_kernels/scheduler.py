@@ -13,19 +13,25 @@ while tracing.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass.cute as cute
 from cutlass import Int32
 
 
-def strided_tiles(begin: Int32, cluster: int = 1, lanes: int = 1, lane=0):
-    """First tile and stride of this cluster's walk, or of consumer ``lane`` out
-    of ``lanes`` consumers that take the cluster's tiles in turn (ping-pong).
+class TileWalk(NamedTuple):
+    """One walk over the tile range: ``first, first + stride, ...`` while below the range end."""
 
-    Returns ``(first, stride, clusters)``; the walk is ``first, first + stride,
-    ...`` while below the range end, and ``clusters`` is the grid in clusters.
-    """
+    first: Int32
+    stride: Int32
+    clusters: Int32  # the grid, in clusters
+
+
+def strided_tiles(begin: Int32, cluster: int = 1, lanes: int = 1, lane=0) -> TileWalk:
+    """This cluster's walk, or that of consumer ``lane`` out of ``lanes`` consumers that take
+    the cluster's tiles in turn (ping-pong)."""
     bid, _, _ = cute.arch.block_idx()
     grid, _, _ = cute.arch.grid_dim()
     clusters = Int32(grid) // cluster
     first = begin + Int32(bid) // cluster + lane * clusters
-    return first, clusters * lanes, clusters
+    return TileWalk(first, clusters * lanes, clusters)

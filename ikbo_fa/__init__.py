@@ -1,6 +1,7 @@
 """IKBO flash attention forward for Hopper: target attention where one side
 (K/V per user, or Q per user) is looked up through an index inside the kernel."""
 from .attention import attention
+from .config import SHIPPED_CONFIGS, AttentionConfig, compile_config
 from .reference import attention_reference
 
-__all__ = ["attention", "attention_reference"]
+__all__ = ["SHIPPED_CONFIGS", "AttentionConfig", "attention", "attention_reference", "compile_config"]

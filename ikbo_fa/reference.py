@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .attention import Problem, resolve_problem
+from .checks import Problem, resolve_problem
 
 # Candidates per chunk: bounds the memory of the gathered K/V (the reference
 # materializes each chunk's K/V in fp32).
@@ -35,9 +35,16 @@ def attention_reference(
     out: Optional[torch.Tensor] = None,
     validate: Optional[bool] = None,
 ):
-    """Same signature and result as :func:`ikbo_fa.attention`, evaluated with PyTorch (any device)."""
+    """Same signature and result as :func:`ikbo_fa.attention`, evaluated with PyTorch (any device);
+    it also takes float32 and any head dimension D."""
     p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, broadcast=broadcast,
                         out=out, validate=validate, op="attention_reference")
+    return evaluate(p, return_lse, out)
+
+
+def evaluate(p: Problem, return_lse: bool, out: Optional[torch.Tensor]):
+    """A checked problem's result as the op returns it: out (in q's dtype, written into ``out``
+    where given) and, with ``return_lse``, the fp32 log-sum-exp."""
     o, lse = reference_forward(p, torch.float32)
     o = o.to(p.q.dtype)
     if out is not None:

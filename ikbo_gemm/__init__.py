@@ -1,5 +1,7 @@
-"""IKBO linear compression: the decomposed GEMM with the broadcast fused into its epilogue."""
-from .lce import SHIPPED_CONFIGS, LceConfig, compile_config, lce
+"""IKBO GEMMs: linear compression (``lce``), the decomposed GEMM with the broadcast fused into
+its epilogue."""
+from .config import SHIPPED_CONFIGS, LceConfig, compile_config
+from .lce import lce
 from .reference import lce_reference
 
 __all__ = ["SHIPPED_CONFIGS", "LceConfig", "compile_config", "lce", "lce_reference"]

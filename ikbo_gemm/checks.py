@@ -48,7 +48,7 @@ def check_lce_inputs(
     """
     check_tensor("w_cand", w_cand, ndim=2, dtypes=FLOAT_DTYPES, layout=_W_CAND)
     check_tensor("w_user", w_user, ndim=2, dtypes=FLOAT_DTYPES, layout=_W_USER)
-    check_tensor("e_cand", e_cand, ndim=3, dtypes=FLOAT_DTYPES, layout=_E_CAND)
+    check_tensor("e_cand", e_cand, ndim=3, dtypes=FLOAT_DTYPES, layout=_E_CAND, empty_batch=True)
     check_tensor("e_user", e_user, ndim=3, dtypes=FLOAT_DTYPES, layout=_E_USER)
     operands = ("w_cand", "w_user", "e_cand", "e_user")
     dtype = check_same_dtype(operands, (w_cand, w_user, e_cand, e_user))
@@ -56,7 +56,7 @@ def check_lce_inputs(
     M, K_cand = w_cand.shape
     K_user = w_user.shape[1]
     B, U, N = e_cand.shape[0], e_user.shape[0], e_cand.shape[2]
-    check_index("idx", idx, B, "B")
+    check_index("idx", idx, B, "B", empty=True)
     device = check_same_device(operands + ("idx",), (w_cand, w_user, e_cand, e_user, idx))
 
     check_dim("w_user", w_user, 0, M, "M (w_cand.shape[0])", _W_USER)
@@ -67,7 +67,7 @@ def check_lce_inputs(
     if out is not None:
         check_output("out", out, (B, M, N), dtype, device)
     if validation_enabled(validate):
-        check_index_range("idx", idx, U, "U")
+        check_index_range("idx", idx, U, "U", "the batch of e_user")
     return B, U, M, N, K_cand, K_user
 
 

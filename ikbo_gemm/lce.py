@@ -23,26 +23,23 @@ import dataclasses
 import warnings
 from typing import Optional
 
-import cutlass
 import torch
 
 from cute_kernels import (
     CompiledKernel,
-    compile_kernel,
+    PlanCache,
     context_sm_count,
     copy_back,
-    cutlass_dtype,
-    fake_stream,
-    fake_tensor,
     forward_only,
     into_out,
     kernel_cache,
     library_op,
-    PlanCache,
-    require_sm90,
     max_active_clusters,
-    sm_count,
     on_device,
+    on_gpu,
+    plan_key,
+    require_sm90,
+    sm_count,
     store_target,
     tma_ready,
 )
@@ -50,91 +47,8 @@ from cute_kernels import (
 from cute_kernels.checks import capturing, check_index_range, check_out_target, validation_enabled
 
 from .checks import check_lce_inputs, check_schedule
-from .lce_sm90 import LceSm90
+from .config import LceConfig, LceGeometry, compile_config, pick_config
 from .reference import lce_reference
-
-@dataclasses.dataclass(frozen=True)
-class LceConfig:
-    """Everything that changes the generated code."""
-
-    dtype: torch.dtype
-    idx_dtype: torch.dtype
-    tile_w: int  # rows of w (output rows) per tile
-    cluster_n: int  # CTAs on neighbouring column slices sharing each w tile (TMA multicast)
-    cluster_b: int  # ... and on neighbouring batches
-    tile_n: int = 64  # output columns per tile (one or two wgmma atoms of 64)
-
-    def __str__(self) -> str:
-        return (f"{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-n{self.tile_n}-w{self.tile_w}"
-                f"-c{self.cluster_n}x{self.cluster_b}")
-
-
-# (tile_n, tile_w) pairs; a consumer's accumulator holds tile_n * tile_w / 128 fp32 per thread
-# (at most 192 without spills). 128-column tiles come in every height of 8 rows from 128 to
-# 192, so that M pads to little.
-TILES = ((64, 128), (64, 192), (64, 224), (64, 256)) + tuple((128, w) for w in range(128, 193, 8))
-CLUSTERS = {64: ((1, 1), (2, 1), (4, 1), (4, 2)), 128: ((1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (4, 2))}
-
-SHIPPED_CONFIGS = [
-    LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n)
-    for dtype in (torch.float16, torch.bfloat16)
-    for idx_dtype in (torch.int32, torch.int64)
-    for tile_n, tile_w in TILES
-    for cn, cb in CLUSTERS[tile_n]
-]
-
-# Each k-block a CTA's shared memory takes in (tile_n + tile_w) x 64 operand elements for
-# tile_n x tile_w x 64 MACs. Above 64 bytes per SM cycle at the tensor cores' full rate, i.e.
-# when 1/tile_n + 1/tile_w > 1/64, the main loop waits on its loads: on an H200 at the
-# published shape, 64 x 224 tiles took 19% longer per executed MAC than 128 x 160 ones.
-LOAD_BOUND_COST = 1.2
-
-
-def tile_cost(tile_n: int, tile_w: int, m: int, n: int) -> float:
-    """Relative time of one batch's tiles: the executed (padded) output, weighted when load-bound."""
-    executed = -(-n // tile_n) * tile_n * -(-m // tile_w) * tile_w
-    return executed * (LOAD_BOUND_COST if 1 / tile_n + 1 / tile_w > 1 / 64 else 1.0)
-
-
-def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: int) -> LceConfig:
-    """The tile of least ``tile_cost`` (ties: the wider, then the taller); a cluster as wide
-    as the tile's column slices of N allow (up to 4) and, with more than one batch, deep in
-    batches: 128-column tiles fill 4 or 8 CTAs (each w tile then feeds all of them), 64-column
-    tiles go two batches deep when 4 slices wide."""
-    tile_n, tile_w = min(TILES, key=lambda t: (tile_cost(*t, m, n), -t[0], -t[1]))
-    column_tiles = -(-n // tile_n)
-    cn = max(c for c in (1, 2, 4) if c <= column_tiles)
-    if b == 1:
-        cb = 1
-    elif tile_n == 128:
-        cb = min(4, 8 // cn)
-    else:
-        cb = 2 if cn == 4 else 1
-    return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n)
-
-
-def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool = False) -> CompiledKernel:
-    """Compile one configuration for sm_90a (no GPU needed)."""
-    dt = cutlass_dtype(cfg.dtype)
-    kernel = LceSm90(dt, cutlass_dtype(cfg.idx_dtype), cfg.tile_w, cfg.cluster_n, cfg.cluster_b, cfg.tile_n)
-    operand = dict(divisibility=8, align=16)
-    args = (
-        fake_tensor(dt, (1, None, None), **operand),  # w_cand [1, M, K_cand_pad]
-        fake_tensor(dt, (1, None, None), **operand),  # w_user [1, M, K_user_pad]
-        fake_tensor(dt, (None, None, None), **operand),  # e_cand [B, K_cand, N]
-        fake_tensor(dt, (None, None, None), **operand),  # e_user [U, K_user, N]
-        fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),  # idx [B]
-        fake_tensor(dt, (None, None, None), **operand),  # out [B, M, N]
-        fake_tensor(cutlass.Float32, (None, cfg.tile_n * cfg.tile_w), divisibility=512, align=16),  # workspace
-        fake_tensor(cutlass.Int32, (None,), align=4),  # flags
-        cutlass.Int32(0),  # tile_begin
-        cutlass.Int32(1),  # tile_end
-        cutlass.Int32(1),  # grid_size
-        cutlass.Int32(1),  # wait_prior
-        cutlass.Int32(1),  # cooperative
-        fake_stream(),
-    )
-    return compile_kernel(kernel, *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
 
 
 def _kernel(cfg: LceConfig) -> CompiledKernel:
@@ -161,7 +75,7 @@ class _Launch:
     cooperative: int  # 1: its candidate tiles wait on user tiles of its own grid (all CTAs resident)
 
 
-def _spare_sm_split(cfg, device, B, U, kb_user, kb_cand):
+def _spare_sm_split(cfg: LceConfig, device, geom: LceGeometry):
     """(B_spare, spare CTAs) where a batch-deep cluster leaves SMs idle, else None.
 
     Clusters of 4 or 8 CTAs fit on fewer SMs than the GPU has (120 of 132 on an H200).
@@ -174,13 +88,13 @@ def _spare_sm_split(cfg, device, B, U, kb_user, kb_cand):
     k-blocks of work."""
     if cfg.cluster_b == 1 or cfg.cluster_n > 2:
         return None  # only pairs fit in what an 8-CTA grid leaves
-    cluster = cfg.cluster_n * cfg.cluster_b
     sms = max_active_clusters(device, 1)
-    spare = sms - max_active_clusters(device, cluster) * cluster
+    spare = sms - max_active_clusters(device, cfg.cluster) * cfg.cluster
     spare -= spare % cfg.cluster_n
     if spare <= 0:
         return None
-    work = U * kb_user + B * kb_cand
+    B, kb_cand = geom.n_cands, geom.k_blocks_cand
+    work = geom.n_users * geom.k_blocks_user + B * kb_cand
     b_main = -(-(B - round(work * spare / sms / kb_cand)) // cfg.cluster_b) * cfg.cluster_b
     if not 0 < b_main < B:
         return None
@@ -201,60 +115,46 @@ class _Plan:
     launches: tuple  # of _Launch
 
 
-def _signature(tensors) -> tuple:
-    return tuple(
-        (t.dtype, t.shape, t.device, t.layout, t.is_contiguous()) if isinstance(t, torch.Tensor) else type(t)
-        for t in tensors
-    )
-
-
-def _on_gpu(device: torch.device) -> bool:
-    return device.type == "cuda"
-
-
 _plans = PlanCache()
 _INPUT_NAMES = ("w_cand", "w_user", "e_cand", "e_user", "idx")
 
 
 def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
     """The launch plan for these shapes (None on CPU); inputs are fully checked once per signature."""
-    key = (_signature((w_cand, w_user, e_cand, e_user, idx, out)), schedule)
+    key = plan_key(w_cand, w_user, e_cand, e_user, idx, out, schedule)
     plan = _plans.get(key, False)
     if plan is not False:
         return plan
     B, U, M, N, K_cand, K_user = check_lce_inputs(w_cand, w_user, e_cand, e_user, idx, out, False)
     device = e_cand.device
     plan = None
-    if _on_gpu(device):
+    if on_gpu(e_cand):
         require_sm90(device, "lce")
         cfg = pick_config(e_cand.dtype, idx.dtype, M, N, B)
         n8 = _ceil(N, 8)
-        w_tiles = -(-M // cfg.tile_w)
-        groups = -(-n8 // (cfg.tile_n * cfg.cluster_n))
-        column_tiles = groups * cfg.cluster_n
-        u_groups = -(-U // cfg.cluster_b)
+
+        def geometry(c: LceConfig, batch: int) -> LceGeometry:
+            return LceGeometry.of(c, M=M, N=n8, U=U, B=batch, K_user=K_user, K_cand=K_cand)
 
         def launch(c, b0, b1, phases, wait_prior):
             """A launch of config c over candidates [b0, b1): its user tiles, candidate tiles or both."""
-            c_groups = -(-n8 // (c.tile_n * c.cluster_n))
-            user_tiles = -(-U // c.cluster_b) * w_tiles * c_groups  # cluster tiles
-            cand_tiles = -(-(b1 - b0) // c.cluster_b) * w_tiles * c_groups
-            begin = 0 if "user" in phases else user_tiles
-            end = user_tiles + cand_tiles if "cand" in phases else user_tiles
-            cluster = c.cluster_n * c.cluster_b
-            clusters = min(max_active_clusters(device, cluster), end - begin)
+            g = geometry(c, b1 - b0)
+            begin = 0 if "user" in phases else g.user_tiles
+            end = g.user_tiles + g.cand_tiles() if "cand" in phases else g.user_tiles
+            clusters = min(max_active_clusters(device, c.cluster), end - begin)
             if end + 2 * clusters >= 2**31:  # the kernel's tile walk is 32-bit
                 raise ValueError(
                     f"lce: {end} cluster tiles (B {B}, U {U}, M {M}, N {N}) pass the kernel's 32-bit "
                     f"tile index; call it on fewer candidates at a time"
                 )
             cooperative = int(phases == ("user", "cand"))
-            return _Launch(_kernel(c), (b0, b1), (begin, end), clusters * cluster, wait_prior, cooperative)
+            return _Launch(_kernel(c), (b0, b1), (begin, end), clusters * c.cluster, wait_prior, cooperative)
 
-        split = None
-        if schedule == "fused":
-            split = _spare_sm_split(cfg, device, B, U, -(-K_user // 64), -(-K_cand // 64))
-        if split is None and schedule == "fused":
+        geom = geometry(cfg, B)
+        split = _spare_sm_split(cfg, device, geom) if schedule == "fused" and B > 0 else None
+        if B == 0:
+            launches = ()  # an empty result: nothing to launch
+        elif split is None and schedule == "fused":
             launches = (launch(cfg, 0, B, ("user", "cand"), 1),)
         elif split is None:
             launches = (launch(cfg, 0, B, ("user",), 1), launch(cfg, 0, B, ("cand",), 1))
@@ -272,9 +172,9 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
             n8=n8,
             k8_cand=_ceil(K_cand, 8),
             k8_user=_ceil(K_user, 8),
-            # fp32 user tiles, in the kernel's fragment order.
-            ws_shape=(u_groups * cfg.cluster_b * column_tiles * w_tiles, cfg.tile_n * cfg.tile_w),
-            n_flags=u_groups * cfg.cluster_b * w_tiles * column_tiles,
+            # fp32 user tiles, in the kernel's fragment order, and their ready flags.
+            ws_shape=(geom.workspace_tiles(), cfg.tile_n * cfg.tile_w),
+            n_flags=geom.workspace_tiles(),
             launches=launches,
         )
     return _plans.keep(key, plan)
@@ -328,7 +228,7 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     if out is not None:
         check_out_target("out", out, _INPUT_NAMES, (w_cand, w_user, e_cand, e_user, idx))
     if validation_enabled(validate):
-        check_index_range("idx", idx, e_user.shape[0], "U")
+        check_index_range("idx", idx, e_user.shape[0], "U", "the batch of e_user")
     if plan is None:
         return lce_reference(w_cand, w_user, e_cand, e_user, idx, out=out, validate=False)
     with on_device(e_cand.device):
@@ -364,6 +264,8 @@ def _lce_op(
 def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
     """Launch the plan's kernels (on checked inputs) and return ``out``."""
     device = e_cand.device
+    if not plan.launches:  # no candidates: an empty result
+        return out if out is not None else torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
     n8 = plan.n8
     w_c = _pad_last(w_cand, plan.k8_cand).unsqueeze(0)
     w_u = _pad_last(w_user, plan.k8_user).unsqueeze(0)

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import cutlass
@@ -15,11 +16,47 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from cute_kernels.interop import cutlass_dtype
 from cute_kernels.scheduler import strided_tiles
+from cute_kernels.warp_specialized import (
+    Barrier,
+    PingPong,
+    PipelineSpec,
+    RegisterSplit,
+    bar_sync,
+    check_barriers,
+    pipelines_init_arrive,
+    pipelines_init_wait,
+)
 
-# Named barriers (0 is __syncthreads).
-_EPI_BARRIER = 1  # + consumer index: the 128 threads of one consumer warpgroup
-_MMA_ORDER_BARRIER = 3  # + consumer index: ping-pong hand-off, 256 threads
+from .config import LceConfig, LceGeometry
+
+
+class LceBarrier(Barrier):
+    """Named barrier ids (the class docstring of LceSm90 says who uses each)."""
+
+    EPILOGUE = 1  # + consumer: the 128 threads of one consumer warpgroup
+    MMA_ORDER = 3  # + consumer: the ping-pong turn of the main loops (PingPong), 256 threads
+
+
+@dataclasses.dataclass(frozen=True)
+class LceTile:
+    """One CTA tile of the walk (device values)."""
+
+    is_user: object  # a user-phase tile (its result goes to the workspace)
+    w: Int32  # w-row tile
+    n: Int32  # column tile of this CTA
+    batch: Int32  # user (user phase) or candidate (candidate phase)
+    k_blocks: Int32
+
+
+@dataclasses.dataclass(frozen=True)
+class UserTileSource:
+    """Where a tile's epilogue-time user tile comes from."""
+
+    index: Int32  # workspace tile / ready flag of the user tile
+    poison: Float32  # added to every accumulator value: NaN for an out-of-range idx, else 0
+    load: object  # whether to load it (candidate tiles with a valid idx)
 
 
 class LceSm90:
@@ -55,17 +92,23 @@ class LceSm90:
       warpgroups 1, 2, consumers (setmaxnreg 240): wgmma main loop on their tile,
         then its epilogue while the other consumer runs its main loop.
 
-    Pipelines and barriers:
-      ab ring (PipelineTmaAsync, ab_stages stages, shared by both phases and both
-        consumers): producer = warp 0, one arrive + the stage's TMA byte count;
-        consumer = the 4 warps of the consumer owning the tile, each releasing
-        the stage in every CTA of the cluster (4 x cluster size arrives). Each
-        consumer skips the other consumer's k-blocks in its ring state.
-      ping-pong order (named barriers 3+c, 256 threads): consumer c waits on its
-        barrier before its main loop; the other consumer arrives on it after
-        issuing its last wgmma (consumer 0 arrives once on its own at the start),
-        so the consumers walk the ring in tile order.
-      epilogue (named barrier 1+c, 128 threads, per-consumer staging buffers):
+    Pipelines (PipelineTmaAsync; checked in ``__init__``):
+
+        | pipeline | producer -> consumer | full / empty arrives | stages |
+        | --- | --- | --- | --- |
+        | ab | producer warp 0 -> the consumer warpgroup owning the tile | 1 / 4 x cluster | ab_stages |
+
+      One ring shared by both phases and both consumers. Full: one elected producer thread
+      with the stage's TMA bytes (this CTA's e slice + the whole w tile, multicast to it by the
+      cluster's CTAs). Empty: each of the owning consumer's 4 warps releases the stage in every
+      CTA of the cluster (their w chunks land in it). Each consumer skips the other consumer's
+      k-blocks in its ring state.
+
+    Named barriers (LceBarrier):
+      MMA_ORDER + c (256 threads; PingPong): consumer c waits on it before its main loop; the
+        other consumer arrives on it after issuing its last wgmma (consumer 0 arrives once on
+        its own at the start), so the consumers walk the ring in tile order.
+      EPILOGUE + c (128 threads, per-consumer staging buffers):
         the consumer's warp 0 TMA-stores each staged 64 x 32 sub-tile and reuses
         a buffer only after the bulk group that read it completed. A tile_w that
         32 does not divide ends on a sub-tile that overlaps the one before it (the
@@ -79,6 +122,13 @@ class LceSm90:
         before the previous tile's epilogue, whose first warpgroup barrier orders
         every thread's loads after it, and each staged sub-tile frees accumulator
         registers that the loads then fill (after a user tile: once stored).
+
+    Timelines. Producer warp 0, per cluster tile: for each k-block, wait for a free stage,
+    load its e slice and its w chunks (multicast). Consumer c, per tile of its lane of the walk:
+    add the poison to the accumulator (it holds the user tile already) -> wait for its
+    MMA_ORDER turn -> main loop (wgmma one group in flight, stages released one behind) ->
+    hand the turn over -> user tile: store it to the workspace, set its flag; candidate tile:
+    staged TMA-store epilogue, loading the next tile's user tile into the freed registers.
 
     Launch: programmatic dependent launch. With ``wait_prior`` 1 the CTAs set up
     their barriers while the previous grid on the stream finishes, then wait for it
@@ -97,31 +147,20 @@ class LceSm90:
     TILE_K = 64
     EPI_W = 32  # output rows per staged epilogue sub-tile
     EPI_STAGES = 2
-    PRODUCER_REGS = 24
-    CONSUMER_REGS = 240
-    THREADS = 384
+    REGISTERS = RegisterSplit(producer=24, consumer=240)
+    THREADS = REGISTERS.threads
+    TILE_OWNER_THREADS = 128  # the one consumer warpgroup that runs a tile and releases its stages
 
-    def __init__(
-        self, dtype, idx_dtype, tile_w: int = 224, cluster_n: int = 4, cluster_b: int = 1, tile_n: int = 64
-    ):
-        if dtype not in (cutlass.Float16, cutlass.BFloat16):
-            raise TypeError(f"LceSm90: dtype must be Float16 or BFloat16, got {dtype}")
-        if idx_dtype not in (cutlass.Int32, cutlass.Int64):
-            raise TypeError(f"LceSm90: idx dtype must be Int32 or Int64, got {idx_dtype}")
-        if tile_w % 8 or not 64 <= tile_w <= 256:
-            raise ValueError(f"LceSm90: tile_w must be a multiple of 8 in [64, 256], got {tile_w}")
-        if tile_n not in (64, 128):
-            raise ValueError(f"LceSm90: tile_n must be 64 or 128, got {tile_n}")
-        cluster = cluster_n * cluster_b
-        if cluster_n not in (1, 2, 4) or cluster_b not in (1, 2, 4) or cluster > 8:
-            raise ValueError(f"LceSm90: cluster {cluster_n}x{cluster_b} must be (1|2|4)x(1|2|4), at most 8")
-        self.dtype = dtype
-        self.idx_dtype = idx_dtype
-        self.tile_w = tile_w
-        self.tile_n = tile_n
-        self.cluster_n = cluster_n
-        self.cluster_b = cluster_b
-        self.cluster = cluster
+    def __init__(self, cfg: LceConfig):
+        self.cfg = cfg
+        self.dtype = cutlass_dtype(cfg.dtype)
+        self.idx_dtype = cutlass_dtype(cfg.idx_dtype)
+        self.tile_w = tile_w = cfg.tile_w
+        self.tile_n = tile_n = cfg.tile_n
+        self.cluster_n = cfg.cluster_n
+        self.cluster_b = cfg.cluster_b
+        self.cluster = cluster = cfg.cluster
+        dtype = self.dtype
         self.tile_mnk = (tile_n, tile_w, self.TILE_K)  # GEMM view: M = out columns, N = out rows
         # A cluster loads each w tile in 32-row chunks (the last one holds the remaining
         # w_last rows), CTA r taking chunks r, r + cluster, ..., each multicast.
@@ -159,6 +198,11 @@ class LceSm90:
         # As many stages as fit beside the staging buffers and the barriers (1024 bytes: the
         # operands are 1024-byte aligned); 128 x 152 tiles take 6, filling the 227 KB exactly.
         self.ab_stages = min(12, (smem - epi_bytes - 1024) // self.stage_bytes)
+        self.ab = PipelineSpec("ab", "producer warp 0", "the consumer owning the tile", self.ab_stages,
+                               self.stage_bytes, 1, 4 * cluster).check(
+            "LceSm90", releasing_threads=self.TILE_OWNER_THREADS, multicast_ctas=cluster)
+        self.ping_pong = PingPong(int(LceBarrier.MMA_ORDER))
+        check_barriers("LceSm90", LceBarrier, {"EPILOGUE": 2, "MMA_ORDER": 2})
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -308,22 +352,13 @@ class LceSm90:
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        ab_pipeline = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ab_barriers.data_ptr(),
-            num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # The 4 warps of one consumer release each stage in every CTA of the cluster.
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.cluster),
-            tx_count=self.stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1)),
-            defer_sync=True,
-        )
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster, 1), is_relaxed=True)
+        ab_pipeline = self.ab.make(storage.ab_barriers.data_ptr(), cute.make_layout((1, self.cluster, 1, 1)))
+        pipelines_init_arrive(self.cluster)
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
         geom = self.geometry(mA_user, mB_user, mB_cand, mOut)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster, 1))
+        pipelines_init_wait(self.cluster)
         # Launched with programmatic dependent launch: the setup above overlaps the previous
         # grid on the stream; no global memory is touched before this wait.
         if wait_prior != 0:
@@ -333,7 +368,7 @@ class LceSm90:
 
         warpgroup_idx = warp_idx // 4
         if warpgroup_idx == 0:
-            cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+            self.REGISTERS.enter_producer()
             if warp_idx == 0:
                 self.producer(
                     ab_pipeline, sA, sB, geom, cluster_layout, rank,
@@ -342,46 +377,39 @@ class LceSm90:
                     tile_begin, tile_end,
                 )
         else:
-            cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
+            self.REGISTERS.enter_consumer()
             self.consumer(
                 warpgroup_idx - 1, rank, ab_pipeline, tiled_mma, sA, sB, sC, geom,
                 (tma_out, tma_out_last), mOut, mWs, mIdx, mFlags, tile_begin, tile_end,
             )
 
-    @cute.jit
-    def geometry(self, mA_user, mB_user, mB_cand, mOut):
-        """(w tiles, column groups, user cluster tiles, user k-blocks, candidate k-blocks, U,
-        column tiles, B)."""
-        w_tiles = cute.ceil_div(cute.size(mOut, mode=[1]), self.tile_w)
-        n_tiles = cute.ceil_div(cute.size(mOut, mode=[0]), self.tile_n)
-        groups = cute.ceil_div(n_tiles, self.cluster_n)
-        n_users = cute.size(mA_user, mode=[2])
-        user_tiles = cute.ceil_div(n_users, self.cluster_b) * w_tiles * groups
-        k_user = cute.ceil_div(cute.size(mB_user, mode=[1]), self.TILE_K)
-        k_cand = cute.ceil_div(cute.size(mB_cand, mode=[1]), self.TILE_K)
-        n_cands = cute.size(mOut, mode=[2])
-        return (w_tiles, groups, user_tiles, k_user, k_cand, n_users, groups * self.cluster_n, n_cands)
+    def geometry(self, mA_user, mB_user, mB_cand, mOut) -> LceGeometry:
+        """The launch's tiling, from the (GEMM-view) tensors' shapes."""
+        return LceGeometry.of(
+            self, M=cute.size(mOut, mode=[1]), N=cute.size(mOut, mode=[0]), U=cute.size(mA_user, mode=[2]),
+            B=cute.size(mOut, mode=[2]), K_user=cute.size(mB_user, mode=[1]), K_cand=cute.size(mB_cand, mode=[1]),
+            ceil_div=cute.ceil_div,
+        )
 
     @cute.jit
-    def decode(self, t: Int32, rank: Int32, geom):
-        """Cluster tile index -> (is_user, w tile, column tile of this CTA, batch, k-blocks)."""
-        w_tiles, groups, user_tiles, k_user, k_cand = geom[:5]
-        is_user = t < user_tiles
+    def decode(self, t: Int32, rank: Int32, geom: LceGeometry) -> LceTile:
+        """Cluster tile index -> this CTA's tile."""
+        is_user = t < geom.user_tiles
         local = t
-        k_blocks = k_user
+        k_blocks = geom.k_blocks_user
         if not is_user:
-            local = t - user_tiles
-            k_blocks = k_cand
-        w = local % w_tiles
-        n = (local // w_tiles) % groups * self.cluster_n + rank % self.cluster_n
-        batch = local // (w_tiles * groups) * self.cluster_b + rank // self.cluster_n
-        return is_user, w, n, batch, k_blocks
+            local = t - geom.user_tiles
+            k_blocks = geom.k_blocks_cand
+        w = local % geom.w_tiles
+        n = (local // geom.w_tiles) % geom.groups * self.cluster_n + rank % self.cluster_n
+        batch = local // (geom.w_tiles * geom.groups) * self.cluster_b + rank // self.cluster_n
+        return LceTile(is_user, w, n, batch, k_blocks)
 
     @cute.jit
-    def k_blocks_of(self, t: Int32, geom) -> Int32:
-        k_blocks = geom[4]
-        if t < geom[2]:
-            k_blocks = geom[3]
+    def k_blocks_of(self, t: Int32, geom: LceGeometry) -> Int32:
+        k_blocks = geom.k_blocks_cand
+        if t < geom.user_tiles:
+            k_blocks = geom.k_blocks_user
         return k_blocks
 
     # ----------------------------------------------------------- producer
@@ -407,21 +435,24 @@ class LceSm90:
         mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(rank), mode=0)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        t, stride, _ = strided_tiles(tile_begin, cluster=self.cluster)
+        walk = strided_tiles(tile_begin, cluster=self.cluster)
+        t = walk.first
         while t < tile_end:
-            is_user, w, n, batch, k_blocks = self.decode(t, rank, geom)
-            for k in cutlass.range(k_blocks, unroll=1):
+            tile = self.decode(t, rank, geom)
+            for k in cutlass.range(tile.k_blocks, unroll=1):
                 ab_pipeline.producer_acquire(state)
                 bar = ab_pipeline.producer_get_barrier(state)
-                if is_user:
-                    cute.copy(tma_a_user, tAgA_user[(None, n, k, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    self.load_w(tma_b_user, mB_user, sB, w, k, rank, state.index, bar, mcast)
+                if tile.is_user:
+                    cute.copy(tma_a_user, tAgA_user[(None, tile.n, k, tile.batch)], tAsA[(None, state.index)],
+                              tma_bar_ptr=bar)
+                    self.load_w(tma_b_user, mB_user, sB, tile.w, k, rank, state.index, bar, mcast)
                 else:
-                    cute.copy(tma_a_cand, tAgA_cand[(None, n, k, batch)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    self.load_w(tma_b_cand, mB_cand, sB, w, k, rank, state.index, bar, mcast)
+                    cute.copy(tma_a_cand, tAgA_cand[(None, tile.n, k, tile.batch)], tAsA[(None, state.index)],
+                              tma_bar_ptr=bar)
+                    self.load_w(tma_b_cand, mB_cand, sB, tile.w, k, rank, state.index, bar, mcast)
                 ab_pipeline.producer_commit(state)
                 state.advance()
-            t += stride
+            t += walk.stride
         ab_pipeline.producer_tail(state)
 
     @cute.jit
@@ -477,10 +508,11 @@ class LceSm90:
         tRS_rD = cute.make_rmem_tensor(rD_shape, Float32)
         tRS_rOut = cute.make_rmem_tensor(rD_shape, self.dtype)
 
-        t, stride, grid = strided_tiles(tile_begin, cluster=self.cluster, lanes=2, lane=consumer_idx)
+        walk = strided_tiles(tile_begin, cluster=self.cluster, lanes=2, lane=consumer_idx)
+        t, stride, grid = walk.first, walk.stride, walk.clusters
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         if consumer_idx == 0:
-            self.mma_order_arrive(0)
+            self.ping_pong.open_first_turn()
         else:
             # Consumer 1 starts after consumer 0's first tile in the ring.
             first0 = t - grid
@@ -489,32 +521,33 @@ class LceSm90:
 
         epi_count = Int32(0)
         # The first tile's user tile; later ones are loaded during the previous tile's epilogue.
-        is_user, w, n, batch, _ = self.decode(t, rank, geom)
-        ws_tile, poison, do_load = self.user_tile_source(mIdx, mFlags, is_user, w, n, batch, t < tile_end, geom, tidx)
+        src = self.user_tile_source(mIdx, mFlags, self.decode(t, rank, geom), t < tile_end, geom, tidx)
+        # Carried through the walk as plain values (the DSL carries no objects through loops).
+        ws_tile, poison, do_load = src.index, src.poison, src.load
         self.load_user_tile(acc, mWs, ws_tile, do_load, consumer_idx, tidx)
         while t < tile_end:
-            is_user, w, n, batch, k_blocks = self.decode(t, rank, geom)
+            tile = self.decode(t, rank, geom)
             # A bad index adds NaN; this also waits for the user-tile loads.
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 acc[i] = acc[i] + poison
-            self.mma_order_wait(consumer_idx)
-            state = self.mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks, is_user, consumer_idx)
+            self.ping_pong.wait(consumer_idx)
+            state = self.mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_blocks, tile.is_user,
+                                  consumer_idx)
             t_next = t + stride
-            is_user_next, w_next, n_next, batch_next, _ = self.decode(t_next, rank, geom)
-            if is_user:
-                self.store_user_tile(acc, thr_mma, mWs, mFlags, w, n, batch, geom, consumer_idx, tidx)
+            tile_next = self.decode(t_next, rank, geom)
+            if tile.is_user:
+                self.store_user_tile(acc, mWs, mFlags, tile, geom, consumer_idx, tidx)
             # Thread 0 waits for the next tile's user tile (after a user tile is stored: it may
             # be that one); a warpgroup barrier then orders every thread's loads after the wait.
-            ws_tile, poison, do_load = self.user_tile_source(
-                mIdx, mFlags, is_user_next, w_next, n_next, batch_next, t_next < tile_end, geom, tidx
-            )
-            if is_user:
+            src = self.user_tile_source(mIdx, mFlags, tile_next, t_next < tile_end, geom, tidx)
+            ws_tile, poison, do_load = src.index, src.poison, src.load
+            if tile.is_user:
                 self.load_user_tile(acc, mWs, ws_tile, do_load, consumer_idx, tidx)
             else:
                 # The epilogue's first barrier orders the loads; each sub-tile frees registers for them.
                 self.store_output_tile(
                     acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
-                    w, n, batch, epi_count, consumer_idx, warp_in_wg, mWs, ws_tile, do_load, tidx,
+                    tile, epi_count, consumer_idx, warp_in_wg, mWs, ws_tile, do_load, tidx,
                 )
                 epi_count += self.epi_subtiles
             # Skip the other consumer's next tile in the ring.
@@ -548,7 +581,7 @@ class LceSm90:
             release.advance()
             state.advance()
         # Every wgmma of this tile is issued: the other consumer may start its main loop.
-        self.mma_order_arrive(1 - consumer_idx)
+        self.ping_pong.hand_over(consumer_idx)
         warpgroup.wait_group(0)
         ab_pipeline.consumer_release(release)
         return state
@@ -566,11 +599,6 @@ class LceSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def user_tile_index(self, w, n, u, geom):
-        """Index of user tile (u, w, n) in the workspace and in the ready flags."""
-        return (u * geom[0] + w) * geom[6] + n
-
-    @cute.jit
     def fragment_view(self, acc, mWs, tile, tidx):
         """(this thread's slot of a workspace tile, acc), both as (4, chunk)."""
         return (
@@ -579,39 +607,39 @@ class LceSm90:
         )
 
     @cute.jit
-    def store_user_tile(self, acc, thr_mma, mWs, mFlags, w, n, u, geom, consumer_idx, tidx):
+    def store_user_tile(self, acc, mWs, mFlags, tile: LceTile, geom: LceGeometry, consumer_idx, tidx):
         """fp32 user tile -> workspace, then release its ready flag."""
-        tile = self.user_tile_index(w, n, u, geom)
-        ws, frag = self.fragment_view(acc, mWs, tile, tidx)
+        index = geom.user_tile_index(tile.batch, tile.w, tile.n)
+        ws, frag = self.fragment_view(acc, mWs, index, tidx)
         cute.autovec_copy(frag, ws)
         cute.arch.fence_acq_rel_gpu()
         self.epi_sync(consumer_idx)
         if tidx == 0:
-            cute.arch.store(mFlags.iterator + tile, Int32(1), sem="release", scope="gpu")
+            cute.arch.store(mFlags.iterator + index, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def user_tile_source(self, mIdx, mFlags, is_user, w, n, b, exists, geom, tidx):
-        """(workspace tile, poison, load?) for the tile (is_user, w, n, b): a candidate tile
-        adds ws[idx[b]] once that user tile's flag is set (thread 0 waits for it here; the
-        caller's warpgroup barrier then orders every thread's loads after the flag). A bad
-        index reads nothing and adds NaN; user tiles and past-the-end tiles load nothing."""
-        n_users = geom[5]
+    def user_tile_source(self, mIdx, mFlags, tile: LceTile, exists, geom: LceGeometry, tidx) -> UserTileSource:
+        """The user tile that ``tile`` adds: a candidate tile adds ws[idx[b]] once that user
+        tile's flag is set (thread 0 waits for it here; the caller's warpgroup barrier then
+        orders every thread's loads after the flag). A bad index reads nothing and adds NaN;
+        user tiles and past-the-end tiles load nothing."""
+        is_user, b = tile.is_user, tile.batch
         u = Int32(0)
         valid = is_user | (not exists)
-        if exists & (not is_user) & (b < geom[7]):  # a cluster tile can reach cluster_b - 1 batches past B
+        if exists & (not is_user) & (b < geom.n_cands):  # a cluster tile can reach cluster_b - 1 batches past B
             u_raw = mIdx[b]  # compared in its own width: an int64 index must not wrap into range
-            valid = (u_raw >= 0) & (u_raw < n_users)
+            valid = (u_raw >= 0) & (u_raw < geom.n_users)
             if valid:
                 u = Int32(u_raw)
         poison = Float32(0.0)
         if not valid:
             poison = Float32(math.nan)
-        tile = self.user_tile_index(w, n, u, geom)
+        index = geom.user_tile_index(u, tile.w, tile.n)
         do_load = valid & exists & (not is_user)
         if do_load & (tidx == 0):
-            while cute.arch.load(mFlags.iterator + tile, Int32, sem="acquire", scope="gpu") == 0:
+            while cute.arch.load(mFlags.iterator + index, Int32, sem="acquire", scope="gpu") == 0:
                 pass
-        return tile, poison, do_load
+        return UserTileSource(index, poison, do_load)
 
     @cute.jit
     def load_user_tile(self, acc, mWs, tile, do_load, consumer_idx, tidx):
@@ -631,11 +659,11 @@ class LceSm90:
     @cute.jit
     def store_output_tile(
         self, acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
-        w, n, b, epi_count, consumer_idx, warp_in_wg, mWs, next_tile, do_load, tidx,
+        tile: LceTile, epi_count, consumer_idx, warp_in_wg, mWs, next_tile, do_load, tidx,
     ):
         """Round once, stage 64 x EPI_W sub-tiles in shared memory, TMA-store them. With
         ``do_load`` the accumulator chunks a sub-tile frees take the next tile's user tile."""
-        gOut = cute.local_tile(mOut, (self.tile_n, self.tile_w), (n, w, b))
+        gOut = cute.local_tile(mOut, (self.tile_n, self.tile_w), (tile.n, tile.w, tile.batch))
         per_sub = cute.size(tRS_rD)
         # acc holds each atom's fragment whole (tile_w / 2 values), its rows (the wgmma N
         # side) outermost, 4 values per 8 rows.
@@ -666,12 +694,6 @@ class LceSm90:
                 cute.arch.cp_async_bulk_wait_group(self.EPI_STAGES - 1, read=True)
             self.epi_sync(consumer_idx)
 
-    # -------------------------------------------------------------- barriers
     def epi_sync(self, consumer_idx):
-        cute.arch.barrier(barrier_id=_EPI_BARRIER + consumer_idx, number_of_threads=128)
-
-    def mma_order_wait(self, consumer_idx):
-        cute.arch.barrier(barrier_id=_MMA_ORDER_BARRIER + consumer_idx, number_of_threads=256)
-
-    def mma_order_arrive(self, consumer_idx):
-        cute.arch.barrier_arrive(barrier_id=_MMA_ORDER_BARRIER + consumer_idx, number_of_threads=256)
+        """The 128 threads of consumer ``consumer_idx`` (its epilogue's staging buffers)."""
+        bar_sync(LceBarrier.EPILOGUE + consumer_idx, 128)

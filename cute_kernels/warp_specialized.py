@@ -1,0 +1,199 @@
+"""The mechanisms of a warp-specialized Hopper kernel, written once for every kernel here.
+
+A kernel of this shape has one producer warpgroup (TMA loads; warp 0 issues them) and
+consumer warpgroups (wgmma). Each mechanism below is one small object built in the kernel's
+``__init__`` (host side: its numbers are checked there) and used from the device code:
+
+- :class:`RegisterSplit`: the producer gives up registers, the consumers take them
+  (setmaxnreg); the budget is checked against the register file.
+- named barriers: each kernel lists its ids in an ``IntEnum`` (0 is ``__syncthreads``);
+  :func:`bar_sync` / :func:`bar_arrive` take one id and its thread count.
+- :class:`PingPong`: two consumer warpgroups take turns issuing their wgmmas.
+- :class:`PipelineSpec`: one TMA -> consumer mbarrier ring: its stages, transaction bytes and
+  arrive counts, the counts checked against the roles that arrive (:meth:`PipelineSpec.check`),
+  and the pipeline built from it (:meth:`PipelineSpec.make`); :func:`pipelines_init_arrive` /
+  :func:`pipelines_init_wait` make every CTA's barriers visible before first use.
+
+The persistent tile walk is :func:`cute_kernels.scheduler.strided_tiles`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+
+WARP = 32
+WARPGROUP = 128
+REGISTER_FILE = 65536  # 32-bit registers per SM
+NAMED_BARRIERS = 16  # hardware ids 0..15; 0 is __syncthreads
+
+
+class Barrier(enum.IntEnum):
+    """Base of a kernel's named-barrier ids. Subclass it with ids in [1, 15]; an id meant to be
+    offset by a warpgroup index leaves room for the offsets (``check_barriers``)."""
+
+
+def check_barriers(kernel: str, barriers: type[Barrier], spans: dict | None = None) -> None:
+    """Every id of ``barriers`` (plus the warpgroup offsets ``spans[name]`` reserves) lies in
+    [1, 15] and no two overlap; ValueError naming them otherwise."""
+    spans = spans or {}
+    used: dict[int, str] = {}
+    for b in barriers:
+        for i in range(spans.get(b.name, 1)):
+            bid = int(b) + i
+            if not 1 <= bid < NAMED_BARRIERS:
+                raise ValueError(f"{kernel}: named barrier {b.name} + {i} = {bid} is outside [1, {NAMED_BARRIERS - 1}]")
+            if bid in used:
+                raise ValueError(f"{kernel}: named barrier id {bid} is both {used[bid]} and {b.name} + {i}")
+            used[bid] = f"{b.name} + {i}"
+
+
+def bar_sync(barrier_id, threads: int) -> None:
+    """Wait on named barrier ``barrier_id`` until ``threads`` threads have arrived (this one too)."""
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+
+
+def bar_arrive(barrier_id, threads: int) -> None:
+    """Arrive on named barrier ``barrier_id`` (of ``threads`` threads) without waiting."""
+    cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=threads)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterSplit:
+    """Registers per thread of the producer and consumer warpgroups (setmaxnreg)."""
+
+    producer: int
+    consumer: int
+    producer_warpgroups: int = 1
+    consumer_warpgroups: int = 2
+
+    def __post_init__(self):
+        for name in ("producer", "consumer"):
+            regs = getattr(self, name)
+            if regs % 8 or not 24 <= regs <= 256:
+                raise ValueError(f"RegisterSplit: {name} = {regs} registers: setmaxnreg takes a multiple of 8 in [24, 256]")
+        used = WARPGROUP * (self.producer * self.producer_warpgroups + self.consumer * self.consumer_warpgroups)
+        if used > REGISTER_FILE:
+            raise ValueError(
+                f"RegisterSplit: 128 x ({self.producer} x {self.producer_warpgroups} + {self.consumer} x "
+                f"{self.consumer_warpgroups}) = {used} registers exceed the SM's {REGISTER_FILE}"
+            )
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP * (self.producer_warpgroups + self.consumer_warpgroups)
+
+    def enter_producer(self) -> None:
+        """First step of a producer warpgroup: hand its registers over."""
+        cute.arch.setmaxregister_decrease(self.producer)
+
+    def enter_consumer(self) -> None:
+        """First step of a consumer warpgroup: take the registers the producer freed."""
+        cute.arch.setmaxregister_increase(self.consumer)
+
+
+@dataclasses.dataclass(frozen=True)
+class PingPong:
+    """Two consumer warpgroups that take turns on the tensor cores.
+
+    Warpgroup ``wg`` waits on barrier ``first + wg`` (both warpgroups' 256 threads: its own
+    128 wait, the other's 128 arrive) before issuing its wgmmas, and hands the turn over by
+    arriving on ``first + 1 - wg`` once they are issued. Warpgroup 0 takes the first turn
+    (``start``). The turns alternate strictly, so both warpgroups must take the same number
+    of turns, or the last hand-over is left pending at exit (harmless).
+    """
+
+    first: int  # barrier id of warpgroup 0's turn; warpgroup 1's is first + 1
+    threads: int = 2 * WARPGROUP
+
+    @cute.jit
+    def start(self, wg) -> None:
+        """Before the first turn: warpgroup 0 is let through its first wait."""
+        if wg == 0:
+            self.open_first_turn()
+
+    def open_first_turn(self) -> None:
+        """``start``'s arrive, for a caller already on warpgroup 0's path."""
+        bar_arrive(self.first, self.threads)
+
+    def wait(self, wg) -> None:
+        """Wait for warpgroup ``wg``'s turn."""
+        bar_sync(self.first + wg, self.threads)
+
+    def hand_over(self, wg) -> None:
+        """Warpgroup ``wg`` has issued its wgmmas: the other one's turn."""
+        bar_arrive(self.first + 1 - wg, self.threads)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+    """One TMA -> consumer ring of mbarriers (PipelineTmaAsync).
+
+    ``producer_arrives``: arrivals that fill a stage (one elected producer thread, with the
+    stage's ``tx_bytes`` of TMA transactions); ``consumer_arrives``: arrivals that free it
+    (one per consumer warp that releases it, in every CTA whose loads multicast into it).
+    """
+
+    name: str
+    producer: str  # who loads, for the contract table
+    consumer: str  # who releases
+    stages: int
+    tx_bytes: int
+    producer_arrives: int
+    consumer_arrives: int
+
+    def check(self, kernel: str, *, releasing_threads: int, multicast_ctas: int = 1) -> "PipelineSpec":
+        """The arrive counts are those of the roles: 1 producer arrive (PipelineTmaAsync's elected
+        thread), and one consumer arrive per releasing warp per multicasting CTA. ValueError with
+        the arithmetic otherwise (a wrong count would hang the GPU instead)."""
+        if releasing_threads % WARP:
+            raise ValueError(f"{kernel}: {self.name} pipeline released by {releasing_threads} threads, not whole warps")
+        derived = releasing_threads // WARP * multicast_ctas
+        if self.consumer_arrives != derived:
+            raise ValueError(
+                f"{kernel}: {self.name} pipeline declares {self.consumer_arrives} consumer arrives per stage, but "
+                f"{releasing_threads} releasing threads / 32 x {multicast_ctas} multicasting CTAs = {derived}"
+            )
+        if self.producer_arrives != 1:
+            raise ValueError(f"{kernel}: {self.name} pipeline declares {self.producer_arrives} producer arrives; "
+                             f"a TMA producer arrives once per stage (with its transaction bytes)")
+        if self.stages < 1 or self.tx_bytes <= 0:
+            raise ValueError(f"{kernel}: {self.name} pipeline has {self.stages} stages of {self.tx_bytes} bytes")
+        return self
+
+    def row(self) -> str:
+        """The contract as a table row: pipeline | producer -> consumer | full / empty arrives | stages."""
+        return (f"| {self.name} | {self.producer} -> {self.consumer} | {self.producer_arrives} / "
+                f"{self.consumer_arrives} | {self.stages} |")
+
+    def make(self, barrier_storage, cta_layout_vmnk=None):
+        """The pipeline over ``2 * stages`` mbarriers at ``barrier_storage`` (device side). Its
+        barriers are initialized without a sync: see :func:`pipelines_init_arrive`."""
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barrier_storage,
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.producer_arrives),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_arrives),
+            tx_count=self.tx_bytes,
+            cta_layout_vmnk=cta_layout_vmnk,
+            defer_sync=True,
+        )
+
+
+def pipelines_init_arrive(cluster_size: int) -> None:
+    """After every pipeline's ``make``: fence the mbarrier inits (and, in a cluster, arrive on
+    the cluster barrier without waiting, so independent setup overlaps the other CTAs')."""
+    pipeline.pipeline_init_arrive(cluster_shape_mn=(cluster_size, 1), is_relaxed=True)
+
+
+def pipelines_init_wait(cluster_size: int) -> None:
+    """Before the first use of any pipeline: the CTA's (or the cluster's) barriers are initialized."""
+    pipeline.pipeline_init_wait(cluster_shape_mn=(cluster_size, 1))
+
+
+def contract_table(specs) -> str:
+    """The pipelines as a markdown table (what a kernel's docstring states)."""
+    head = "| pipeline | producer -> consumer | full / empty arrives | stages |\n| --- | --- | --- | --- |"
+    return "\n".join([head] + [s.row() for s in specs])

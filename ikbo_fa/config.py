@@ -1,0 +1,101 @@
+"""Static configurations of the attention kernel: the compile key, the shipped set, and the compile.
+
+A configuration is everything that changes the generated code; a problem picks its own
+(``kernel_config``) and the op compiles it at first use (``cute_kernels.kernel_cache``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+DIRECTIONS = ("kv", "q")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Everything that changes the generated code (the compile key)."""
+
+    dtype: torch.dtype  # torch.float16 | torch.bfloat16
+    head_dim: int  # 64 | 128
+    s_q: int  # query rows per candidate (any >= 1)
+    direction: str  # "kv": K/V looked up by idx; "q": Q looked up by idx
+    has_kv_lengths: bool
+    return_lse: bool
+    # Issue S of block j before P V of block j-1, the two consumer warpgroups taking turns
+    # (False: one block at a time, no turns; a diagnostic configuration, never picked by the op).
+    overlap: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"AttentionConfig.dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"AttentionConfig.head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {self.head_dim}")
+        if not isinstance(self.s_q, int) or self.s_q < 1:
+            raise ValueError(f"AttentionConfig.s_q must be an int >= 1, got {self.s_q!r}")
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"AttentionConfig.direction must be 'kv' or 'q', got {self.direction!r}")
+
+    def __str__(self) -> str:
+        flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-lse", self.return_lse),
+                                          ("-serial", not self.overlap)) if on)
+        return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
+
+
+def row_packing(s_q: int):
+    """Rows of the 128-row CTA tile given to each candidate.
+
+    Returns (slot_rows R, slots per consumer warpgroup, 128-row chunks per candidate).
+    S_q <= 64: candidates share a warpgroup's 64 rows in slots of R = next power of two >= S_q
+    (at least 8) rows; S_q > 64: a candidate spans 64-row slots over ceil(S_q / 128) tiles.
+    """
+    if s_q <= 64:
+        r = max(8, 1 << (s_q - 1).bit_length())
+        return r, 64 // r, 1
+    return 64, 1, (s_q + 127) // 128
+
+
+def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
+                  return_lse: bool) -> AttentionConfig:
+    """The configuration the op compiles for a problem."""
+    return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse)
+
+
+SHIPPED_CONFIGS = tuple(
+    [AttentionConfig(dtype, d, 64, "kv", False, False) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)]
+    + [
+        AttentionConfig(torch.bfloat16, 128, 64, "kv", True, True),
+        AttentionConfig(torch.bfloat16, 128, 32, "kv", False, False),
+        AttentionConfig(torch.bfloat16, 128, 128, "kv", False, False),
+        AttentionConfig(torch.bfloat16, 128, 64, "q", False, False),
+        AttentionConfig(torch.bfloat16, 128, 64, "kv", True, True, overlap=False),
+    ]
+)
+
+
+def compile_config(cfg: AttentionConfig, *, keep_ptx: bool = False, ptxas_report: bool = False):
+    """Compile one configuration for sm_90a from fake tensors (no GPU needed) -> CompiledKernel."""
+    from cutlass import Float32, Int32
+
+    from cute_kernels.compile import compile_kernel
+    from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
+
+    from .fwd_sm90 import IkboAttentionFwdSm90
+
+    dt = cutlass_dtype(cfg.dtype)
+    d = cfg.head_dim
+    # Sizes B, H, L, ... are symbolic; strides are multiples of 8 elements (16 B).
+    q = fake_tensor(dt, (None, cfg.s_q, None, d), divisibility=8)
+    k = fake_tensor(dt, (None, None, None, d), divisibility=8)
+    v = fake_tensor(dt, (None, None, None, d), divisibility=8)
+    o = fake_tensor(dt, (None, cfg.s_q, None, d), divisibility=8)
+    lse = fake_tensor(Float32, (None, None, cfg.s_q), align=4) if cfg.return_lse else None
+    cand = fake_tensor(Int32, (None,), align=4)
+    starts = fake_tensor(Int32, (None,), align=4) if cfg.direction == "kv" else None
+    tiles = fake_tensor(Int32, (None,), align=4) if cfg.direction == "kv" else None
+    kv_len = fake_tensor(Int32, (None,), align=4) if cfg.has_kv_lengths else None
+    kernel = IkboAttentionFwdSm90(cfg)
+    return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len,
+                          Float32(1.0), Float32(1.0), Int32(1), fake_stream(),
+                          keep_ptx=keep_ptx, ptxas_report=ptxas_report)

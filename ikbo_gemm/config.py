@@ -1,0 +1,166 @@
+"""Static configurations of the LCE kernel: the compile key, the shipped set, the pick, the
+compile, and the tiling of a problem (LceGeometry, shared by the host plan and the kernel)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class LceConfig:
+    """Everything that changes the generated code."""
+
+    dtype: torch.dtype
+    idx_dtype: torch.dtype
+    tile_w: int  # rows of w (output rows) per tile
+    cluster_n: int  # CTAs on neighbouring column slices sharing each w tile (TMA multicast)
+    cluster_b: int  # ... and on neighbouring batches
+    tile_n: int = 64  # output columns per tile (one or two wgmma atoms of 64)
+
+    def __post_init__(self):
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"LceConfig.dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
+        if self.idx_dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"LceConfig.idx_dtype must be torch.int32 or torch.int64, got {self.idx_dtype}")
+        if self.tile_n not in (64, 128):
+            raise ValueError(f"LceConfig.tile_n must be 64 or 128, got {self.tile_n}")
+        if self.tile_w % 8 or not 64 <= self.tile_w <= 256:
+            raise ValueError(f"LceConfig.tile_w must be a multiple of 8 in [64, 256], got {self.tile_w}")
+        if self.cluster_n not in (1, 2, 4) or self.cluster_b not in (1, 2, 4) or self.cluster > 8:
+            raise ValueError(f"LceConfig.cluster_n x cluster_b = {self.cluster_n} x {self.cluster_b} must be "
+                             f"(1|2|4) x (1|2|4), at most 8 CTAs")
+        if self.tile_n * self.tile_w > 128 * 192:
+            raise ValueError(f"LceConfig: tile_n x tile_w = {self.tile_n} x {self.tile_w} holds more than the "
+                             f"192 fp32 accumulator registers per consumer thread that fit without spills")
+
+    @property
+    def cluster(self) -> int:
+        return self.cluster_n * self.cluster_b
+
+    def __str__(self) -> str:
+        return (f"{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-n{self.tile_n}-w{self.tile_w}"
+                f"-c{self.cluster_n}x{self.cluster_b}")
+
+
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+@dataclasses.dataclass(frozen=True)
+class LceGeometry:
+    """How one launch tiles its problem. The same arithmetic serves the host plan (Python ints)
+    and the kernel (DSL Int32 read from the tensors' shapes): ``of`` takes the ceil-div to use.
+
+    A CTA tile is tile_n output columns x tile_w output rows of one batch; a cluster tile is
+    cluster_n x cluster_b CTA tiles. Cluster tiles are numbered user phase first
+    ([0, user_tiles)), then the candidate phase; within a phase w-row tile fastest, then the
+    column group, then the batch group."""
+
+    w_tiles: object  # tiles of tile_w output rows (over M)
+    groups: object  # column groups: cluster_n column tiles each (over N, padded to 8)
+    column_tiles: object  # groups * cluster_n
+    user_tiles: object  # user-phase cluster tiles
+    k_blocks_user: object  # 64-deep k-blocks of the user GEMM
+    k_blocks_cand: object  # ... of the candidate GEMM
+    n_users: object  # U
+    n_cands: object  # the launch's candidates
+    cluster_b: int
+
+    @staticmethod
+    def of(cfg: LceConfig, *, M, N, U, B, K_user, K_cand, ceil_div=_ceil_div) -> "LceGeometry":
+        w_tiles = ceil_div(M, cfg.tile_w)
+        groups = ceil_div(ceil_div(N, cfg.tile_n), cfg.cluster_n)
+        user_tiles = ceil_div(U, cfg.cluster_b) * w_tiles * groups
+        return LceGeometry(
+            w_tiles=w_tiles, groups=groups, column_tiles=groups * cfg.cluster_n, user_tiles=user_tiles,
+            k_blocks_user=ceil_div(K_user, 64), k_blocks_cand=ceil_div(K_cand, 64),
+            n_users=U, n_cands=B, cluster_b=cfg.cluster_b,
+        )
+
+    def cand_tiles(self):
+        """Candidate-phase cluster tiles."""
+        return _ceil_div(self.n_cands, self.cluster_b) * self.w_tiles * self.groups
+
+    def user_tile_index(self, u, w, n):
+        """User CTA tile (u, w, n): its workspace tile and its ready flag."""
+        return (u * self.w_tiles + w) * self.column_tiles + n
+
+    def workspace_tiles(self):
+        """User CTA tiles the workspace holds (U rounded up to the cluster's batch depth)."""
+        return _ceil_div(self.n_users, self.cluster_b) * self.cluster_b * self.column_tiles * self.w_tiles
+
+
+# (tile_n, tile_w) pairs; a consumer's accumulator holds tile_n * tile_w / 128 fp32 per thread
+# (at most 192 without spills). 128-column tiles come in every height of 8 rows from 128 to
+# 192, so that M pads to little.
+TILES = ((64, 128), (64, 192), (64, 224), (64, 256)) + tuple((128, w) for w in range(128, 193, 8))
+CLUSTERS = {64: ((1, 1), (2, 1), (4, 1), (4, 2)), 128: ((1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (4, 2))}
+
+SHIPPED_CONFIGS = [
+    LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n)
+    for dtype in (torch.float16, torch.bfloat16)
+    for idx_dtype in (torch.int32, torch.int64)
+    for tile_n, tile_w in TILES
+    for cn, cb in CLUSTERS[tile_n]
+]
+
+# Each k-block a CTA's shared memory takes in (tile_n + tile_w) x 64 operand elements for
+# tile_n x tile_w x 64 MACs. Above 64 bytes per SM cycle at the tensor cores' full rate, i.e.
+# when 1/tile_n + 1/tile_w > 1/64, the main loop waits on its loads: on an H200 at the
+# published shape, 64 x 224 tiles took 19% longer per executed MAC than 128 x 160 ones.
+LOAD_BOUND_COST = 1.2
+
+
+def tile_cost(tile_n: int, tile_w: int, m: int, n: int) -> float:
+    """Relative time of one batch's tiles: the executed (padded) output, weighted when load-bound."""
+    executed = -(-n // tile_n) * tile_n * -(-m // tile_w) * tile_w
+    return executed * (LOAD_BOUND_COST if 1 / tile_n + 1 / tile_w > 1 / 64 else 1.0)
+
+
+def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: int) -> LceConfig:
+    """The tile of least ``tile_cost`` (ties: the wider, then the taller); a cluster as wide
+    as the tile's column slices of N allow (up to 4) and, with more than one batch, deep in
+    batches: 128-column tiles fill 4 or 8 CTAs (each w tile then feeds all of them), 64-column
+    tiles go two batches deep when 4 slices wide."""
+    tile_n, tile_w = min(TILES, key=lambda t: (tile_cost(*t, m, n), -t[0], -t[1]))
+    column_tiles = -(-n // tile_n)
+    cn = max(c for c in (1, 2, 4) if c <= column_tiles)
+    if b == 1:
+        cb = 1
+    elif tile_n == 128:
+        cb = min(4, 8 // cn)
+    else:
+        cb = 2 if cn == 4 else 1
+    return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n)
+
+
+def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool = False):
+    """Compile one configuration for sm_90a (no GPU needed) -> CompiledKernel."""
+    import cutlass
+
+    from cute_kernels.compile import compile_kernel
+    from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
+
+    from .lce_sm90 import LceSm90
+
+    dt = cutlass_dtype(cfg.dtype)
+    kernel = LceSm90(cfg)
+    operand = dict(divisibility=8, align=16)
+    args = (
+        fake_tensor(dt, (1, None, None), **operand),  # w_cand [1, M, K_cand_pad]
+        fake_tensor(dt, (1, None, None), **operand),  # w_user [1, M, K_user_pad]
+        fake_tensor(dt, (None, None, None), **operand),  # e_cand [B, K_cand, N]
+        fake_tensor(dt, (None, None, None), **operand),  # e_user [U, K_user, N]
+        fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),  # idx [B]
+        fake_tensor(dt, (None, None, None), **operand),  # out [B, M, N]
+        fake_tensor(cutlass.Float32, (None, cfg.tile_n * cfg.tile_w), divisibility=512, align=16),  # workspace
+        fake_tensor(cutlass.Int32, (None,), align=4),  # flags
+        cutlass.Int32(0),  # tile_begin
+        cutlass.Int32(1),  # tile_end
+        cutlass.Int32(1),  # grid_size
+        cutlass.Int32(1),  # wait_prior
+        cutlass.Int32(1),  # cooperative
+        fake_stream(),
+    )
+    return compile_kernel(kernel, *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
