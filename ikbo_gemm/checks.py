@@ -22,6 +22,8 @@ from cute_kernels.checks import (
     validation_enabled,
 )
 
+from .config import ACTIVATIONS
+
 SCHEDULES = ("fused", "two_launch")
 
 _W_CAND = "[M, K_cand]"
@@ -75,3 +77,52 @@ def check_schedule(schedule) -> str:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
     return schedule
+
+
+# ---------------------------------------------------------------------------------- linear
+_X_CAND = "[B, K_cand]"
+_X_USER = "[U, K_user]"
+_WL_CAND = "[N, K_cand]"
+_WL_USER = "[N, K_user]"
+
+
+def check_activation(activation) -> Optional[str]:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+    return activation
+
+
+def check_linear_inputs(x_cand, x_user, idx, w_cand, w_user, bias, activation, out: Optional[torch.Tensor],
+                        validate: Optional[bool]) -> tuple[int, int, int, int, int]:
+    """Validate one linear call; return ``(B, U, N, K_cand, K_user)``.
+
+    Raises TypeError for a non-tensor or a wrong dtype, ValueError for a wrong rank, size,
+    device or activation or an empty tensor (B = 0 is allowed), and, when validation is enabled,
+    IndexError for the first idx outside [0, U) (reading idx back to the host)."""
+    check_tensor("x_cand", x_cand, ndim=2, dtypes=FLOAT_DTYPES, layout=_X_CAND, empty_batch=True)
+    check_tensor("x_user", x_user, ndim=2, dtypes=FLOAT_DTYPES, layout=_X_USER)
+    check_tensor("w_cand", w_cand, ndim=2, dtypes=FLOAT_DTYPES, layout=_WL_CAND)
+    check_tensor("w_user", w_user, ndim=2, dtypes=FLOAT_DTYPES, layout=_WL_USER)
+    names = ["x_cand", "x_user", "w_cand", "w_user"]
+    tensors = [x_cand, x_user, w_cand, w_user]
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, layout="[N]")
+        names.append("bias")
+        tensors.append(bias)
+    dtype = check_same_dtype(names, tensors)
+    B, K_cand = x_cand.shape
+    U, K_user = x_user.shape
+    N = w_cand.shape[0]
+    check_index("idx", idx, B, "B", empty=True)
+    device = check_same_device(names + ["idx"], tensors + [idx])
+    check_dim("w_cand", w_cand, 1, K_cand, "K_cand (x_cand.shape[1])", _WL_CAND)
+    check_dim("w_user", w_user, 0, N, "N (w_cand.shape[0])", _WL_USER)
+    check_dim("w_user", w_user, 1, K_user, "K_user (x_user.shape[1])", _WL_USER)
+    if bias is not None:
+        check_dim("bias", bias, 0, N, "N (w_cand.shape[0])", "[N]")
+    check_activation(activation)
+    if out is not None:
+        check_output("out", out, (B, N), dtype, device)
+    if validation_enabled(validate):
+        check_index_range("idx", idx, U, "U", "the batch of x_user")
+    return B, U, N, K_cand, K_user

@@ -1,8 +1,10 @@
-"""Static configurations of the LCE kernel: the compile key, the shipped set, the pick, the
-compile, and the tiling of a problem (LceGeometry, shared by the host plan and the kernel)."""
+"""Static configurations of the package's kernels: the compile keys, the shipped sets, the picks
+and the compiles. LCE: LceConfig and the tiling of a problem (LceGeometry, shared by the host
+plan and the kernel); linear: LinearConfig."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -164,3 +166,98 @@ def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool
         fake_stream(),
     )
     return compile_kernel(kernel, *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
+
+
+# ---------------------------------------------------------------------------------- linear
+ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu", "sigmoid")
+PHASES = ("user", "cand")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearConfig:
+    """Everything that changes the generated code of ikbo_gemm.linear's kernel (LinearSm90)."""
+
+    dtype: torch.dtype
+    idx_dtype: torch.dtype
+    tile_m: int  # output rows (candidates or users) per tile
+    tile_n: int  # output columns (features) per tile
+    phase: str  # "user": x_user @ w_user^T into the fp32 workspace; "cand": the candidate GEMM + epilogue
+    activation: Optional[str] = None  # candidate phase only
+    has_bias: bool = False  # candidate phase only
+
+    def __post_init__(self):
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"LinearConfig.dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
+        if self.idx_dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"LinearConfig.idx_dtype must be torch.int32 or torch.int64, got {self.idx_dtype}")
+        if self.tile_m not in (64, 128):
+            raise ValueError(f"LinearConfig.tile_m must be 64 or 128, got {self.tile_m}")
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"LinearConfig.tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
+        if self.tile_m * self.tile_n > 128 * 192:
+            raise ValueError(f"LinearConfig: tile_m x tile_n = {self.tile_m} x {self.tile_n} holds more than the "
+                             f"192 fp32 accumulator registers per consumer thread that fit without spills")
+        if self.phase not in PHASES:
+            raise ValueError(f"LinearConfig.phase must be 'user' or 'cand', got {self.phase!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"LinearConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.phase == "user" and (self.activation is not None or self.has_bias):
+            raise ValueError("LinearConfig: the user phase takes no activation and no bias (the candidate phase adds them)")
+
+    def __str__(self) -> str:
+        extra = "".join(f"-{x}" for x in (self.activation, "bias" if self.has_bias else None) if x)
+        return f"linear-{self.phase}-{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-m{self.tile_m}-n{self.tile_n}{extra}"
+
+
+LINEAR_TILES = ((128, 128), (128, 192), (128, 64), (64, 256), (64, 128))
+
+
+def pick_linear_tile(rows: int, n: int) -> tuple[int, int]:
+    """The (tile_m, tile_n) of least executed (padded) output, weighted when load-bound (as
+    ``tile_cost``); ties: the larger tile."""
+    return min(LINEAR_TILES, key=lambda t: (tile_cost(t[0], t[1], n, rows), -t[0] * t[1]))
+
+
+def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias) -> tuple:
+    """(user phase, candidate phase) configurations of one call."""
+    return (LinearConfig(dtype, idx_dtype, *tile_user, "user"),
+            LinearConfig(dtype, idx_dtype, *tile_cand, "cand", activation, has_bias))
+
+
+LINEAR_SHIPPED_CONFIGS = [
+    LinearConfig(dtype, idx_dtype, tm, tn, "user")
+    for dtype in (torch.float16, torch.bfloat16) for idx_dtype in (torch.int32,) for tm, tn in LINEAR_TILES
+] + [
+    LinearConfig(dtype, idx_dtype, tm, tn, "cand", act, bias)
+    for dtype in (torch.float16, torch.bfloat16) for idx_dtype in (torch.int32, torch.int64)
+    for tm, tn in LINEAR_TILES for act, bias in ((None, False), ("relu", True))
+] + [
+    LinearConfig(torch.bfloat16, torch.int32, 128, 128, "cand", act, True) for act in ACTIVATIONS[2:]
+]
+
+
+def compile_linear_config(cfg: LinearConfig, *, keep_ptx: bool = False, ptxas_report: bool = False):
+    """Compile one linear configuration for sm_90a (no GPU needed) -> CompiledKernel."""
+    import cutlass
+
+    from cute_kernels.compile import compile_kernel
+    from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
+
+    from .linear_sm90 import LinearSm90
+
+    dt = cutlass_dtype(cfg.dtype)
+    operand = dict(divisibility=8, align=16)
+    ws = fake_tensor(cutlass.Float32, (None, None), divisibility=8, align=16)
+    out = ws if cfg.phase == "user" else fake_tensor(dt, (None, None), **operand)
+    args = (
+        fake_tensor(dt, (None, None), **operand),  # a [rows, K_pad]
+        fake_tensor(dt, (None, None), **operand),  # b [N, K_pad]
+        out,  # [rows, N] (user phase: the workspace)
+        ws,  # [U_pad, N_pad] fp32
+        fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),  # idx [B]
+        fake_tensor(dt, (None,), align=2) if cfg.has_bias else None,  # bias [N]
+        cutlass.Int32(1),  # n_users
+        cutlass.Int32(1),  # grid_size
+        fake_stream(),
+    )
+    return compile_kernel(LinearSm90(cfg), *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)

@@ -1,4 +1,6 @@
-"""PyTorch reference of IKBO linear compression: the definition the kernel is tested against.
+"""PyTorch references of the package's ops: the definitions the kernels are tested against.
+
+Linear compression (``lce_reference``):
 
     out[b] = w_cand @ e_cand[b] + (w_user @ e_user)[idx[b]]
 
@@ -14,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .checks import check_lce_inputs, check_schedule
+from .checks import check_lce_inputs, check_linear_inputs, check_schedule
 
 # Candidates per chunk: bounds the fp32 copy of e_cand the reference makes.
 _CHUNK_ELEMENTS = 1 << 26
@@ -50,6 +52,60 @@ def lce_reference(
         acc += user.index_select(0, safe[sl])
         acc.masked_fill_(~valid[sl, None, None], float("nan"))
         result[sl] = acc  # the one rounding
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+
+
+def apply_activation(x: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
+    """``activation`` of ikbo_gemm.linear on ``x`` (evaluated in x's dtype)."""
+    if activation is None:
+        return x
+    if activation == "relu":
+        return torch.relu(x)
+    if activation == "gelu":
+        return torch.nn.functional.gelu(x)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(x, approximate="tanh")
+    if activation == "silu":
+        return torch.nn.functional.silu(x)
+    if activation == "sigmoid":
+        return torch.sigmoid(x)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def linear_reference(
+    x_cand: torch.Tensor,
+    x_user: torch.Tensor,
+    idx: torch.Tensor,
+    w_cand: torch.Tensor,
+    w_user: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    activation: Optional[str] = None,
+    out: Optional[torch.Tensor] = None,
+    validate: Optional[bool] = None,
+) -> torch.Tensor:
+    """Same signature and result as :func:`ikbo_gemm.linear`, evaluated with PyTorch (any device):
+
+        out[b] = act(x_cand[b] @ w_cand.T + x_user[idx[b]] @ w_user.T + bias)
+
+    as the decomposition the kernel fuses: the user GEMM once per user, the candidate GEMM, the
+    gather, the bias and the activation all in fp32, rounded once. A candidate whose index lies
+    outside [0, U) (possible only with validation off) gets a NaN row."""
+    B, U, N, _, _ = check_linear_inputs(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, validate)
+    f32 = torch.float32
+    user = x_user.to(f32) @ w_user.to(f32).T  # [U, N], once per user
+    idx = idx.long()
+    valid = (idx >= 0) & (idx < U)
+    acc = x_cand.to(f32) @ w_cand.to(f32).T
+    acc += user.index_select(0, torch.where(valid, idx, torch.zeros_like(idx)))
+    if bias is not None:
+        acc += bias.to(f32)
+    acc = apply_activation(acc, activation)
+    acc.masked_fill_(~valid[:, None], float("nan"))
+    result = acc.to(x_cand.dtype)  # the one rounding
     if out is not None:
         out.copy_(result)
         return out

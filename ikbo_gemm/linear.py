@@ -1,0 +1,213 @@
+"""ikbo_gemm.linear: a linear layer on concatenated user and candidate features, decomposed.
+
+    out[b] = act(cat(x_user[idx[b]], x_cand[b]) @ weight.T + bias)
+           = act(x_cand[b] @ w_cand.T + (x_user @ w_user.T)[idx[b]] + bias)
+
+The user GEMM runs once per user into an fp32 workspace [U, N]; the candidate GEMM's epilogue
+adds each row's user result, the bias and the activation in fp32 and rounds once (LinearSm90:
+two launches of one kernel class on the current stream, the second overlapping the first).
+
+Alignment. TMA needs 16-byte row pitches, so inside the op a K that is not a multiple of 8
+pads x and w along K (a copy of each: for x_cand a slow path), an N that is not a multiple of
+8 stores into a padded buffer that is then copied into the output, and inputs that are not
+contiguous or not 16-byte aligned are copied.
+
+Memory: besides the output, each call allocates the fp32 workspace, 4 bytes per element of
+[U, N] with U rounded up to the user tile's rows (128 or 64) and N to the tile width.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from cute_kernels import (
+    CompiledKernel,
+    PlanCache,
+    copy_back,
+    forward_only,
+    into_out,
+    kernel_cache,
+    library_op,
+    on_device,
+    on_gpu,
+    plan_key,
+    require_sm90,
+    sm_count,
+    store_target,
+    tma_ready,
+)
+from cute_kernels.checks import check_index_range, check_out_target, validation_enabled
+
+from .checks import check_linear_inputs
+from .config import LinearConfig, compile_linear_config, linear_configs, pick_linear_tile
+from .reference import linear_reference
+
+_INPUT_NAMES = ("x_cand", "x_user", "idx", "w_cand", "w_user", "bias")
+
+
+def split_weight(weight: torch.Tensor, k_user: int, user_first: bool = True):
+    """(w_cand, w_user) of an nn.Linear weight [N, K_user + K_cand] that consumes the
+    concatenation of user and candidate features (user features first, or last with
+    ``user_first=False``), as contiguous copies: split once, when the model is loaded."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor [N, K_user + K_cand], got {getattr(weight, 'shape', weight)!r}")
+    k_total = weight.shape[1]
+    if isinstance(k_user, bool) or not isinstance(k_user, int) or not 0 < k_user < k_total:
+        raise ValueError(f"k_user must be an int in [1, {k_total - 1}] (weight has {k_total} input features), "
+                         f"got {k_user!r}")
+    if user_first:
+        w_user, w_cand = weight[:, :k_user], weight[:, k_user:]
+    else:
+        w_cand, w_user = weight[:, : k_total - k_user], weight[:, k_total - k_user:]
+    return w_cand.contiguous(), w_user.contiguous()
+
+
+def _kernel(cfg: LinearConfig) -> CompiledKernel:
+    return kernel_cache.get(("ikbo_gemm.linear", cfg), lambda: compile_linear_config(cfg), package="ikbo_gemm")
+
+
+def _ceil(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything a call needs that depends only on shapes, dtypes, options and device."""
+
+    user: CompiledKernel
+    cand: CompiledKernel
+    out_shape: tuple  # (B, N)
+    n8: int
+    k8_cand: int
+    k8_user: int
+    ws_shape: tuple  # (U_pad, N_pad) fp32
+    n_users: int
+    grid_user: int
+    grid_cand: int
+
+
+_plans = PlanCache()
+
+
+def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out) -> Optional[_Plan]:
+    """The launch plan for these shapes (None off the GPU or for B = 0); inputs fully checked
+    once per signature."""
+    key = plan_key(x_cand, x_user, idx, w_cand, w_user, bias, out, activation)
+    plan = _plans.get(key, False)
+    if plan is not False:
+        return plan
+    B, U, N, K_cand, K_user = check_linear_inputs(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, False)
+    plan = None
+    if on_gpu(x_cand):
+        device = x_cand.device
+        require_sm90(device, "linear")
+    if on_gpu(x_cand) and B > 0:
+        tile_user, tile_cand = pick_linear_tile(U, N), pick_linear_tile(B, N)
+        user_cfg, cand_cfg = linear_configs(x_cand.dtype, idx.dtype, tile_user, tile_cand, activation,
+                                            bias is not None)
+        n_pad = max(_ceil(N, tile_user[1]), _ceil(N, tile_cand[1]))
+        sms = sm_count(device)
+        tiles = lambda rows, t: -(-rows // t[0]) * -(-N // t[1])  # noqa: E731
+        plan = _Plan(
+            user=_kernel(user_cfg),
+            cand=_kernel(cand_cfg),
+            out_shape=(B, N),
+            n8=_ceil(N, 8),
+            k8_cand=_ceil(K_cand, 8),
+            k8_user=_ceil(K_user, 8),
+            ws_shape=(_ceil(U, tile_user[0]), n_pad),
+            n_users=U,
+            grid_user=min(sms, tiles(U, tile_user)),
+            grid_cand=min(sms, tiles(B, tile_cand)),
+        )
+    return _plans.keep(key, plan)
+
+
+def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None):
+    """IKBO linear layer: ``out[b] = act(x_cand[b] @ w_cand.T + x_user[idx[b]] @ w_user.T + bias)``.
+
+    Shapes: x_cand [B, K_cand], x_user [U, K_user], idx [B] (int32 or int64, values in [0, U),
+    any order), w_cand [N, K_cand], w_user [N, K_user] (nn.Linear's [out, in] layout; see
+    :func:`split_weight`), bias [N] (optional). fp16 or bf16, all one dtype; fp32 accumulation,
+    the user and candidate partial sums and the bias added in fp32 and rounded once, after
+    ``activation``: None, "relu", "gelu" (erf), "gelu_tanh", "silu" or "sigmoid".
+
+    ``out`` (optional): a contiguous [B, N] tensor of the operands' dtype, any alignment, sharing
+    no memory with the inputs (ValueError otherwise); written as torch writes in place.
+
+    ``validate`` (default: the IKBO_VALIDATE environment variable) checks that every idx lies
+    in [0, U), raising IndexError at the first bad position (a host synchronization; inside a
+    CUDA-graph capture validate=True raises). Without it an out-of-range index never reads or
+    writes outside the tensors: that candidate's output row is NaN.
+
+    B = 0 gives an empty [0, N] result. CPU tensors run :func:`linear_reference`; a CUDA GPU
+    other than sm_90 raises. No host synchronization (unless validating); CUDA-graph capturable.
+    Under torch.compile a call is traced as one node, ``torch.ops.ikbo_gemm.linear``. The kernel
+    has no backward: with grad mode on and an input that requires grad, the output's backward
+    raises (use :func:`linear_reference` for gradients).
+    """
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: the registered op (one node), out= filled by a copy.
+        return into_out(out, torch.ops.ikbo_gemm.linear(x_cand, x_user, idx, w_cand, w_user, bias, activation,
+                                                        validate))
+    plan = _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out)
+    inputs = (x_cand, x_user, idx, w_cand, w_user, bias)
+    if out is not None:
+        check_out_target("out", out, _INPUT_NAMES, inputs)
+    if validation_enabled(validate):
+        check_index_range("idx", idx, x_user.shape[0], "U", "the batch of x_user")
+    if plan is None:  # off the GPU, or no candidates
+        return linear_reference(*inputs, activation=activation, out=out, validate=False)
+    with on_device(x_cand.device):
+        return forward_only(
+            "ikbo_gemm.linear",
+            "ikbo_gemm.linear_reference",
+            lambda xc, xu, wc, wu, b, out: _run(plan, xc, xu, idx, wc, wu, b, out),
+            (x_cand, x_user, w_cand, w_user, bias),
+            out,
+        )
+
+
+def _pad_k(t: torch.Tensor, k8: int) -> torch.Tensor:
+    """``t`` [rows, K] as TMA takes it: K padded with zeros to ``k8``, contiguous and aligned."""
+    if t.shape[1] != k8:
+        return torch.nn.functional.pad(t, (0, k8 - t.shape[1]))
+    return tma_ready(t)
+
+
+def _run(plan: _Plan, x_cand, x_user, idx, w_cand, w_user, bias, out) -> torch.Tensor:
+    """Launch the user phase, then the candidate phase (on checked inputs); return ``out``."""
+    device = x_cand.device
+    xc, wc = _pad_k(x_cand, plan.k8_cand), _pad_k(w_cand, plan.k8_cand)
+    xu, wu = _pad_k(x_user, plan.k8_user), _pad_k(w_user, plan.k8_user)
+    idx_k = idx if idx.is_contiguous() else idx.contiguous()
+    bias_k = None if bias is None else (bias if bias.is_contiguous() else bias.contiguous())
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=x_cand.dtype, device=device)
+    target = store_target(out, (plan.out_shape[0], plan.n8))
+    ws = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
+    plan.user(xu, wu, ws, ws, idx_k, None, plan.n_users, plan.grid_user)
+    plan.cand(xc, wc, target, ws, idx_k, bias_k, plan.n_users, plan.grid_cand)
+    return copy_back(out, target)
+
+
+def _linear_shape(x_cand, x_user, idx, w_cand, w_user, bias=None, activation=None, validate=None):
+    B, _, N, _, _ = check_linear_inputs(x_cand, x_user, idx, w_cand, w_user, bias, activation, None, False)
+    return x_cand.new_empty((B, N))
+
+
+@library_op("ikbo_gemm::linear", "ikbo_gemm.linear", "ikbo_gemm.linear_reference", _linear_shape)
+def _linear_op(
+    x_cand: torch.Tensor,
+    x_user: torch.Tensor,
+    idx: torch.Tensor,
+    w_cand: torch.Tensor,
+    w_user: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    activation: Optional[str] = None,
+    validate: Optional[bool] = None,
+) -> torch.Tensor:
+    """``torch.ops.ikbo_gemm.linear``: what torch.compile traces a call of :func:`linear` as."""
+    return linear(x_cand, x_user, idx, w_cand, w_user, bias, activation=activation, validate=validate)

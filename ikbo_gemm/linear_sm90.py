@@ -1,0 +1,438 @@
+"""The IKBO linear kernel for Hopper (sm_90a): class LinearSm90, one class for both phases.
+
+    user phase:      ws[u]  = x_user[u] @ w_user^T                          (fp32)
+    candidate phase: out[b] = act(x_cand[b] @ w_cand^T + ws[idx[b]] + bias)  (rounded once)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from cute_kernels.accumulator import acc_mn_view
+from cute_kernels.interop import cutlass_dtype
+from cute_kernels.scheduler import strided_tiles
+from cute_kernels.warp_specialized import (
+    Barrier,
+    PingPong,
+    PipelineSpec,
+    RegisterSplit,
+    bar_sync,
+    check_barriers,
+    pipelines_init_arrive,
+    pipelines_init_wait,
+)
+
+from .config import LinearConfig
+
+_SQRT_HALF = math.sqrt(0.5)
+_GELU_TANH_C = math.sqrt(2.0 / math.pi)
+
+
+class LinearBarrier(Barrier):
+    """Named barrier ids (the class docstring of LinearSm90 says who uses each)."""
+
+    EPILOGUE = 1  # + consumer: the 128 threads of one consumer warpgroup
+    MMA_ORDER = 3  # + consumer: the ping-pong turn of the main loops (PingPong), 256 threads
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearTile:
+    """One output tile of the walk (device values)."""
+
+    m: Int32  # row tile (candidates, or users in the user phase)
+    n: Int32  # column tile (output features)
+
+
+class LinearSm90:
+    """Persistent warp-specialized ping-pong GEMM, ``C = A @ B^T`` with both operands K-major,
+    and one of two epilogues (``cfg.phase``):
+      "user": C in fp32 into the workspace ws [U_pad, N_pad] (no rounding);
+      "cand": C + ws[idx[row]] + bias, the activation, all in fp32, rounded once into out [B, N].
+
+    The op runs the user phase, then the candidate phase, as two launches on one stream
+    (programmatic dependent launch): the candidate grid starts once every CTA of the user grid
+    has started, runs its main loops meanwhile, and waits for the user grid to finish
+    (griddepcontrol.wait) only before its first epilogue reads ws. No CTA waits on another
+    CTA of its own grid, so any residency (green contexts, MPS limits) is safe.
+
+    Warp roles (384 threads, 1 CTA per SM):
+      warpgroup 0, producer (setmaxnreg 24): warp 0 issues the TMA loads of each k-block: the
+        A tile (tile_m rows x 64) and the B tile (tile_n rows x 64); K tails and rows past the
+        tensors load as zeros.
+      warpgroups 1, 2, consumers (setmaxnreg 240): each runs whole tiles, alternating (tile t
+        of this CTA's walk on consumer t % 2): the wgmma main loop, then its epilogue while
+        the other consumer runs its main loop.
+
+    Pipelines (PipelineTmaAsync; checked in ``__init__``):
+
+        | pipeline | producer -> consumer | full / empty arrives | stages |
+        | --- | --- | --- | --- |
+        | ab | producer warp 0 -> the consumer warpgroup owning the tile | 1 / 4 | ab_stages |
+
+      One ring shared by both consumers. Full: one elected producer thread with the stage's TMA
+      bytes. Empty: each of the owning consumer's 4 warps. Each consumer skips the other
+      consumer's k-blocks in its ring state.
+
+    Named barriers (LinearBarrier):
+      MMA_ORDER + c (256 threads; PingPong): consumer c waits on it before its main loop; the
+        other consumer arrives on it once its last wgmma is issued (consumer 0 opens the first
+        turn), so the consumers walk the ring in tile order.
+      EPILOGUE + c (128 threads): consumer c around each staged sub-tile of its output
+        (candidate phase): its warp 0 TMA-stores the sub-tile and reuses a staging buffer
+        only once the bulk store that read it is done.
+
+    Timelines. Producer warp 0, per tile: for each k-block, wait for a free stage, load A and B.
+    Consumer c, per tile of its lane of the walk: wait for its MMA_ORDER turn -> main loop
+    (wgmma one group in flight, stages released one behind) -> hand the turn over -> epilogue:
+    user phase: fp32 stores of its fragment into ws; candidate phase: (first tile: wait for the
+    user grid) per row the user index, then per 128 x EPI_N sub-tile: + ws row + bias,
+    activation, round, stmatrix into its staging buffer, TMA store.
+
+    Tile order: output tiles numbered column tile fastest (the tiles running together share
+    their A rows in L2), walked by the persistent grid (cute_kernels.scheduler).
+
+    Out-of-range indices: a candidate whose idx is outside [0, U) reads ws row 0 and adds NaN:
+    its output row is NaN, no other row is affected.
+    """
+
+    TILE_K = 64
+    EPI_N = 16  # output columns per staged epilogue sub-tile (one 4-matrix stmatrix wide)
+    EPI_STAGES = 2
+    REGISTERS = RegisterSplit(producer=24, consumer=240)
+    THREADS = REGISTERS.threads
+    TILE_OWNER_THREADS = 128
+
+    def __init__(self, cfg: LinearConfig):
+        self.cfg = cfg
+        self.dtype = cutlass_dtype(cfg.dtype)
+        self.idx_dtype = cutlass_dtype(cfg.idx_dtype)
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.tile_mnk = (cfg.tile_m, cfg.tile_n, self.TILE_K)
+        self.epi_tile = (cfg.tile_m, self.EPI_N)
+        self.epi_subtiles = cfg.tile_n // self.EPI_N
+        elt = self.dtype.width // 8
+        smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
+        self.stage_bytes = (cfg.tile_m + cfg.tile_n) * self.TILE_K * elt
+        # Staging buffers: EPI_STAGES per consumer (the user phase stores from registers; it
+        # keeps one unused buffer so that both phases share one shared-memory layout).
+        self.epi_buffers = 2 * self.EPI_STAGES if cfg.phase == "cand" else 1
+        epi_bytes = self.epi_buffers * cfg.tile_m * self.EPI_N * elt
+        # As many stages as fit beside the staging buffers and the barriers (1024 bytes: the
+        # operands are 1024-byte aligned).
+        self.ab_stages = min(8, (smem - epi_bytes - 1024) // self.stage_bytes)
+        if self.ab_stages < 2:
+            raise ValueError(f"LinearSm90: a {cfg.tile_m} x {cfg.tile_n} tile leaves room for "
+                             f"{self.ab_stages} pipeline stages; at least 2 are needed")
+        self.ab = PipelineSpec("ab", "producer warp 0", "the consumer owning the tile", self.ab_stages,
+                               self.stage_bytes, 1, 4).check("LinearSm90", releasing_threads=self.TILE_OWNER_THREADS)
+        self.ping_pong = PingPong(int(LinearBarrier.MMA_ORDER))
+        check_barriers("LinearSm90", LinearBarrier, {"EPILOGUE": 2, "MMA_ORDER": 2})
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,  # [rows, K_pad]: x_cand (cand phase) or x_user (user phase)
+        b: cute.Tensor,  # [N, K_pad]: w_cand or w_user
+        out: cute.Tensor,  # cand: [B, N] in dtype; user: ws [U_pad, N_pad] fp32
+        ws: cute.Tensor,  # cand: [U_pad, N_pad] fp32 user results (user phase: unused, = out)
+        idx: cute.Tensor,  # [B] (user phase: unused)
+        bias: cute.Tensor | None,  # [N] (cand phase with bias only)
+        n_users: Int32,  # U
+        grid_size: Int32,
+        stream,
+    ):
+        # GEMM views (rows, K, 1) and (N, K, 1); C (rows, N).
+        mA = cute.make_tensor(a.iterator, cute.append(a.layout, cute.make_layout(1)))
+        mB = cute.make_tensor(b.iterator, cute.append(b.layout, cute.make_layout(1)))
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+            tiler_mn=(64, self.tile_n))
+        a_smem = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
+        b_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_a, tA = cpasync.make_tiled_tma_atom(load, mA, cute.select(a_smem, mode=[0, 1]),
+                                                (self.tile_m, self.TILE_K))
+        tma_b, tB = cpasync.make_tiled_tma_atom(load, mB, cute.select(b_smem, mode=[0, 1]),
+                                                (self.tile_n, self.TILE_K))
+        epi_smem = sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
+                                                   self.epi_buffers)
+        tma_out = None
+        c_out = out  # user phase: ws, stored from registers
+        if const_expr(self.cfg.phase == "cand"):
+            # The TMA view of out: stores of staged sub-tiles.
+            tma_out, c_out = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out,
+                                                         cute.select(epi_smem, mode=[0, 1]), self.epi_tile)
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(b_smem)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(epi_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tma_a, tA, tma_b, tB, tma_out, c_out, ws, idx, bias, n_users, tiled_mma, a_smem, b_smem,
+                    epi_smem).launch(
+            grid=[grid_size, 1, 1], block=[self.THREADS, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_out: cute.CopyAtom | None,
+        mOut: cute.Tensor,
+        mWs: cute.Tensor,
+        mIdx: cute.Tensor,
+        mBias: cute.Tensor | None,
+        n_users: Int32,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            if const_expr(self.cfg.phase == "cand"):
+                cpasync.prefetch_descriptor(tma_out)
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipeline = self.ab.make(storage.ab_barriers.data_ptr())
+        pipelines_init_arrive(1)
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+        n_rows = cute.size(mA, mode=[0])
+        n_cols = cute.size(mB, mode=[0])
+        m_tiles = (n_rows + self.tile_m - 1) // self.tile_m
+        n_tiles = (n_cols + self.tile_n - 1) // self.tile_n
+        k_blocks = (cute.size(mA, mode=[1]) + self.TILE_K - 1) // self.TILE_K
+        pipelines_init_wait(1)
+        if const_expr(self.cfg.phase == "user"):
+            # The inputs were written by the grids before this one (programmatic dependent
+            # launch): wait for them, then let the candidate grid start on the free SMs.
+            cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        if warp_idx < 4:
+            self.REGISTERS.enter_producer()
+            if warp_idx == 0:
+                self.producer(ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, m_tiles * n_tiles, n_tiles, k_blocks)
+        else:
+            self.REGISTERS.enter_consumer()
+            self.consumer(warp_idx // 4 - 1, ab_pipeline, tiled_mma, sA, sB, sC, tma_out, mOut, mWs, mIdx, mBias,
+                          n_users, n_rows, n_cols, m_tiles * n_tiles, n_tiles, k_blocks)
+
+    @cute.jit
+    def decode(self, t: Int32, n_tiles: Int32) -> LinearTile:
+        return LinearTile(t // n_tiles, t % n_tiles)
+
+    # ----------------------------------------------------------- producer
+    @cute.jit
+    def producer(self, ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, n_work: Int32, n_tiles: Int32, k_blocks: Int32):
+        """Warp 0: per tile and k-block, wait for a free stage and load its A and B tiles."""
+        one = cute.make_layout(1)
+        gA = cute.local_tile(mA, (self.tile_m, self.TILE_K), (None, None, 0))
+        gB = cute.local_tile(mB, (self.tile_n, self.TILE_K), (None, None, 0))
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, one, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        walk = strided_tiles(Int32(0))
+        t = walk.first
+        while t < n_work:
+            tile = self.decode(t, n_tiles)
+            for k in cutlass.range(k_blocks, unroll=1):
+                ab_pipeline.producer_acquire(state)
+                bar = ab_pipeline.producer_get_barrier(state)
+                cute.copy(tma_a, tAgA[(None, tile.m, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_b, tBgB[(None, tile.n, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                ab_pipeline.producer_commit(state)
+                state.advance()
+            t += walk.stride
+        ab_pipeline.producer_tail(state)
+
+    # ----------------------------------------------------------- consumers
+    @cute.jit
+    def consumer(self, consumer_idx: Int32, ab_pipeline, tiled_mma, sA, sB, sC, tma_out, mOut, mWs, mIdx, mBias,
+                 n_users: Int32, n_rows: Int32, n_cols: Int32, n_work: Int32, n_tiles: Int32, k_blocks: Int32):
+        """Consumer warpgroups: alternate tiles of the CTA's walk; main loop, then epilogue."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx % 128
+        warp_in_wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        # (row, col) within the tile of each accumulator register.
+        coords = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+
+        walk = strided_tiles(Int32(0), lanes=2, lane=consumer_idx)
+        t = walk.first
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        if consumer_idx == 0:
+            self.ping_pong.open_first_turn()
+        else:
+            # Consumer 1 starts after consumer 0's first tile in the ring.
+            if t - walk.clusters < n_work:
+                state.advance(k_blocks)
+        epi_count = Int32(0)
+        while t < n_work:
+            tile = self.decode(t, n_tiles)
+            self.ping_pong.wait(consumer_idx)
+            state = self.mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks, consumer_idx)
+            if const_expr(self.cfg.phase == "user"):
+                self.store_user_tile(acc, coords, mOut, tile)
+            else:
+                self.store_output_tile(acc, coords, tiled_mma, sC, tma_out, mOut, mWs, mIdx, mBias, tile, n_users,
+                                       n_rows, n_cols, epi_count, consumer_idx, warp_in_wg, tidx)
+                epi_count += self.epi_subtiles
+            # Skip the other consumer's next tile in the ring.
+            if t + walk.clusters < n_work:
+                state.advance(k_blocks)
+            t += walk.stride
+        if const_expr(self.cfg.phase == "cand"):
+            if warp_in_wg == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def mainloop(self, ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks: Int32, consumer_idx: Int32):
+        """wgmma over the tile's k-blocks; one wgmma group in flight, stages released one behind."""
+        release = state.clone()
+        ab_pipeline.consumer_wait(state)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        self.mma_k_block(tiled_mma, acc, tCrA, tCrB, state.index, first=True)
+        state.advance()
+        for k in cutlass.range(1, k_blocks, unroll=1):
+            ab_pipeline.consumer_wait(state)
+            self.mma_k_block(tiled_mma, acc, tCrA, tCrB, state.index)
+            warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release)
+            release.advance()
+            state.advance()
+        # Every wgmma of this tile is issued: the other consumer may start its main loop.
+        self.ping_pong.hand_over(consumer_idx)
+        warpgroup.wait_group(0)
+        ab_pipeline.consumer_release(release)
+        return state
+
+    @cute.jit
+    def mma_k_block(self, tiled_mma, acc, tCrA, tCrB, stage: Int32, first: cutlass.Constexpr = False):
+        warpgroup.fence()
+        for kk in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            coord = (None, None, kk, stage)
+            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            if const_expr(first and kk == 0):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    # ----------------------------------------------------------- epilogues
+    @cute.jit
+    def store_user_tile(self, acc, coords, mWs, tile: LinearTile):
+        """fp32 user results straight into ws (padded to whole tiles: no bounds to check)."""
+        acc_mn = acc_mn_view(acc)
+        row0 = tile.m * self.tile_m
+        col0 = tile.n * self.tile_n
+        for m in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                r, col = coords[m, c]
+                mWs[row0 + r, col0 + col] = acc_mn[m, c]
+
+    @cute.jit
+    def store_output_tile(self, acc, coords, tiled_mma, sC, tma_out, mOut, mWs, mIdx, mBias, tile: LinearTile,
+                          n_users: Int32, n_rows: Int32, n_cols: Int32, epi_count: Int32, consumer_idx: Int32,
+                          warp_in_wg: Int32, tidx: Int32):
+        """+ ws[idx[row]] + bias, activation, round once; staged 128 x EPI_N sub-tiles, TMA-stored
+        (rows and columns past the output are clipped by the store)."""
+        acc_mn = acc_mn_view(acc)
+        rows = cute.size(acc_mn, mode=[0])
+        row0 = tile.m * self.tile_m
+        col0 = tile.n * self.tile_n
+        # The user grid's ws is complete (a no-op once it has finished).
+        cute.arch.griddepcontrol_wait()
+        # Each row's user (rows past B read idx[B - 1]; they are never stored).
+        users = []
+        poison = []
+        for m in cutlass.range_constexpr(rows):
+            u_raw = mIdx[cutlass.min(row0 + coords[m, 0][0], n_rows - 1)]
+            valid = (u_raw >= 0) & (u_raw < n_users)  # in idx's own width: an int64 must not wrap
+            users.append(Int32(u_raw) if valid else Int32(0))
+            poison.append(Float32(0.0) if valid else Float32(math.nan))
+
+        sub = cute.make_rmem_tensor(self.sub_mma(tiled_mma).get_slice(tidx).partition_shape_C(self.epi_tile), Float32)
+        sub_mn = acc_mn_view(sub)
+        per_sub = cute.size(sub_mn, mode=[1])
+        r2s = cute.make_tiled_copy_S(
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
+            cute.make_tiled_copy_C_atom(cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
+                                        self.sub_mma(tiled_mma)),
+        )
+        thr_r2s = r2s.get_slice(tidx)
+        tRS_sC = thr_r2s.partition_D(sC)
+        gOut = cute.local_tile(mOut, self.epi_tile, (None, None))
+        for s in cutlass.range_constexpr(self.epi_subtiles):
+            for m in cutlass.range_constexpr(rows):
+                for c in cutlass.range_constexpr(per_sub):
+                    col = col0 + coords[m, s * per_sub + c][1]
+                    v = acc_mn[m, s * per_sub + c] + mWs[users[m], col] + poison[m]
+                    if const_expr(self.cfg.has_bias):
+                        v = v + Float32(mBias[cutlass.min(col, n_cols - 1)])
+                    sub_mn[m, c] = self.activation(v)
+            rOut = cute.make_rmem_tensor_like(sub, self.dtype)
+            rOut.store(sub.load().to(self.dtype))
+            buf = consumer_idx * self.EPI_STAGES + (epi_count + s) % self.EPI_STAGES
+            cute.copy(r2s, r2s.retile(rOut), tRS_sC[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.epi_sync(consumer_idx)
+            if warp_in_wg == 0:
+                tS, tG = cpasync.tma_partition(tma_out, 0, cute.make_layout(1),
+                                               cute.group_modes(sC[(None, None, buf)], 0, 2),
+                                               cute.group_modes(gOut[(None, None, tile.m, tile.n * self.epi_subtiles + s)],
+                                                                0, 2))
+                cute.copy(tma_out, tS, tG)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(self.EPI_STAGES - 1, read=True)
+            self.epi_sync(consumer_idx)
+
+    def sub_mma(self, tiled_mma):
+        """The tiled MMA of one epilogue sub-tile (tile_m x EPI_N): its accumulator fragment is the
+        full tile's fragment restricted to those columns, in the same register order."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+            tiler_mn=(64, self.EPI_N))
+
+    @cute.jit
+    def activation(self, x: Float32) -> Float32:
+        """The configured activation, in fp32."""
+        act = self.cfg.activation
+        y = x
+        if const_expr(act == "relu"):
+            y = Float32(0.0) if x < Float32(0.0) else x  # NaN stays NaN (fmax would drop it), as torch.relu
+        elif const_expr(act == "gelu"):
+            y = Float32(0.5) * x * (Float32(1.0) + cute.math.erf(x * Float32(_SQRT_HALF)))
+        elif const_expr(act == "gelu_tanh"):
+            inner = Float32(_GELU_TANH_C) * (x + Float32(0.044715) * x * x * x)
+            y = Float32(0.5) * x * (Float32(1.0) + cute.math.tanh(inner))
+        elif const_expr(act == "silu"):
+            y = x / (Float32(1.0) + cute.math.exp(-x))
+        elif const_expr(act == "sigmoid"):
+            y = Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+        return y
+
+    def epi_sync(self, consumer_idx):
+        """The 128 threads of consumer ``consumer_idx`` (its epilogue's staging buffers)."""
+        bar_sync(LinearBarrier.EPILOGUE + consumer_idx, 128)
