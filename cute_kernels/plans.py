@@ -24,19 +24,21 @@ class PlanCache(dict):
 
 def plan_key(*parts) -> tuple:
     """A hashable key of an op call's signature: each tensor by dtype, shape, strides, device and
-    layout (a non-strided tensor by layout alone: the full checks then refuse it), tuples and
-    lists item by item, anything else as it is."""
-    return tuple(_key_of(p) for p in parts)
-
-
-def _key_of(x):
-    if isinstance(x, torch.Tensor):
-        if x.layout != torch.strided:
-            return ("tensor", x.layout)
-        return ("tensor", x.dtype, tuple(x.shape), x.stride(), x.device)
-    if isinstance(x, (tuple, list)):
-        return (type(x).__name__, *(_key_of(v) for v in x))
-    return x
+    layout (a layout without strides by its shape alone: the full checks then refuse it), tuples
+    and lists item by item, anything else as it is. It runs on every call of the ops, so it stays
+    a flat loop."""
+    key = []
+    for x in parts:
+        if isinstance(x, torch.Tensor):
+            try:
+                key.append((x.dtype, x.shape, x.stride(), x.device, x.layout))
+            except RuntimeError:  # a layout without strides
+                key.append((x.layout, x.shape))
+        elif isinstance(x, (tuple, list)):
+            key.append((type(x), plan_key(*x)))
+        else:
+            key.append(x)
+    return tuple(key)
 
 
 def on_gpu(x) -> bool:

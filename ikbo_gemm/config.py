@@ -184,6 +184,7 @@ class LinearConfig:
     phase: str  # "user": x_user @ w_user^T into the fp32 workspace; "cand": the candidate GEMM + epilogue
     activation: Optional[str] = None  # candidate phase only
     has_bias: bool = False  # candidate phase only
+    cluster_m: int = 1  # CTAs of a cluster on neighbouring row tiles, sharing the B tile (TMA multicast)
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -201,12 +202,15 @@ class LinearConfig:
             raise ValueError(f"LinearConfig.phase must be 'user' or 'cand', got {self.phase!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"LinearConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.cluster_m not in (1, 2):
+            raise ValueError(f"LinearConfig.cluster_m must be 1 or 2, got {self.cluster_m}")
         if self.phase == "user" and (self.activation is not None or self.has_bias):
             raise ValueError("LinearConfig: the user phase takes no activation and no bias (the candidate phase adds them)")
 
     def __str__(self) -> str:
         extra = "".join(f"-{x}" for x in (self.activation, "bias" if self.has_bias else None) if x)
-        return f"linear-{self.phase}-{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-m{self.tile_m}-n{self.tile_n}{extra}"
+        return (f"linear-{self.phase}-{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-m{self.tile_m}-n{self.tile_n}"
+                f"-c{self.cluster_m}{extra}")
 
 
 LINEAR_TILES = ((128, 128), (128, 192), (128, 64), (64, 256), (64, 128))
@@ -218,21 +222,22 @@ def pick_linear_tile(rows: int, n: int) -> tuple[int, int]:
     return min(LINEAR_TILES, key=lambda t: (tile_cost(t[0], t[1], n, rows), -t[0] * t[1]))
 
 
-def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias) -> tuple:
+def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1) -> tuple:
     """(user phase, candidate phase) configurations of one call."""
     return (LinearConfig(dtype, idx_dtype, *tile_user, "user"),
-            LinearConfig(dtype, idx_dtype, *tile_cand, "cand", activation, has_bias))
+            LinearConfig(dtype, idx_dtype, *tile_cand, "cand", activation, has_bias, cluster_cand))
 
 
 LINEAR_SHIPPED_CONFIGS = [
-    LinearConfig(dtype, idx_dtype, tm, tn, "user")
-    for dtype in (torch.float16, torch.bfloat16) for idx_dtype in (torch.int32,) for tm, tn in LINEAR_TILES
+    LinearConfig(dtype, torch.int32, tm, tn, "user") for dtype in (torch.float16, torch.bfloat16) for tm, tn in LINEAR_TILES
 ] + [
-    LinearConfig(dtype, idx_dtype, tm, tn, "cand", act, bias)
-    for dtype in (torch.float16, torch.bfloat16) for idx_dtype in (torch.int32, torch.int64)
-    for tm, tn in LINEAR_TILES for act, bias in ((None, False), ("relu", True))
+    LinearConfig(dtype, torch.int32, tm, tn, "cand", act, bias, cluster)
+    for dtype in (torch.float16, torch.bfloat16) for tm, tn in LINEAR_TILES for cluster in (1, 2)
+    for act, bias in ((None, False), ("relu", True))
 ] + [
-    LinearConfig(torch.bfloat16, torch.int32, 128, 128, "cand", act, True) for act in ACTIVATIONS[2:]
+    LinearConfig(torch.float16, torch.int64, 128, 128, "cand", None, False, cluster) for cluster in (1, 2)
+] + [
+    LinearConfig(torch.bfloat16, torch.int32, 128, 128, "cand", act, True, 2) for act in ACTIVATIONS[2:]
 ]
 
 

@@ -25,6 +25,7 @@ import torch
 from cute_kernels import (
     CompiledKernel,
     PlanCache,
+    max_active_clusters,
     copy_back,
     forward_only,
     into_out,
@@ -45,6 +46,9 @@ from .config import LinearConfig, compile_linear_config, linear_configs, pick_li
 from .reference import linear_reference
 
 _INPUT_NAMES = ("x_cand", "x_user", "idx", "w_cand", "w_user", "bias")
+# CTAs per cluster of the candidate phase where there are two row tiles or more (they share
+# each B tile by TMA multicast).
+_CAND_CLUSTER = 2
 
 
 def split_weight(weight: torch.Tensor, k_user: int, user_first: bool = True):
@@ -105,11 +109,13 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out) -> Optiona
         require_sm90(device, "linear")
     if on_gpu(x_cand) and B > 0:
         tile_user, tile_cand = pick_linear_tile(U, N), pick_linear_tile(B, N)
+        cluster = _CAND_CLUSTER if B > tile_cand[0] else 1
         user_cfg, cand_cfg = linear_configs(x_cand.dtype, idx.dtype, tile_user, tile_cand, activation,
-                                            bias is not None)
+                                            bias is not None, cluster)
         n_pad = max(_ceil(N, tile_user[1]), _ceil(N, tile_cand[1]))
         sms = sm_count(device)
-        tiles = lambda rows, t: -(-rows // t[0]) * -(-N // t[1])  # noqa: E731
+        n_tiles = -(-N // tile_cand[1])
+        cand_clusters = min(max_active_clusters(device, cluster), -(-B // (tile_cand[0] * cluster)) * n_tiles)
         plan = _Plan(
             user=_kernel(user_cfg),
             cand=_kernel(cand_cfg),
@@ -119,8 +125,8 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out) -> Optiona
             k8_user=_ceil(K_user, 8),
             ws_shape=(_ceil(U, tile_user[0]), n_pad),
             n_users=U,
-            grid_user=min(sms, tiles(U, tile_user)),
-            grid_cand=min(sms, tiles(B, tile_cand)),
+            grid_user=min(sms, -(-U // tile_user[0]) * -(-N // tile_user[1])),
+            grid_cand=cand_clusters * cluster,
         )
     return _plans.keep(key, plan)
 

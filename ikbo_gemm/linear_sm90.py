@@ -64,10 +64,14 @@ class LinearSm90:
     (griddepcontrol.wait) only before its first epilogue reads ws. No CTA waits on another
     CTA of its own grid, so any residency (green contexts, MPS limits) is safe.
 
+    Clusters: with ``cfg.cluster_m`` = 2 the CTAs of a cluster run neighbouring row tiles of the
+    same column tile and share its B tile: each loads its half of the rows and multicasts it to
+    both, halving the B traffic from L2.
+
     Warp roles (384 threads, 1 CTA per SM):
       warpgroup 0, producer (setmaxnreg 24): warp 0 issues the TMA loads of each k-block: the
-        A tile (tile_m rows x 64) and the B tile (tile_n rows x 64); K tails and rows past the
-        tensors load as zeros.
+        A tile (tile_m rows x 64) and this CTA's share of the B tile (tile_n / cluster_m rows
+        x 64, multicast to the cluster); K tails and rows past the tensors load as zeros.
       warpgroups 1, 2, consumers (setmaxnreg 240): each runs whole tiles, alternating (tile t
         of this CTA's walk on consumer t % 2): the wgmma main loop, then its epilogue while
         the other consumer runs its main loop.
@@ -76,11 +80,12 @@ class LinearSm90:
 
         | pipeline | producer -> consumer | full / empty arrives | stages |
         | --- | --- | --- | --- |
-        | ab | producer warp 0 -> the consumer warpgroup owning the tile | 1 / 4 | ab_stages |
+        | ab | producer warp 0 -> the consumer warpgroup owning the tile | 1 / 4 x cluster_m | ab_stages |
 
       One ring shared by both consumers. Full: one elected producer thread with the stage's TMA
-      bytes. Empty: each of the owning consumer's 4 warps. Each consumer skips the other
-      consumer's k-blocks in its ring state.
+      bytes (the A tile and the whole B tile, its halves from both CTAs). Empty: each of the
+      owning consumer's 4 warps releases the stage in every CTA of the cluster (their B halves
+      land in it). Each consumer skips the other consumer's k-blocks in its ring state.
 
     Named barriers (LinearBarrier):
       MMA_ORDER + c (256 threads; PingPong): consumer c waits on it before its main loop; the
@@ -97,8 +102,9 @@ class LinearSm90:
     user grid) per row the user index, then per 128 x EPI_N sub-tile: + ws row + bias,
     activation, round, stmatrix into its staging buffer, TMA store.
 
-    Tile order: output tiles numbered column tile fastest (the tiles running together share
-    their A rows in L2), walked by the persistent grid (cute_kernels.scheduler).
+    Tile order: cluster tiles (cluster_m row tiles x one column tile) numbered column tile
+    fastest (the tiles running together share their A rows in L2), walked by the persistent
+    grid of clusters (cute_kernels.scheduler).
 
     Out-of-range indices: a candidate whose idx is outside [0, U) reads ws row 0 and adds NaN:
     its output row is NaN, no other row is affected.
@@ -117,6 +123,8 @@ class LinearSm90:
         self.idx_dtype = cutlass_dtype(cfg.idx_dtype)
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.tile_mnk = (cfg.tile_m, cfg.tile_n, self.TILE_K)
+        self.cluster = cfg.cluster_m
+        self.b_rows = cfg.tile_n // cfg.cluster_m  # rows of the B tile each CTA of a cluster loads
         self.epi_tile = (cfg.tile_m, self.EPI_N)
         self.epi_subtiles = cfg.tile_n // self.EPI_N
         elt = self.dtype.width // 8
@@ -133,7 +141,8 @@ class LinearSm90:
             raise ValueError(f"LinearSm90: a {cfg.tile_m} x {cfg.tile_n} tile leaves room for "
                              f"{self.ab_stages} pipeline stages; at least 2 are needed")
         self.ab = PipelineSpec("ab", "producer warp 0", "the consumer owning the tile", self.ab_stages,
-                               self.stage_bytes, 1, 4).check("LinearSm90", releasing_threads=self.TILE_OWNER_THREADS)
+                               self.stage_bytes, 1, 4 * self.cluster).check(
+            "LinearSm90", releasing_threads=self.TILE_OWNER_THREADS, multicast_ctas=self.cluster)
         self.ping_pong = PingPong(int(LinearBarrier.MMA_ORDER))
         check_barriers("LinearSm90", LinearBarrier, {"EPILOGUE": 2, "MMA_ORDER": 2})
 
@@ -162,8 +171,12 @@ class LinearSm90:
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tA = cpasync.make_tiled_tma_atom(load, mA, cute.select(a_smem, mode=[0, 1]),
                                                 (self.tile_m, self.TILE_K))
-        tma_b, tB = cpasync.make_tiled_tma_atom(load, mB, cute.select(b_smem, mode=[0, 1]),
-                                                (self.tile_n, self.TILE_K))
+        # This CTA's rows of the B tile (all of them without a cluster), multicast in a cluster.
+        b_part = (self.tile_m, self.b_rows, self.TILE_K)
+        b_part_smem = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, b_part, self.dtype, 1),
+                                  mode=[0, 1])
+        b_load = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster > 1) else load
+        tma_b, tB = cpasync.make_tiled_tma_atom(b_load, mB, b_part_smem, (self.b_rows, self.TILE_K))
         epi_smem = sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
                                                    self.epi_buffers)
         tma_out = None
@@ -183,7 +196,8 @@ class LinearSm90:
         self.shared_storage = SharedStorage
         self.kernel(tma_a, tA, tma_b, tB, tma_out, c_out, ws, idx, bias, n_users, tiled_mma, a_smem, b_smem,
                     epi_smem).launch(
-            grid=[grid_size, 1, 1], block=[self.THREADS, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True)
+            grid=[grid_size, 1, 1], block=[self.THREADS, 1, 1], cluster=[self.cluster, 1, 1], min_blocks_per_mp=1,
+            stream=stream, use_pdl=True)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -212,17 +226,18 @@ class LinearSm90:
                 cpasync.prefetch_descriptor(tma_out)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        ab_pipeline = self.ab.make(storage.ab_barriers.data_ptr())
-        pipelines_init_arrive(1)
+        ab_pipeline = self.ab.make(storage.ab_barriers.data_ptr(), cute.make_layout((1, self.cluster, 1, 1)))
+        pipelines_init_arrive(self.cluster)
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
         n_rows = cute.size(mA, mode=[0])
         n_cols = cute.size(mB, mode=[0])
-        m_tiles = (n_rows + self.tile_m - 1) // self.tile_m
+        m_groups = (n_rows + self.tile_m * self.cluster - 1) // (self.tile_m * self.cluster)
         n_tiles = (n_cols + self.tile_n - 1) // self.tile_n
         k_blocks = (cute.size(mA, mode=[1]) + self.TILE_K - 1) // self.TILE_K
-        pipelines_init_wait(1)
+        pipelines_init_wait(self.cluster)
         if const_expr(self.cfg.phase == "user"):
             # The inputs were written by the grids before this one (programmatic dependent
             # launch): wait for them, then let the candidate grid start on the free SMs.
@@ -232,44 +247,62 @@ class LinearSm90:
         if warp_idx < 4:
             self.REGISTERS.enter_producer()
             if warp_idx == 0:
-                self.producer(ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, m_tiles * n_tiles, n_tiles, k_blocks)
+                self.producer(ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, m_groups * n_tiles, n_tiles, k_blocks, rank)
         else:
             self.REGISTERS.enter_consumer()
             self.consumer(warp_idx // 4 - 1, ab_pipeline, tiled_mma, sA, sB, sC, tma_out, mOut, mWs, mIdx, mBias,
-                          n_users, n_rows, n_cols, m_tiles * n_tiles, n_tiles, k_blocks)
+                          n_users, n_rows, n_cols, m_groups * n_tiles, n_tiles, k_blocks, rank)
 
     @cute.jit
-    def decode(self, t: Int32, n_tiles: Int32) -> LinearTile:
-        return LinearTile(t // n_tiles, t % n_tiles)
+    def decode(self, t: Int32, n_tiles: Int32, rank: Int32) -> LinearTile:
+        """Cluster tile index -> this CTA's tile."""
+        return LinearTile(t // n_tiles * self.cluster + rank, t % n_tiles)
 
     # ----------------------------------------------------------- producer
     @cute.jit
-    def producer(self, ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, n_work: Int32, n_tiles: Int32, k_blocks: Int32):
-        """Warp 0: per tile and k-block, wait for a free stage and load its A and B tiles."""
+    def producer(self, ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, n_work: Int32, n_tiles: Int32, k_blocks: Int32,
+                 rank: Int32):
+        """Warp 0: per tile and k-block, wait for a free stage and load its A tile and this CTA's
+        rows of its B tile (multicast to the cluster)."""
         one = cute.make_layout(1)
         gA = cute.local_tile(mA, (self.tile_m, self.TILE_K), (None, None, 0))
-        gB = cute.local_tile(mB, (self.tile_n, self.TILE_K), (None, None, 0))
         tAsA, tAgA = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, one, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        cluster_layout = cute.make_layout((self.cluster, 1, 1))
+        mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(rank), mode=0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        walk = strided_tiles(Int32(0))
+        walk = strided_tiles(Int32(0), cluster=self.cluster)
         t = walk.first
         while t < n_work:
-            tile = self.decode(t, n_tiles)
+            tile = self.decode(t, n_tiles, rank)
             for k in cutlass.range(k_blocks, unroll=1):
                 ab_pipeline.producer_acquire(state)
                 bar = ab_pipeline.producer_get_barrier(state)
                 cute.copy(tma_a, tAgA[(None, tile.m, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                cute.copy(tma_b, tBgB[(None, tile.n, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                self.load_b(tma_b, mB, sB, tile.n, k, rank, state.index, bar, mcast)
                 ab_pipeline.producer_commit(state)
                 state.advance()
             t += walk.stride
         ab_pipeline.producer_tail(state)
 
+    @cute.jit
+    def load_b(self, atom, mB, sB, n, k, rank, stage, bar, mcast):
+        """Rows [rank, rank + 1) x b_rows of B tile (n, k) into the stage, multicast in a cluster."""
+        box = (self.b_rows, self.TILE_K)
+        r = rank * self.b_rows
+        g = cute.local_tile(cute.domain_offset((n * self.tile_n + r, 0, 0), mB), box, (0, k, 0))
+        s = cute.local_tile(cute.domain_offset((r, 0, 0), sB), box, (0, 0, stage))
+        tBs, tBg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                         cute.group_modes(g, 0, 2))
+        if const_expr(self.cluster > 1):
+            cute.copy(atom, tBg, tBs, tma_bar_ptr=bar, mcast_mask=mcast)
+        else:
+            cute.copy(atom, tBg, tBs, tma_bar_ptr=bar)
+
     # ----------------------------------------------------------- consumers
     @cute.jit
     def consumer(self, consumer_idx: Int32, ab_pipeline, tiled_mma, sA, sB, sC, tma_out, mOut, mWs, mIdx, mBias,
-                 n_users: Int32, n_rows: Int32, n_cols: Int32, n_work: Int32, n_tiles: Int32, k_blocks: Int32):
+                 n_users: Int32, n_rows: Int32, n_cols: Int32, n_work: Int32, n_tiles: Int32, k_blocks: Int32,
+                 rank: Int32):
         """Consumer warpgroups: alternate tiles of the CTA's walk; main loop, then epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx % 128
@@ -281,7 +314,7 @@ class LinearSm90:
         # (row, col) within the tile of each accumulator register.
         coords = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
 
-        walk = strided_tiles(Int32(0), lanes=2, lane=consumer_idx)
+        walk = strided_tiles(Int32(0), cluster=self.cluster, lanes=2, lane=consumer_idx)
         t = walk.first
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         if consumer_idx == 0:
@@ -292,7 +325,7 @@ class LinearSm90:
                 state.advance(k_blocks)
         epi_count = Int32(0)
         while t < n_work:
-            tile = self.decode(t, n_tiles)
+            tile = self.decode(t, n_tiles, rank)
             self.ping_pong.wait(consumer_idx)
             state = self.mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks, consumer_idx)
             if const_expr(self.cfg.phase == "user"):
