@@ -252,16 +252,17 @@ def compile_linear_config(cfg: LinearConfig, *, keep_ptx: bool = False, ptxas_re
 
     dt = cutlass_dtype(cfg.dtype)
     operand = dict(divisibility=8, align=16)
-    ws = fake_tensor(cutlass.Float32, (None, None), divisibility=8, align=16)
+    ws = fake_tensor(cutlass.Float32, (None, None, None), divisibility=8, align=16)
     out = ws if cfg.phase == "user" else fake_tensor(dt, (None, None), **operand)
     args = (
         fake_tensor(dt, (None, None), **operand),  # a [rows, K_pad]
         fake_tensor(dt, (None, None), **operand),  # b [N, K_pad]
         out,  # [rows, N] (user phase: the workspace)
-        ws,  # [U_pad, N_pad] fp32
+        ws,  # [splits, U_pad, N_pad] fp32
         fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),  # idx [B]
         fake_tensor(dt, (None,), align=2) if cfg.has_bias else None,  # bias [N]
         cutlass.Int32(1),  # n_users
+        cutlass.Int32(1),  # n_splits
         cutlass.Int32(1),  # grid_size
         fake_stream(),
     )

@@ -13,7 +13,8 @@ pads x and w along K (a copy of each: for x_cand a slow path), an N that is not 
 contiguous or not 16-byte aligned are copied.
 
 Memory: besides the output, each call allocates the fp32 workspace, 4 bytes per element of
-[U, N] with U rounded up to the user tile's rows (128 or 64) and N to the tile width.
+[U, N] with U rounded up to the user tile's rows (128 or 64) and N to the tile width, times
+the user phase's K slices (1 to 4; more only where U is small).
 """
 from __future__ import annotations
 
@@ -86,8 +87,9 @@ class _Plan:
     n8: int
     k8_cand: int
     k8_user: int
-    ws_shape: tuple  # (U_pad, N_pad) fp32
+    ws_shape: tuple  # (splits, U_pad, N_pad) fp32
     n_users: int
+    splits: int  # slices of the user phase's K
     grid_user: int
     grid_cand: int
 
@@ -116,6 +118,7 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out) -> Optiona
         sms = sm_count(device)
         n_tiles = -(-N // tile_cand[1])
         cand_clusters = min(max_active_clusters(device, cluster), -(-B // (tile_cand[0] * cluster)) * n_tiles)
+        splits = _user_splits(-(-U // tile_user[0]) * -(-N // tile_user[1]), -(-K_user // 64), sms)
         plan = _Plan(
             user=_kernel(user_cfg),
             cand=_kernel(cand_cfg),
@@ -123,12 +126,23 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out) -> Optiona
             n8=_ceil(N, 8),
             k8_cand=_ceil(K_cand, 8),
             k8_user=_ceil(K_user, 8),
-            ws_shape=(_ceil(U, tile_user[0]), n_pad),
+            ws_shape=(splits, _ceil(U, tile_user[0]), n_pad),
             n_users=U,
-            grid_user=min(sms, -(-U // tile_user[0]) * -(-N // tile_user[1])),
+            splits=splits,
+            grid_user=min(sms, splits * -(-U // tile_user[0]) * -(-N // tile_user[1])),
             grid_cand=cand_clusters * cluster,
         )
     return _plans.keep(key, plan)
+
+
+def _user_splits(user_tiles: int, k_blocks: int, sms: int) -> int:
+    """Slices of K for the user phase. The candidate grid starts on an SM once the user grid
+    has left it, so a user phase of few, long tiles delays part of the candidate grid by a
+    whole tile; up to 4 slices of at least 2 k-blocks each spread it over the SMs. The count
+    is such that every slice has a k-block."""
+    target = max(1, min(4, sms // max(user_tiles, 1), k_blocks // 2))
+    per_split = -(-k_blocks // target)
+    return -(-k_blocks // per_split)
 
 
 def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None):
@@ -194,8 +208,8 @@ def _run(plan: _Plan, x_cand, x_user, idx, w_cand, w_user, bias, out) -> torch.T
         out = torch.empty(plan.out_shape, dtype=x_cand.dtype, device=device)
     target = store_target(out, (plan.out_shape[0], plan.n8))
     ws = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
-    plan.user(xu, wu, ws, ws, idx_k, None, plan.n_users, plan.grid_user)
-    plan.cand(xc, wc, target, ws, idx_k, bias_k, plan.n_users, plan.grid_cand)
+    plan.user(xu, wu, ws, ws, idx_k, None, plan.n_users, plan.splits, plan.grid_user)
+    plan.cand(xc, wc, target, ws, idx_k, bias_k, plan.n_users, plan.splits, plan.grid_cand)
     return copy_back(out, target)
 
 

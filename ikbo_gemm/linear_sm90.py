@@ -46,10 +46,28 @@ class LinearBarrier(Barrier):
 
 @dataclasses.dataclass(frozen=True)
 class LinearTile:
-    """One output tile of the walk (device values)."""
+    """One tile of the walk (device values)."""
 
     m: Int32  # row tile (candidates, or users in the user phase)
     n: Int32  # column tile (output features)
+    split: Int32  # user phase: the slice of K, and the workspace slab it writes
+    k_begin: Int32  # first k-block
+    k_count: Int32  # k-blocks (>= 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearWork:
+    """The launch's tile space (device values): ``splits`` slices of K (user phase), each of
+    ``m_groups`` x ``n_tiles`` cluster tiles, column tile fastest."""
+
+    n_tiles: Int32
+    m_groups: Int32  # groups of cluster_m row tiles
+    splits: Int32
+    k_blocks: Int32
+    k_per_split: Int32  # every split has at least one k-block (the op picks the split count so)
+
+    def size(self):
+        return self.splits * self.m_groups * self.n_tiles
 
 
 class LinearSm90:
@@ -104,7 +122,9 @@ class LinearSm90:
 
     Tile order: cluster tiles (cluster_m row tiles x one column tile) numbered column tile
     fastest (the tiles running together share their A rows in L2), walked by the persistent
-    grid of clusters (cute_kernels.scheduler).
+    grid of clusters (cute_kernels.scheduler). The user phase may split K in ``n_splits``
+    slices (so that its few tiles fill the GPU and the candidate grid starts sooner): slice s
+    writes workspace slab s, and the candidate epilogue adds the slabs in order (deterministic).
 
     Out-of-range indices: a candidate whose idx is outside [0, U) reads ws row 0 and adds NaN:
     its output row is NaN, no other row is affected.
@@ -152,11 +172,12 @@ class LinearSm90:
         self,
         a: cute.Tensor,  # [rows, K_pad]: x_cand (cand phase) or x_user (user phase)
         b: cute.Tensor,  # [N, K_pad]: w_cand or w_user
-        out: cute.Tensor,  # cand: [B, N] in dtype; user: ws [U_pad, N_pad] fp32
-        ws: cute.Tensor,  # cand: [U_pad, N_pad] fp32 user results (user phase: unused, = out)
+        out: cute.Tensor,  # cand: [B, N] in dtype; user: ws
+        ws: cute.Tensor,  # [n_splits, U_pad, N_pad] fp32 user results (the user phase writes them)
         idx: cute.Tensor,  # [B] (user phase: unused)
         bias: cute.Tensor | None,  # [N] (cand phase with bias only)
         n_users: Int32,  # U
+        n_splits: Int32,  # slices of the user phase's K: workspace slabs
         grid_size: Int32,
         stream,
     ):
@@ -194,8 +215,8 @@ class LinearSm90:
             sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(epi_smem)], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(tma_a, tA, tma_b, tB, tma_out, c_out, ws, idx, bias, n_users, tiled_mma, a_smem, b_smem,
-                    epi_smem).launch(
+        self.kernel(tma_a, tA, tma_b, tB, tma_out, c_out, ws, idx, bias, n_users, n_splits, tiled_mma, a_smem,
+                    b_smem, epi_smem).launch(
             grid=[grid_size, 1, 1], block=[self.THREADS, 1, 1], cluster=[self.cluster, 1, 1], min_blocks_per_mp=1,
             stream=stream, use_pdl=True)
 
@@ -213,6 +234,7 @@ class LinearSm90:
         mIdx: cute.Tensor,
         mBias: cute.Tensor | None,
         n_users: Int32,
+        n_splits: Int32,
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
@@ -234,9 +256,13 @@ class LinearSm90:
         sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
         n_rows = cute.size(mA, mode=[0])
         n_cols = cute.size(mB, mode=[0])
-        m_groups = (n_rows + self.tile_m * self.cluster - 1) // (self.tile_m * self.cluster)
-        n_tiles = (n_cols + self.tile_n - 1) // self.tile_n
         k_blocks = (cute.size(mA, mode=[1]) + self.TILE_K - 1) // self.TILE_K
+        splits = n_splits if const_expr(self.cfg.phase == "user") else Int32(1)
+        work = LinearWork(
+            n_tiles=(n_cols + self.tile_n - 1) // self.tile_n,
+            m_groups=(n_rows + self.tile_m * self.cluster - 1) // (self.tile_m * self.cluster),
+            splits=splits, k_blocks=k_blocks, k_per_split=(k_blocks + splits - 1) // splits,
+        )
         pipelines_init_wait(self.cluster)
         if const_expr(self.cfg.phase == "user"):
             # The inputs were written by the grids before this one (programmatic dependent
@@ -247,21 +273,25 @@ class LinearSm90:
         if warp_idx < 4:
             self.REGISTERS.enter_producer()
             if warp_idx == 0:
-                self.producer(ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, m_groups * n_tiles, n_tiles, k_blocks, rank)
+                self.producer(ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, work, rank)
         else:
             self.REGISTERS.enter_consumer()
             self.consumer(warp_idx // 4 - 1, ab_pipeline, tiled_mma, sA, sB, sC, tma_out, mOut, mWs, mIdx, mBias,
-                          n_users, n_rows, n_cols, m_groups * n_tiles, n_tiles, k_blocks, rank)
+                          n_users, n_splits, n_rows, n_cols, work, rank)
 
     @cute.jit
-    def decode(self, t: Int32, n_tiles: Int32, rank: Int32) -> LinearTile:
+    def decode(self, t: Int32, work: LinearWork, rank: Int32) -> LinearTile:
         """Cluster tile index -> this CTA's tile."""
-        return LinearTile(t // n_tiles * self.cluster + rank, t % n_tiles)
+        per_split = work.m_groups * work.n_tiles
+        split = t // per_split
+        r = t - split * per_split
+        k_begin = split * work.k_per_split
+        return LinearTile(r // work.n_tiles * self.cluster + rank, r % work.n_tiles, split, k_begin,
+                          cutlass.min(work.k_per_split, work.k_blocks - k_begin))
 
     # ----------------------------------------------------------- producer
     @cute.jit
-    def producer(self, ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, n_work: Int32, n_tiles: Int32, k_blocks: Int32,
-                 rank: Int32):
+    def producer(self, ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, work: LinearWork, rank: Int32):
         """Warp 0: per tile and k-block, wait for a free stage and load its A tile and this CTA's
         rows of its B tile (multicast to the cluster)."""
         one = cute.make_layout(1)
@@ -272,9 +302,10 @@ class LinearSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         walk = strided_tiles(Int32(0), cluster=self.cluster)
         t = walk.first
-        while t < n_work:
-            tile = self.decode(t, n_tiles, rank)
-            for k in cutlass.range(k_blocks, unroll=1):
+        while t < work.size():
+            tile = self.decode(t, work, rank)
+            for i in cutlass.range(tile.k_count, unroll=1):
+                k = tile.k_begin + i
                 ab_pipeline.producer_acquire(state)
                 bar = ab_pipeline.producer_get_barrier(state)
                 cute.copy(tma_a, tAgA[(None, tile.m, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
@@ -301,8 +332,7 @@ class LinearSm90:
     # ----------------------------------------------------------- consumers
     @cute.jit
     def consumer(self, consumer_idx: Int32, ab_pipeline, tiled_mma, sA, sB, sC, tma_out, mOut, mWs, mIdx, mBias,
-                 n_users: Int32, n_rows: Int32, n_cols: Int32, n_work: Int32, n_tiles: Int32, k_blocks: Int32,
-                 rank: Int32):
+                 n_users: Int32, n_splits: Int32, n_rows: Int32, n_cols: Int32, work: LinearWork, rank: Int32):
         """Consumer warpgroups: alternate tiles of the CTA's walk; main loop, then epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx % 128
@@ -321,22 +351,22 @@ class LinearSm90:
             self.ping_pong.open_first_turn()
         else:
             # Consumer 1 starts after consumer 0's first tile in the ring.
-            if t - walk.clusters < n_work:
-                state.advance(k_blocks)
+            if t - walk.clusters < work.size():
+                state.advance(self.decode(t - walk.clusters, work, rank).k_count)
         epi_count = Int32(0)
-        while t < n_work:
-            tile = self.decode(t, n_tiles, rank)
+        while t < work.size():
+            tile = self.decode(t, work, rank)
             self.ping_pong.wait(consumer_idx)
-            state = self.mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks, consumer_idx)
+            state = self.mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_count, consumer_idx)
             if const_expr(self.cfg.phase == "user"):
                 self.store_user_tile(acc, coords, mOut, tile)
             else:
                 self.store_output_tile(acc, coords, tiled_mma, sC, tma_out, mOut, mWs, mIdx, mBias, tile, n_users,
-                                       n_rows, n_cols, epi_count, consumer_idx, warp_in_wg, tidx)
+                                       n_splits, n_rows, n_cols, epi_count, consumer_idx, warp_in_wg, tidx)
                 epi_count += self.epi_subtiles
             # Skip the other consumer's next tile in the ring.
-            if t + walk.clusters < n_work:
-                state.advance(k_blocks)
+            if t + walk.clusters < work.size():
+                state.advance(self.decode(t + walk.clusters, work, rank).k_count)
             t += walk.stride
         if const_expr(self.cfg.phase == "cand"):
             if warp_in_wg == 0:
@@ -376,21 +406,22 @@ class LinearSm90:
     # ----------------------------------------------------------- epilogues
     @cute.jit
     def store_user_tile(self, acc, coords, mWs, tile: LinearTile):
-        """fp32 user results straight into ws (padded to whole tiles: no bounds to check)."""
+        """fp32 user results straight into workspace slab ``tile.split`` (padded to whole tiles: no
+        bounds to check)."""
         acc_mn = acc_mn_view(acc)
         row0 = tile.m * self.tile_m
         col0 = tile.n * self.tile_n
         for m in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
                 r, col = coords[m, c]
-                mWs[row0 + r, col0 + col] = acc_mn[m, c]
+                mWs[tile.split, row0 + r, col0 + col] = acc_mn[m, c]
 
     @cute.jit
     def store_output_tile(self, acc, coords, tiled_mma, sC, tma_out, mOut, mWs, mIdx, mBias, tile: LinearTile,
-                          n_users: Int32, n_rows: Int32, n_cols: Int32, epi_count: Int32, consumer_idx: Int32,
-                          warp_in_wg: Int32, tidx: Int32):
-        """+ ws[idx[row]] + bias, activation, round once; staged 128 x EPI_N sub-tiles, TMA-stored
-        (rows and columns past the output are clipped by the store)."""
+                          n_users: Int32, n_splits: Int32, n_rows: Int32, n_cols: Int32, epi_count: Int32,
+                          consumer_idx: Int32, warp_in_wg: Int32, tidx: Int32):
+        """+ ws[idx[row]] (its slabs in order) + bias, activation, round once; staged tile_m x EPI_N
+        sub-tiles, TMA-stored (rows and columns past the output are clipped by the store)."""
         acc_mn = acc_mn_view(acc)
         rows = cute.size(acc_mn, mode=[0])
         row0 = tile.m * self.tile_m
@@ -405,6 +436,11 @@ class LinearSm90:
             valid = (u_raw >= 0) & (u_raw < n_users)  # in idx's own width: an int64 must not wrap
             users.append(Int32(u_raw) if valid else Int32(0))
             poison.append(Float32(0.0) if valid else Float32(math.nan))
+        # The user rows, slab by slab in a fixed order (the same bits whoever ran which slice).
+        for sp in cutlass.range(n_splits, unroll=1):
+            for m in cutlass.range_constexpr(rows):
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    acc_mn[m, c] = acc_mn[m, c] + mWs[sp, users[m], col0 + coords[m, c][1]]
 
         sub = cute.make_rmem_tensor(self.sub_mma(tiled_mma).get_slice(tidx).partition_shape_C(self.epi_tile), Float32)
         sub_mn = acc_mn_view(sub)
@@ -421,7 +457,7 @@ class LinearSm90:
             for m in cutlass.range_constexpr(rows):
                 for c in cutlass.range_constexpr(per_sub):
                     col = col0 + coords[m, s * per_sub + c][1]
-                    v = acc_mn[m, s * per_sub + c] + mWs[users[m], col] + poison[m]
+                    v = acc_mn[m, s * per_sub + c] + poison[m]
                     if const_expr(self.cfg.has_bias):
                         v = v + Float32(mBias[cutlass.min(col, n_cols - 1)])
                     sub_mn[m, c] = self.activation(v)
