@@ -3,6 +3,7 @@ device checks, arguments)."""
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,98 @@ def test_time_checked_keeps_the_timed_and_marks_the_failed(monkeypatch):
     done = harness.time_checked(timed, rows, warmup=1, rep=1, device="cpu")
     assert list(done) == ["a"] and rows[0]["ms"] == 1.5
     assert rows[1]["status"] == "error" and "illegal instruction" in rows[1]["note"] and "ms" not in rows[1]
+
+
+def test_time_checked_in_each_timing_mode(monkeypatch):
+    interleaved, sustained = [], []
+
+    def fake_interleaved(fns, **k):
+        interleaved.append(sorted(fns))
+        return {name: 1.0 + i for i, name in enumerate(fns)}
+
+    def fake_sustained(fn, seconds, *, warm_s, rotate, device):
+        sustained.append((fn(None), seconds, warm_s, rotate))
+        if fn(None) == "b":
+            raise RuntimeError("launch failed")
+        return {"ms": 2.0, "ms_mean": 2.1, "W": 690.0, "MHz": 1450.0, "power_capped": True, "mJ": 1.4,
+                "samples": 9, "calls": 50}
+
+    monkeypatch.setattr(harness, "bench_interleaved", fake_interleaved)
+    monkeypatch.setattr(harness, "sustained", fake_sustained)
+
+    def run(timing):
+        rows = [{"provider": n, "status": "ok"} for n in "ab"]
+        timed = {r["provider"]: (r, lambda x, n=r["provider"]: n) for r in rows}
+        done = harness.time_checked(timed, rows, warmup=1, rep=1, rotate=[0, 1], device="cpu", timing=timing,
+                                    warm_s=0.5, seconds=0.25)
+        return rows, done
+
+    rows, done = run("both")
+    assert interleaved == [["a", "b"]] and [s[1:] for s in sustained] == [(0.25, 0.5, [0, 1])] * 2
+    assert list(done) == ["a"] and rows[0]["ms"] == 1.0 and rows[0]["ms_sustained"] == 2.0
+    assert (rows[0]["W"], rows[0]["MHz"], rows[0]["power_capped"], rows[0]["mJ"]) == (690.0, 1450.0, True, 1.4)
+    assert rows[1]["status"] == "error" and "launch failed" in rows[1]["note"] and rows[1]["ms"] == 2.0
+    interleaved.clear()
+    rows, done = run("sustained")
+    assert interleaved == [] and "ms" not in rows[0] and rows[0]["ms_sustained"] == 2.0
+    rows, done = run("interleaved")
+    assert len(interleaved) == 1 and len(sustained) == 4 and set(done) == {"a", "b"}
+    assert all("ms_sustained" not in r for r in rows)
+
+
+def test_mode_lines():
+    rows = [{"provider": "a", "status": "ok", "ms": 1.0, "x": 2.0, "ms_sustained": 1.5, "x_sustained": 1.8,
+             "W": 700.0, "MHz": 1400.0}]
+    lines, cols = harness.mode_lines(rows, ["provider", "status"], ["ms", "x"], "both")
+    assert cols == ["provider", "status", "timing", "ms", "x", "W", "MHz"]
+    assert lines == [{"provider": "a", "status": "ok", "timing": "interleaved", "ms": 1.0, "x": 2.0},
+                     {"timing": "sustained", "ms": 1.5, "x": 1.8, "W": 700.0, "MHz": 1400.0}]
+    lines, cols = harness.mode_lines(rows, ["provider"], ["ms"], "interleaved")
+    assert cols == ["provider", "ms"] and lines == [{"provider": "a", "timing": "interleaved", "ms": 1.0}]
+    lines, cols = harness.mode_lines(rows, ["provider"], ["ms"], "sustained")
+    assert cols == ["provider", "timing", "ms", "W", "MHz"] and lines[0]["ms"] == 1.5 and len(lines) == 1
+
+
+def test_timing_arguments():
+    import argparse
+    ap = argparse.ArgumentParser()
+    harness.add_common_args(ap)
+    harness.add_timing_args(ap, default="both")
+    args = ap.parse_args([])
+    assert (args.timing, args.sustained_warmup_s, args.sustained_s) == ("both", 2.0, 1.0)
+    assert harness.timing_settings(args) == {"warmup": 5, "rep": 30, "timing": "both", "sustained_warmup_s": 2.0,
+                                             "sustained_s": 1.0}
+    assert harness.timing_modes("both") == ["interleaved", "sustained"] and harness.mode_suffixes("sustained") == [
+        "_sustained"]
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--timing", "burst"])
+
+
+def test_sustained_times_chunks_of_calls_on_the_cpu(monkeypatch):
+    from conftest import FakePowerSampler
+
+    monkeypatch.setattr(harness, "PowerSampler", FakePowerSampler)
+    seen = []
+
+    def fn(x):
+        seen.append(x)
+        time.sleep(0.002)
+
+    r = harness.sustained(fn, 0.1, warm_s=0.05, rotate=["a", "b", "c"], device="cpu")
+    assert seen[:4] == ["a", "b", "c", "a"] and set(seen) == {"a", "b", "c"}
+    assert 2.0 <= r["ms"] < 20 and 2.0 <= r["ms_mean"] < 20  # a chunk's calls took 2 ms and more each
+    assert r["calls"] >= 5 and len(seen) >= r["calls"] + 3  # 3 untimed calls size the chunks, then the warm-up
+    assert (r["W"], r["MHz"], r["power_capped"], r["samples"]) == (700.0, 1500.0, True, 10)
+    assert r["mJ"] == pytest.approx(700.0 * r["ms_mean"])
+
+
+def test_torch_compiled_is_static_and_whole(compile_eagerly):
+    def f(x):
+        return x + 1
+
+    assert harness.torch_compiled(f) is f and harness.torch_compiled(f, "max-autotune-no-cudagraphs") is f
+    assert compile_eagerly == [{"fn": f, "mode": None, "dynamic": False, "fullgraph": True},
+                               {"fn": f, "mode": "max-autotune-no-cudagraphs", "dynamic": False, "fullgraph": True}]
 
 
 def test_print_table_aligns(capsys):
