@@ -271,21 +271,8 @@ def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float
     rows, timed = check_providers(p, inp, provs, args.tol, skip)
     harness.time_checked(timed, rows, rotate=sets, device=DEVICE, **harness.timing_options(args))
     timed.clear()
-    for r in rows:
-        first, steady = r.pop("first_call_s", None), r.get("ms", r.get("ms_sustained"))
-        if first is not None and steady is not None:
-            r["compile_s"] = max(0.0, first - steady * 1e-3)
-    for s in harness.mode_suffixes(args.timing):  # ratios within each timing mode
-        base = {r["provider"]: r.get("ms" + s) for r in rows if r["provider"] in SPEEDUP_COLUMNS}
-        for r in rows:
-            ms = r.get("ms" + s)
-            if not ms:
-                continue
-            r["tflops" + s] = harness.tflops(p.flops, ms)
-            r["pct_ceiling" + s] = 100.0 * r["tflops" + s] / ceiling
-            for name, col in SPEEDUP_COLUMNS.items():
-                if base.get(name):
-                    r[col + s] = base[name] / ms
+    harness.compile_seconds(rows)
+    harness.derive_rates(rows, args.timing, flops=p.flops, ceiling=ceiling, peers=SPEEDUP_COLUMNS)
     p.cache.clear()
     return rows
 

@@ -3,7 +3,7 @@
 Timing rules used by every benchmark here:
 - ``bench_ms``: median of CUDA-event timings of single calls after warm-up. With
   ``rotate``, successive calls cycle through copies of the inputs so that L2 does not
-  keep one call's inputs for the next.
+  keep one call's inputs for the next (``rotation_count`` says how many copies).
 - ``bench_graph_ms``: the same on replays of a captured CUDA graph (launch overhead gone).
 - ``bench_interleaved`` / ``bench_graph_interleaved``: the same for several functions timed in
   turns (one call of each per round), so that drift in clocks or temperature during a run
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import functools
+import itertools
 import json
 import math
 import os
@@ -168,17 +169,20 @@ def bench_interleaved(fns: dict, *, warmup: int = 5, rep: int = 30,
     """Median milliseconds of one call of each ``fns[name](x)``, timed in turns.
 
     Every round calls each function once (CUDA events around each call), so clock, power and
-    thermal drift during the measurement fall on all of them alike. A function that raises
-    is dropped from later rounds; its entry is the exception.
+    thermal drift during the measurement fall on all of them alike. Each call, whichever the
+    function, takes the next input set of ``rotate``: no call finds in L2 the inputs the call
+    before it loaded. A function that raises is dropped from later rounds; its entry is the
+    exception.
     """
     calls = {name: _caller(fn, rotate)[0] for name, fn in fns.items()}
     result: dict = {}
+    count = itertools.count()
 
     def guarded(name, i):
         if name in result:
             return
         try:
-            calls[name](i)
+            calls[name](next(count))
         except Exception as e:  # reported by the caller
             result[name] = e
 
@@ -778,6 +782,33 @@ def time_checked(timed: dict, rows: list, *, warmup: int, rep: int, rotate: Opti
                 continue
             row.update(ms_sustained=r["ms"], W=r["W"], MHz=r["MHz"], power_capped=r["power_capped"], mJ=r["mJ"])
     return done
+
+
+def compile_seconds(rows: list) -> None:
+    """Each timed row's compile_s: its first call (``first_call_s``, removed) minus a steady call."""
+    for r in rows:
+        first, steady = r.pop("first_call_s", None), r.get("ms", r.get("ms_sustained"))
+        if first is not None and steady is not None:
+            r["compile_s"] = max(0.0, first - steady * 1e-3)
+
+
+def derive_rates(rows: list, timing: str, *, flops: float, ceiling: float, peers: dict,
+                 pct: str = "pct_ceiling") -> None:
+    """In each timing mode, for every row with a time: TFLOP/s of ``flops``, percent of the
+    ``ceiling`` TFLOP/s (field ``pct``) and, for each peer provider (name -> column in
+    ``peers``), that peer's ms / this row's ms; all with the mode's suffix, so that ratios
+    compare times of one mode."""
+    for s in mode_suffixes(timing):
+        base = {r["provider"]: r.get("ms" + s) for r in rows if r["provider"] in peers}
+        for r in rows:
+            ms = r.get("ms" + s)
+            if not ms:
+                continue
+            r["tflops" + s] = tflops(flops, ms)
+            r[pct + s] = 100.0 * r["tflops" + s] / ceiling
+            for name, col in peers.items():
+                if base.get(name):
+                    r[col + s] = base[name] / ms
 
 
 # --------------------------------------------------------------------------- torch.compile peers

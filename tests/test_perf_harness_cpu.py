@@ -54,6 +54,30 @@ def test_round_robin_rotates_the_start():
     assert len(calls) == 12
 
 
+class _FakeEvent:
+    """torch.cuda.Event on the CPU: the wall-clock time of record()."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def test_interleaved_calls_take_successive_input_sets(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    seen = []
+    fns = {n: (lambda x, n=n: seen.append((n, x))) for n in "ab"}
+    times = harness.bench_interleaved(fns, warmup=1, rep=2, rotate=[0, 1, 2])
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    # warm-up a b, then timed a b | b a: every call, whichever the function, takes the next set
+    assert seen == [("a", 0), ("b", 1), ("a", 2), ("b", 0), ("b", 1), ("a", 2)]
+
+
 def test_record_failure_kinds():
     rows = [{"provider": "p"}]
     harness.record_failure(rows[0], harness.Skip("no page table"), rows, device="cpu")
