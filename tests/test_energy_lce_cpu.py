@@ -119,7 +119,7 @@ def test_sustained_averages_the_samples(monkeypatch):
     r = harness.sustained(lambda: calls.append(1), 0.05, warm_s=0.01, trim=3, device="cpu")
     assert r["samples"] == 15 and r["W"] == pytest.approx(700.0) and r["MHz"] == 1450.0
     assert r["power_capped"] is True and r["ms"] > 0 and r["mJ"] == pytest.approx(700.0 * r["ms_mean"])
-    assert len(calls) >= r["calls"] + 3 >= 4  # three untimed calls size the chunks
+    assert len(calls) >= r["calls"] + 1 >= 2  # an untimed call sizes the chunks
 
 
 def test_sustained_without_nvidia_smi(monkeypatch):

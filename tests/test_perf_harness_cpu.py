@@ -55,13 +55,17 @@ def test_round_robin_rotates_the_start():
 
 
 class _FakeEvent:
-    """torch.cuda.Event on the CPU: the wall-clock time of record()."""
+    """torch.cuda.Event on the CPU: the wall-clock time of record(); synchronize() is counted."""
+    waited = []
 
     def __init__(self, enable_timing=False):
         self.t = None
 
     def record(self):
         self.t = time.perf_counter()
+
+    def synchronize(self):
+        self.waited.append(self)
 
     def elapsed_time(self, end):
         return (end.t - self.t) * 1e3
@@ -176,9 +180,31 @@ def test_sustained_times_chunks_of_calls_on_the_cpu(monkeypatch):
     r = harness.sustained(fn, 0.1, warm_s=0.05, rotate=["a", "b", "c"], device="cpu")
     assert seen[:4] == ["a", "b", "c", "a"] and set(seen) == {"a", "b", "c"}
     assert 2.0 <= r["ms"] < 20 and 2.0 <= r["ms_mean"] < 20  # a chunk's calls took 2 ms and more each
-    assert r["calls"] >= 5 and len(seen) >= r["calls"] + 3  # 3 untimed calls size the chunks, then the warm-up
+    assert r["calls"] >= 5 and len(seen) >= r["calls"] + 1  # an untimed call sizes the chunks, then the warm-up
     assert (r["W"], r["MHz"], r["power_capped"], r["samples"]) == (700.0, 1500.0, True, 10)
     assert r["mJ"] == pytest.approx(700.0 * r["ms_mean"])
+
+
+def test_sustained_on_a_gpu_waits_two_chunks_back(monkeypatch):
+    """The CUDA-event path, events faked: the host waits on the mark two chunks back."""
+    from conftest import FakePowerSampler
+
+    marks = []
+
+    class Event(_FakeEvent):
+        def record(self):
+            super().record()
+            marks.append(self)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(harness, "PowerSampler", FakePowerSampler)
+    monkeypatch.setattr(harness, "_power_field", lambda index: "power.draw")
+    _FakeEvent.waited.clear()
+    r = harness.sustained(lambda: time.sleep(0.001), 0.05, warm_s=0.02, device="cuda")
+    assert len(marks) >= 5 and _FakeEvent.waited == marks[:len(marks) - 2]
+    assert r["ms"] >= 1.0 and r["W"] == 700.0 and r["calls"] >= 1
 
 
 def test_torch_compiled_is_static_and_whole(compile_eagerly):
