@@ -14,11 +14,32 @@ reported, never timed); those that pass are timed in turns, one call of each per
                            cat(w_user, w_cand) (the stage-0 baseline, copy timed)
   torch bmm                the same GEMM on a copy made beforehand (copy not timed)
   torch decomposition      user GEMM at U, candidate GEMM at B, then gather + add
+  torch.compile decomposition
+                           the decomposition under torch.compile (Inductor keeps cuBLAS for the
+                           GEMMs and fuses the gather and add): the strongest torch path
+  torch.compile decomposition max-autotune
+                           the same, mode="max-autotune-no-cudagraphs" (it autotunes each GEMM
+                           for tens of seconds: at the published shape only, unless
+                           --max-autotune all)
+  torch.compile materialize+bmm
+                           materialize + batched GEMM under torch.compile
   ikbo two_launch          ikbo_gemm.lce(schedule="two_launch"): user GEMM, then the candidate
                            GEMM with the gather-add fused into its epilogue
   ikbo fused               ikbo_gemm.lce(schedule="fused"): one persistent warp-specialized kernel
-Columns: median ms, TFLOP/s, speedup over each torch provider (its ms / this ms), percent of
-the 8192^3 cuBLAS GEMM ceiling, and compile_s = first call (synchronized) minus a steady call.
+The torch.compile providers compile afresh for each problem (static shapes, one graph, no
+Inductor disk cache), so compile_s is a cold compile.
+Columns: median ms, TFLOP/s, speedup over each torch provider (its ms / this ms: x_mat_bmm,
+x_bmm, x_decomp, and x_compiled over the compiled decomposition), percent of the 8192^3 cuBLAS
+GEMM ceiling, and compile_s = first call (synchronized) minus a steady call.
+
+Timing (--timing): interleaved (the default) times the providers in turns, one call of each per
+round, so they share the GPU's clock and temperature, but each runs in short bursts below the
+board's power limit. sustained runs each provider alone, back to back, for --sustained-s after
+--sustained-warmup-s, as a serving GPU runs: the median ms per call of chunks of calls, with the
+power (W) and SM clock (MHz) seen meanwhile, fields ms_sustained, tflops_sustained,
+x_*_sustained, ... (ratios within the mode). both does the two, interleaved first; sustained
+adds about 3 s per provider and point (5 min more on the default configurations, whose
+interleaved run takes about 3 min on an H200): --configs published --timing both for the headline.
 """
 from __future__ import annotations
 
@@ -41,9 +62,9 @@ NAME = "bench_lce"
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
 PUBLISHED = {"B": 1024, "ratio": 70, "M": 433, "N": 256, "K_user": 1184, "K_cand": 872}
 SWEEPS = {"B": [256, 512, 1024, 2048, 4096], "ratio": [2, 5, 10, 30, 70, 200, 1000, 10000]}
-TORCH_PROVIDERS = ["torch materialize+bmm", "torch bmm", "torch decomposition"]
 SPEEDUP_COLUMNS = {"torch materialize+bmm": "x_mat_bmm", "torch bmm": "x_bmm",
-                   "torch decomposition": "x_decomp"}
+                   "torch decomposition": "x_decomp", "torch.compile decomposition": "x_compiled"}
+AUTOTUNE_MODE = "max-autotune-no-cudagraphs"
 
 
 def lce_flops(M: int, N: int, B: int, U: int, K_user: int, K_cand: int) -> int:
@@ -131,6 +152,7 @@ class Provider:
     setup: Callable[[LceProblem, LceInputs], Any]
     run: Callable[[LceProblem, Any, LceInputs], torch.Tensor]  # -> out [B, M, N]
     ours: bool = False
+    max_autotune: bool = False  # compiles for long: --max-autotune says where it runs
 
 
 class _Lib:
@@ -159,10 +181,45 @@ def _bmm_setup(p: LceProblem, inp: LceInputs):
     return _w_cat(p, inp), _materialize(p, inp)
 
 
+# The torch paths on plain tensors, the form torch.compile is given.
+
+def materialize_bmm(w: torch.Tensor, e_cand, e_user, idx) -> torch.Tensor:
+    return torch.matmul(w, torch.cat([e_user.index_select(0, idx), e_cand], dim=1))
+
+
+def decomposition(w_cand, w_user, e_cand, e_user, idx) -> torch.Tensor:
+    user = torch.matmul(w_user, e_user)  # [U, M, N]
+    out = torch.matmul(w_cand, e_cand)  # [B, M, N]
+    return out.add_(user.index_select(0, idx))
+
+
+def decomposition_autotuned(w_cand, w_user, e_cand, e_user, idx) -> torch.Tensor:
+    # A code object of its own: dynamo keeps compiled graphs per code object, and this one is
+    # compiled in another mode than ``decomposition``.
+    return decomposition(w_cand, w_user, e_cand, e_user, idx)
+
+
 def _decomposition(p: LceProblem, st, inp: LceInputs) -> torch.Tensor:
-    user = torch.matmul(inp.w_user, inp.e_user)  # [U, M, N]
-    out = torch.matmul(inp.w_cand, inp.e_cand)  # [B, M, N]
-    return out.add_(user.index_select(0, p.idx))
+    return decomposition(inp.w_cand, inp.w_user, inp.e_cand, inp.e_user, p.idx)
+
+
+def _compiled(name: str, fn: Callable, mode: Optional[str] = None) -> Provider:
+    """A provider running ``harness.torch_compiled(fn, mode)``, compiled at its first call."""
+    def setup(p: LceProblem, inp: LceInputs):
+        return harness.torch_compiled(fn, mode)
+
+    def run(p: LceProblem, f, i: LceInputs) -> torch.Tensor:
+        return f(i.w_cand, i.w_user, i.e_cand, i.e_user, p.idx)
+
+    return Provider(name, setup, run, max_autotune=mode == AUTOTUNE_MODE)
+
+
+def _compiled_materialize_bmm() -> Provider:
+    def setup(p: LceProblem, inp: LceInputs):
+        return _w_cat(p, inp), harness.torch_compiled(materialize_bmm)
+
+    return Provider("torch.compile materialize+bmm", setup,
+                    lambda p, st, i: st[1](st[0], i.e_cand, i.e_user, p.idx))
 
 
 def _ours(schedule: str) -> Callable:
@@ -179,6 +236,9 @@ def providers() -> list:
                  lambda p, w, i: torch.matmul(w, _materialize(p, i))),
         Provider("torch bmm", _bmm_setup, lambda p, st, i: torch.matmul(st[0], st[1])),
         Provider("torch decomposition", lambda p, i: None, _decomposition),
+        _compiled("torch.compile decomposition", decomposition),
+        _compiled("torch.compile decomposition max-autotune", decomposition_autotuned, AUTOTUNE_MODE),
+        _compiled_materialize_bmm(),
         Provider("ikbo two_launch", lambda p, i: None, _ours("two_launch"), ours=True),
         Provider("ikbo fused", lambda p, i: None, _ours("fused"), ours=True),
     ]
@@ -187,34 +247,32 @@ def providers() -> list:
 # --------------------------------------------------------------------------- one configuration
 
 
-def check_providers(p: LceProblem, inp: LceInputs, provs: list, tol: float) -> tuple[list, dict]:
-    """``harness.check_providers`` against the fp32 reference; ours skipped when not importable."""
+def check_providers(p: LceProblem, inp: LceInputs, provs: list, tol: float,
+                    skip: Optional[dict] = None) -> tuple[list, dict]:
+    """``harness.check_providers`` against the fp32 reference; ours skipped when not importable,
+    and those ``skip`` names (name -> why)."""
     ref = reference_output(p, inp)
+    skip = skip or {}
+
+    def skip_note(prov):
+        return LIB.note if prov.ours and LIB.ikbo_gemm is None else skip.get(prov.name)
+
     return harness.check_providers(
         provs, p, inp, fields=p.fields(), rel_error_of=lambda prov, out: harness.rel_error(out.float(), ref),
-        tol=tol, skip_note=lambda prov: LIB.note if prov.ours and LIB.ikbo_gemm is None else None,
-        device=DEVICE)
+        tol=tol, skip_note=skip_note, device=DEVICE)
 
 
-def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float) -> list:
-    """Check every provider, then time those that passed in turns; one row per provider."""
+def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float,
+                skip: Optional[dict] = None) -> list:
+    """Check every provider, then time those that passed (``--timing``); one row per provider."""
     n_rot = harness.rotation_count(inp.activation_bytes(), harness.l2_bytes())
     sets = [inp] + [inp.clone_activations() for _ in range(n_rot - 1)]
-    rows, timed = check_providers(p, inp, provs, args.tol)
-    timed = harness.time_checked(timed, rows, warmup=args.warmup, rep=args.rep, rotate=sets, device=DEVICE)
-    for row, _ in timed.values():
-        ms = row["ms"]
-        row["compile_s"] = max(0.0, row.pop("first_call_s") - ms * 1e-3)
-        row["tflops"] = harness.tflops(p.flops, ms)
-        row["pct_ceiling"] = 100.0 * row["tflops"] / ceiling
+    harness.reset_compiled()
+    rows, timed = check_providers(p, inp, provs, args.tol, skip)
+    harness.time_checked(timed, rows, rotate=sets, device=DEVICE, **harness.timing_options(args))
     timed.clear()
-    for r in rows:
-        r.pop("first_call_s", None)
-    base = {r["provider"]: r.get("ms") for r in rows if r["provider"] in TORCH_PROVIDERS}
-    for r in rows:
-        for name, col in SPEEDUP_COLUMNS.items():
-            if r.get("ms") and base.get(name):
-                r[col] = base[name] / r["ms"]
+    harness.compile_seconds(rows)
+    harness.derive_rates(rows, args.timing, flops=p.flops, ceiling=ceiling, peers=SPEEDUP_COLUMNS)
     p.cache.clear()
     return rows
 
@@ -254,10 +312,13 @@ def parse_args(argv=None):
     ap.add_argument("--K-cand", dest="K_cand", type=int, default=PUBLISHED["K_cand"])
     ap.add_argument("--providers", nargs="+", metavar="NAME",
                     help=f"subset of: {', '.join(p.name for p in providers())}")
+    ap.add_argument("--max-autotune", choices=["published", "all"], default="published",
+                    help="where the max-autotune provider runs: the published shape (default) or every point")
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
-    ap.add_argument("--budget-s", type=float, default=170.0,
+    ap.add_argument("--budget-s", type=float, default=240.0,
                     help="skip the remaining sweep points once this many seconds have passed")
     harness.add_common_args(ap)
+    harness.add_timing_args(ap)
     args = ap.parse_args(argv)
     names = [p.name for p in providers()]
     if args.providers and set(args.providers) - set(names):
@@ -265,15 +326,16 @@ def parse_args(argv=None):
     return args
 
 
-COLUMNS = ["provider", "status", "rel_err", "compile_s", "ms", "tflops", "pct_ceiling",
-           "x_mat_bmm", "x_bmm", "x_decomp"]
+COLUMNS = ["provider", "status", "rel_err", "compile_s"]
+TIMED_COLUMNS = ["ms", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values()]  # per timing mode
+AUTOTUNE_NOTE = "max-autotune compiles for tens of seconds: at the published shape only (--max-autotune all)"
 
 
-def print_problem(p: LceProblem, rows: list) -> None:
+def print_problem(p: LceProblem, rows: list, timing: str) -> None:
     f = p.fields()
     harness.print_rows(f"B={f['B']} ratio={f['ratio']} (U={f['U']}) M={f['M']} N={f['N']} K_user={f['K_user']} "
                        f"K_cand={f['K_cand']} {f['dtype']}  [{p.flops / 1e9:.1f} GFLOP; x_* = that torch "
-                       f"provider's ms / this ms]", rows, COLUMNS)
+                       f"provider's ms / this ms, in the same timing]", rows, COLUMNS, TIMED_COLUMNS, timing)
 
 
 @torch.no_grad()  # inference: no autograd bookkeeping in any provider
@@ -293,7 +355,7 @@ def main(argv=None) -> int:
     stamp = harness.utc_stamp()
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
                "environment": env, "ceiling_tflops": ceilings, "shape": shape,
-               "settings": {"warmup": args.warmup, "rep": args.rep, "tol": args.tol},
+               "settings": {**harness.timing_settings(args), "tol": args.tol, "max_autotune": args.max_autotune},
                "notes": [LIB.note] if LIB.note else [], "rows": []}
     published = set(groups.get("published", []))
     start = time.perf_counter()
@@ -308,8 +370,10 @@ def main(argv=None) -> int:
             gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
             p = make_problem(B, ratio, harness.DTYPES[dt], shape)
             inp = make_inputs(p, gen)
-            rows = run_problem(p, inp, provs, args, ceilings[dt])
-            print_problem(p, rows)
+            skip = {} if key in published or args.max_autotune == "all" else {
+                pr.name: AUTOTUNE_NOTE for pr in provs if pr.max_autotune}
+            rows = run_problem(p, inp, provs, args, ceilings[dt], skip)
+            print_problem(p, rows, args.timing)
             payload["rows"] += rows
             harness.write_results(NAME, payload, args.out_dir, stamp)
             del p, inp
@@ -319,14 +383,15 @@ def main(argv=None) -> int:
     payload["seconds"] = time.perf_counter() - start
     for name, ks in groups.items():
         sel = [r for r in payload["rows"] if (r["B"], r["ratio"], r["dtype"]) in set(ks)]
-        if sel and name != "published":
-            print(f"\n{name}: TFLOP/s")
+        for mode in harness.timing_modes(args.timing) if sel and name != "published" else []:
+            print(f"\n{name}: TFLOP/s, {mode}")
             table = []
             for k in ks:
                 line = {"B": k[0], "ratio": k[1]}
                 for r in sel:
                     if (r["B"], r["ratio"], r["dtype"]) == k:
-                        line[r["provider"]] = r.get("tflops") if r["status"] == "ok" else r["status"]
+                        ok = r["status"] == "ok"
+                        line[r["provider"]] = r.get("tflops" + harness.SUFFIX[mode]) if ok else r["status"]
                 table.append(line)
             harness.print_table(table, ["B", "ratio"] + [pr.name for pr in provs])
     path = harness.write_results(NAME, payload, args.out_dir, stamp)

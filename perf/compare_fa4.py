@@ -21,17 +21,29 @@ timed (a wrong one is reported, never timed):
                            sequence against that user's K/V (no copy; K/V broadcast only).
                            Shuffled idx: the Q gather and O scatter are timed with it
   sdpa materialized        torch SDPA on the materialized tensors, kernel alone
+  torch.compile materialize+sdpa
+                           the copy and SDPA under torch.compile, compiled afresh for each
+                           problem (static shapes, one graph, no Inductor disk cache)
   materialize              the broadcast copy on its own (no attention)
 Index metadata (page table, cu_seqlens, the grouping permutation) is built once, untimed,
 which favors the peers.
 
-Timing: every provider is checked first; those that pass are then timed in turns (each round
-calls every provider once), so drift in clocks or temperature during the run falls on all
-of them alike. Median of CUDA-event timings of single calls after warm-up, cycling through
-copies of the inputs when they are small enough for L2 to keep them; CUDA-graph replays as
-well (also in turns) for calls shorter than --graph-below-ms; TFLOP/s = 4 B H S_q L D / t. Also recorded: a
-same-run cuBLAS GEMM ceiling, host time per call on a tiny problem, first-call time
-(compile included), GPU, clocks, driver, versions and git commit.
+Timing: every provider is checked first; those that pass are then timed (--timing):
+  interleaved  in turns (each round calls every provider once), so drift in clocks or
+               temperature during the run falls on all of them alike; each runs in short
+               bursts, below the board's power limit. Median of CUDA-event timings of single
+               calls after warm-up; CUDA-graph replays as well (also in turns) for calls
+               shorter than --graph-below-ms (graph_ms)
+  sustained    each alone, back to back, for --sustained-s after --sustained-warmup-s, as a
+               serving GPU runs: the median ms per call of chunks of calls, with the power (W)
+               and SM clock (MHz) seen meanwhile; fields ms_sustained, tflops_sustained,
+               ikbo_speedup_sustained, ... (ratios within the mode)
+  both         the two, interleaved first (the default: about 3.5 min on the defaults on an H200;
+               sustained adds about 3 s per provider and point)
+Calls cycle through copies of the inputs when they are small enough for L2 to keep them;
+TFLOP/s = 4 B H S_q L D / t. Also recorded: a same-run cuBLAS GEMM ceiling, host time per
+call on a tiny problem, first-call time (compile included), GPU, clocks, driver, versions and
+git commit.
 """
 from __future__ import annotations
 
@@ -299,16 +311,20 @@ def load_ikbo() -> None:
     LIBS.ikbo, LIBS.ikbo_note = harness.import_op("ikbo_fa", "attention")
 
 
+def _check_room(p: Problem, inp: Inputs) -> None:
+    """Raise Skip unless the materialized broadcast side fits in 80% of the free memory."""
+    side = (inp.k, inp.v) if p.broadcast == "kv" else (inp.q,)
+    need = sum(t[0].numel() * t.element_size() for t in side) * p.B
+    if side[0].is_cuda:
+        free, _ = torch.cuda.mem_get_info(side[0].device)
+        if need > 0.8 * free:
+            raise Skip(f"materialized tensors need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+
+
 def _materialized(p: Problem, inp: Inputs) -> Inputs:
     """Per-candidate q, k, v: the broadcast side copied with idx (built once per problem)."""
     if "materialized" not in p.cache:
-        side = (inp.k, inp.v) if p.broadcast == "kv" else (inp.q,)
-        need = sum(t[0].numel() * t.element_size() for t in side) * p.B
-        if side[0].is_cuda:
-            free, _ = torch.cuda.mem_get_info(side[0].device)
-            if need > 0.8 * free:
-                raise Skip(f"materialized tensors need {need / 2**30:.1f} GiB, "
-                           f"{free / 2**30:.1f} GiB free")
+        _check_room(p, inp)
         if p.broadcast == "kv":
             p.cache["materialized"] = Inputs(inp.q, inp.k[p.idx.long()], inp.v[p.idx.long()])
         else:
@@ -344,6 +360,24 @@ def _sdpa(x: Inputs, scale: float):
     o = torch.nn.functional.scaled_dot_product_attention(
         x.q.transpose(1, 2), x.k.transpose(1, 2), x.v.transpose(1, 2), scale=scale)
     return o.transpose(1, 2)
+
+
+def materialize_sdpa(broadcast: str, scale: float) -> Callable:
+    """The copy and SDPA on plain tensors (q, k, v, idx) -> [B, S_q, H, D], for torch.compile."""
+    def run(q, k, v, idx):
+        if broadcast == "kv":
+            k, v = k.index_select(0, idx), v.index_select(0, idx)
+        else:
+            q = q.index_select(0, idx)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+        return o.transpose(1, 2)
+    return run
+
+
+def _compiled_sdpa_setup(p: Problem, inp: Inputs):
+    _check_room(p, inp)  # each call makes the copy
+    return harness.torch_compiled(materialize_sdpa(p.broadcast, p.scale))
 
 
 def _paged_setup(p: Problem, inp: Inputs):
@@ -387,12 +421,14 @@ def providers() -> list:
                  lambda p, st, i: _fa4_dense(_materialize_into(p, st, i), p.scale), needs="fa4"),
         Provider("sdpa materialized", lambda p, i: _materialized(p, i),
                  lambda p, st, i: _sdpa(_dense_args(p, st, i), p.scale)),
+        Provider("torch.compile materialize+sdpa", _compiled_sdpa_setup,
+                 lambda p, f, i: f(i.q, i.k, i.v, p.idx)),
         Provider("ikbo", _ikbo_setup, _ikbo_run, needs="ikbo"),
     ]
 
 
 DISPLAY_ORDER = ["ikbo", "fa4 varlen packed", "fa4 page table", "fa4 materialized",
-                 "fa4 materialize+kernel", "sdpa materialized", "materialize"]
+                 "fa4 materialize+kernel", "sdpa materialized", "torch.compile materialize+sdpa", "materialize"]
 
 
 def _missing_library(prov: Provider) -> Optional[str]:
@@ -422,24 +458,28 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
             return math.inf
         return harness.rel_error(out[cand.to(out.device)].float(), ref)
 
+    harness.reset_compiled()
     rows, timed = harness.check_providers(provs, p, inp, fields=p.fields(), rel_error_of=rel_error_of,
                                           tol=args.tol, skip_note=_missing_library, device=DEVICE)
-    timed = harness.time_checked(timed, rows, warmup=args.warmup, rep=args.rep, rotate=sets, device=DEVICE)
-    short = {n: fn for n, (row, fn) in timed.items() if row["ms"] < args.graph_below_ms}
-    for name, ms in harness.bench_graph_interleaved(short, rep=args.rep, rotate=sets).items():
-        timed[name][0]["graph_ms"] = ms
-        if ms is None:
-            timed[name][0]["note"] = "CUDA graph capture failed"
-    for prov in provs:
-        if prov.attention and prov.name in timed:
-            row = timed[prov.name][0]
-            row["tflops"] = harness.tflops(p.flops, row["ms"])
-            row["pct_cublas"] = 100.0 * row["tflops"] / ceiling
+    timed = harness.time_checked(timed, rows, rotate=sets, device=DEVICE, **harness.timing_options(args))
+    if args.timing != "sustained":  # graph replays in turns: the interleaved mode's
+        short = {n: fn for n, (row, fn) in timed.items() if row["ms"] < args.graph_below_ms}
+        for name, ms in harness.bench_graph_interleaved(short, rep=args.rep, rotate=sets).items():
+            timed[name][0]["graph_ms"] = ms
+            if ms is None:
+                timed[name][0]["note"] = "CUDA graph capture failed"
     timed.clear()
-    ikbo_ms = next((r.get("ms") for r in rows if r["provider"] == "ikbo"), None)
-    for r in rows:
-        if ikbo_ms and r.get("ms") and r["provider"] not in ("ikbo", "materialize"):
-            r["ikbo_speedup"] = r["ms"] / ikbo_ms
+    attention = {prov.name for prov in provs if prov.attention}
+    for s in harness.mode_suffixes(args.timing):  # ratios within each timing mode
+        ikbo_ms = next((r.get("ms" + s) for r in rows if r["provider"] == "ikbo"), None)
+        for r in rows:
+            ms = r.get("ms" + s)
+            if not ms or r["provider"] not in attention:
+                continue
+            r["tflops" + s] = harness.tflops(p.flops, ms)
+            r["pct_cublas" + s] = 100.0 * r["tflops" + s] / ceiling
+            if ikbo_ms and r["provider"] != "ikbo":
+                r["ikbo_speedup" + s] = ms / ikbo_ms
     rows.sort(key=lambda r: DISPLAY_ORDER.index(r["provider"]))
     p.cache.clear()
     return rows
@@ -447,6 +487,7 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
 
 def host_overheads(args, provs: list, dtype: torch.dtype, broadcast: str) -> dict:
     """CPU microseconds per call on a tiny problem (B = 4, ratio 2, L = 128)."""
+    harness.reset_compiled()
     rng = np.random.default_rng(args.seed)
     gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
     p = make_problem(4, 2, args.S_q[0] if args.S_q else PUBLISHED["S_q"], 128, args.H, args.D,
@@ -523,6 +564,7 @@ def parse_args(argv=None):
                     help="also time CUDA-graph replays of calls faster than this")
     ap.add_argument("--no-plot", action="store_true")
     harness.add_common_args(ap)
+    harness.add_timing_args(ap, default="both")
     args = ap.parse_args(argv)
     if args.providers:
         unknown = sorted(set(args.providers) - set(DISPLAY_ORDER))
@@ -533,19 +575,21 @@ def parse_args(argv=None):
 
 # --------------------------------------------------------------------------- output
 
-TABLE_COLUMNS = ["provider", "status", "rel_err", "first_call_s", "ms", "graph_ms", "tflops",
-                 "pct_cublas", "ikbo_speedup"]
+TABLE_COLUMNS = ["provider", "status", "rel_err", "first_call_s"]
+TIMED_COLUMNS = ["ms", "graph_ms", "tflops", "pct_cublas", "ikbo_speedup"]  # per timing mode
 
 
-def print_problem(p: Problem, rows: list) -> None:
+def print_problem(p: Problem, rows: list, timing: str) -> None:
     f = p.fields()
     harness.print_rows(f"B={f['B']} ratio={f['ratio']} (U={f['U']}) S_q={f['S_q']} L={f['L']} H={f['H']} "
                        f"D={f['D']} {f['dtype']} broadcast={f['broadcast']} {f['order']}  "
-                       f"[{p.flops / 1e9:.1f} GFLOP; ikbo_speedup = peer ms / ikbo ms]", rows, TABLE_COLUMNS)
+                       f"[{p.flops / 1e9:.1f} GFLOP; ikbo_speedup = peer ms / ikbo ms, in the same timing]",
+                       rows, TABLE_COLUMNS, TIMED_COLUMNS, timing)
 
 
-def summary(rows: list, sweeps: dict) -> None:
-    print("\nTFLOP/s (eager):")
+def summary(rows: list, sweeps: dict, mode: str = "interleaved") -> None:
+    s = harness.SUFFIX[mode]
+    print(f"\nTFLOP/s (eager, {mode}):")
     for name, keys in sweeps.items():
         x = name.split()[0]
         table = []
@@ -554,9 +598,9 @@ def summary(rows: list, sweeps: dict) -> None:
             line = {x: sel[0][x] if sel else None}
             for r in sel:
                 if r["provider"] != "materialize":
-                    line[r["provider"]] = r.get("tflops") if r["status"] == "ok" else r["status"]
+                    line[r["provider"]] = r.get("tflops" + s) if r["status"] == "ok" else r["status"]
                 else:
-                    line["materialize ms"] = r.get("ms")
+                    line["materialize ms"] = r.get("ms" + s)
             table.append(line)
         cols = [x] + [c for c in DISPLAY_ORDER if c != "materialize" and any(c in t for t in table)]
         if any("materialize ms" in t for t in table):
@@ -569,8 +613,10 @@ def _key(r: dict) -> tuple:
     return (r["B"], r["ratio"], r["S_q"], r["L"], r["dtype"], r["broadcast"], r["order"])
 
 
-def plot(rows: list, sweeps: dict, ceilings: dict, path: Path) -> Optional[str]:
-    """TFLOP/s against the swept variable, one line per provider, and ikbo's speedup below."""
+def plot(rows: list, sweeps: dict, ceilings: dict, path: Path, mode: str = "interleaved") -> Optional[str]:
+    """TFLOP/s against the swept variable, one line per provider, and ikbo's speedup below, in the
+    timing ``mode``."""
+    s = harness.SUFFIX[mode]
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -585,17 +631,17 @@ def plot(rows: list, sweeps: dict, ceilings: dict, path: Path) -> Optional[str]:
         xs = sorted({r[x_name] for k in keys for r in rows if _key(r) == k})
         for color, prov in enumerate(DISPLAY_ORDER):  # one color per provider in both panels
             sel = [r for k in keys for r in rows if _key(r) == k and r["provider"] == prov]
-            pts = [(r[x_name], r["tflops"]) for r in sel if r.get("tflops")]
+            pts = [(r[x_name], r["tflops" + s]) for r in sel if r.get("tflops" + s)]
             if pts:
                 top.plot(*zip(*pts), marker="o", label=prov, color=f"C{color}",
                          linewidth=2.5 if prov == "ikbo" else 1.2)
-            sp = [(r[x_name], r["ikbo_speedup"]) for r in sel if r.get("ikbo_speedup")]
+            sp = [(r[x_name], r["ikbo_speedup" + s]) for r in sel if r.get("ikbo_speedup" + s)]
             if sp:
                 bottom.plot(*zip(*sp), marker="o", label=f"vs {prov}", color=f"C{color}")
         dtype = name.split("(")[1].split(",")[0]
         if dtype in ceilings:
             top.axhline(ceilings[dtype], color="gray", linestyle="--", label=f"cuBLAS {dtype} GEMM")
-        top.set_title(name)
+        top.set_title(f"{name}, {mode}")
         top.set_ylabel("TFLOP/s")
         top.grid(alpha=0.3)
         top.legend(fontsize=8)
@@ -638,7 +684,7 @@ def main(argv=None) -> int:
     stamp = harness.utc_stamp()
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
                "environment": env, "ceiling_tflops": ceilings, "copy_tbps": bandwidth,
-               "settings": {"warmup": args.warmup, "rep": args.rep, "tol": args.tol,
+               "settings": {**harness.timing_settings(args), "tol": args.tol,
                             "page_size": PAGE_SIZE, "graph_below_ms": args.graph_below_ms},
                "notes": [n for n in (LIBS.fa4_note, LIBS.ikbo_note) if n], "rows": []}
     start = time.perf_counter()
@@ -649,7 +695,7 @@ def main(argv=None) -> int:
             p = make_problem(B, ratio, S_q, L, args.H, args.D, harness.DTYPES[dt], bc, order, rng)
             inp = make_inputs(p, gen)
             rows = run_problem(p, inp, provs, args, ceilings[dt], rng)
-            print_problem(p, rows)
+            print_problem(p, rows, args.timing)
             payload["rows"] += rows
             harness.write_results(NAME, payload, args.out_dir, stamp)  # partial results survive a crash
             del inp, p
@@ -666,13 +712,13 @@ def main(argv=None) -> int:
     done = {_key(r) for r in payload["rows"]}
     sweeps = {n: [k for k in ks if k in done] for n, ks in sweeps.items()}
     sweeps = {n: ks for n, ks in sweeps.items() if ks}
-    if sweeps:
-        summary(payload["rows"], sweeps)
+    for mode in harness.timing_modes(args.timing) if sweeps else []:
+        summary(payload["rows"], sweeps, mode)
     json_path = harness.write_results(NAME, payload, args.out_dir, stamp)
     print(f"\nresults: {json_path}")
     if not args.no_plot and sweeps:
         png, latest = harness.result_paths(NAME, ".png", args.out_dir, stamp)
-        note = plot(payload["rows"], sweeps, ceilings, png)
+        note = plot(payload["rows"], sweeps, ceilings, png, harness.timing_modes(args.timing)[0])
         if note:
             print(f"{NAME}: {note}")
         else:

@@ -9,7 +9,8 @@ is the ratio of their times. A short burst from a cool GPU runs at full clock be
 limit acts (a few tens of ms), so each workload is timed twice:
   burst_ms   after 3 s idle, the median of its calls within the first 25 ms;
   ms         back to back for --seconds after a warm-up, while nvidia-smi samples the board's
-             power and SM clock every 100 ms; mJ = mean power x ms.
+             power and SM clock every 100 ms (harness.sustained): the median ms per call of
+             chunks of calls; mJ = mean power x mean ms per call (ms_mean).
 Workloads, in order:
   idle                     nothing running
   device copy 1 GiB        DRAM read + write: energy per byte moved, above idle

@@ -3,18 +3,24 @@
 Timing rules used by every benchmark here:
 - ``bench_ms``: median of CUDA-event timings of single calls after warm-up. With
   ``rotate``, successive calls cycle through copies of the inputs so that L2 does not
-  keep one call's inputs for the next.
+  keep one call's inputs for the next (``rotation_count`` says how many copies).
 - ``bench_graph_ms``: the same on replays of a captured CUDA graph (launch overhead gone).
 - ``bench_interleaved`` / ``bench_graph_interleaved``: the same for several functions timed in
   turns (one call of each per round), so that drift in clocks or temperature during a run
   does not favor whichever is timed first; the benchmarks time their providers this way.
 - ``host_overhead_us``: CPU time per call without synchronization, on a tiny problem.
+- ``sustained``: one function back to back, long enough to reach the board's power limit (the
+  state of a serving GPU), with the power and SM clock seen meanwhile.
+``time_checked`` times a benchmark's checked providers in the mode ``--timing`` picks
+(``add_timing_args``): interleaved, sustained, or both; a sustained field carries the suffix
+``_sustained`` (``ms_sustained``, ``tflops_sustained``, ...), so both modes share one row.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
 import functools
+import itertools
 import json
 import math
 import os
@@ -77,11 +83,25 @@ def require_hopper_or_exit(need_fa4: bool = False, *, name: Optional[str] = None
 def start_benchmark(name: str) -> None:
     """Exit with status 2 unless the benchmark can run here; then the settings every benchmark
     runs with: no host-synchronizing index checks inside timed calls, fp32 references in fp32,
-    and no disk cache of compiled kernels (a first call compiles, as the compile columns say)."""
+    and no disk cache of compiled kernels, ours or Inductor's (a first call compiles, as the
+    compile columns say)."""
     require_hopper_or_exit(name=name)
     os.environ["IKBO_VALIDATE"] = "0"
     os.environ["CUTE_KERNELS_CACHE_DIR"] = ""
+    disable_compile_caches()
     torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def disable_compile_caches() -> None:
+    """Inductor's on-disk caches off, so that a torch.compile provider's first call compiles."""
+    import importlib
+
+    for module in ("torch.compiler.config", "torch._inductor.config"):  # the newer home first
+        try:
+            setattr(importlib.import_module(module), "force_disable_caches", True)
+            return
+        except (ImportError, AttributeError):
+            continue
 
 
 def user_counts(B: int, ratio: int, rng=None) -> list[int]:
@@ -149,17 +169,20 @@ def bench_interleaved(fns: dict, *, warmup: int = 5, rep: int = 30,
     """Median milliseconds of one call of each ``fns[name](x)``, timed in turns.
 
     Every round calls each function once (CUDA events around each call), so clock, power and
-    thermal drift during the measurement fall on all of them alike. A function that raises
-    is dropped from later rounds; its entry is the exception.
+    thermal drift during the measurement fall on all of them alike. Each call, whichever the
+    function, takes the next input set of ``rotate``: no call finds in L2 the inputs the call
+    before it loaded. A function that raises is dropped from later rounds; its entry is the
+    exception.
     """
     calls = {name: _caller(fn, rotate)[0] for name, fn in fns.items()}
     result: dict = {}
+    count = itertools.count()
 
     def guarded(name, i):
         if name in result:
             return
         try:
-            calls[name](i)
+            calls[name](next(count))
         except Exception as e:  # reported by the caller
             result[name] = e
 
@@ -320,6 +343,14 @@ def parse_power_samples(text: str) -> list[tuple[float, float, int]]:
     return samples
 
 
+@functools.lru_cache(maxsize=None)
+def _power_field(index: str) -> str:
+    """power.draw is a one-second average on recent drivers; the instant reading follows a
+    back-to-back loop more closely where the driver has it. Asked once (it takes a while)."""
+    query = ["nvidia-smi", f"--id={index}", "--query-gpu=power.draw.instant", "--format=csv,noheader"]
+    return "power.draw.instant" if _run(query) else "power.draw"
+
+
 class PowerSampler:
     """Samples the board's power draw, SM clock and throttle reasons with nvidia-smi every
     ``period_ms`` while the ``with`` block runs; ``samples`` holds them afterwards."""
@@ -331,10 +362,7 @@ class PowerSampler:
 
     def __enter__(self) -> "PowerSampler":
         index = _smi_index()
-        # power.draw is a one-second average on recent drivers; the instant reading follows
-        # a back-to-back loop more closely where the driver has it.
-        power = "power.draw.instant" if _run(["nvidia-smi", f"--id={index}", "--query-gpu=power.draw.instant",
-                                              "--format=csv,noheader"]) else "power.draw"
+        power = _power_field(index)
         try:
             self._proc = subprocess.Popen(
                 ["nvidia-smi", f"--id={index}", f"--query-gpu={power},clocks.sm,clocks_throttle_reasons.active",
@@ -355,39 +383,93 @@ class PowerSampler:
         self.samples = parse_power_samples(out or "")
 
 
-def sustained(fn: Callable, seconds: float, *, warm_s: float = 1.5, trim: int = 3) -> dict:
-    """``fn`` called back to back for ``warm_s`` (clocks and power settle), then for ``seconds``
-    under a PowerSampler. Returns ms per call, mean watts, median SM MHz, whether the power cap
-    throttled the clock, mJ per call (mean power x time per call) and the sample count; the
-    first and last ``trim`` samples (start-up, tail) are dropped when enough remain."""
-    start = time.perf_counter()
-    fn()
+class _Marks:
+    """Points in a stream of calls: CUDA events on the GPU, wall-clock times on the CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.points: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append(event)
+        else:
+            self.points.append(time.perf_counter())
+
+    def wait(self, back: int) -> None:
+        """Block until the mark ``back`` places before the newest is reached."""
+        if self.cuda and len(self.points) > back:
+            self.points[-1 - back].synchronize()
+
+    def ms(self, i: int) -> float:
+        """Milliseconds from mark ``i`` to mark ``i + 1``."""
+        a, b = self.points[i], self.points[i + 1]
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+
+def sustained(fn: Callable, seconds: float, *, warm_s: float = 1.5, rotate: Optional[Sequence] = None,
+              device="cuda", chunk_ms: float = 10.0, lead_s: float = 0.3, trim: int = 1) -> dict:
+    """``fn`` (``fn(x)`` for x cycling over ``rotate``) called back to back: ``warm_s`` untimed,
+    for clocks and power to settle (at the board's limit, for a heavy kernel), then ``seconds``
+    timed, with a PowerSampler started ``lead_s`` earlier, while the GPU is busy.
+
+    Calls go in chunks of about ``chunk_ms`` with a CUDA event between chunks (wall clock for
+    a CPU ``device``); the host waits on the event two chunks back, so the GPU never runs dry
+    between chunks. Returns
+      ms            median over the timed chunks of each chunk's ms per call
+      ms_mean       timed ms / timed calls
+      W, MHz        mean power and median SM clock of the samples (None without nvidia-smi),
+                    the first and last ``trim`` dropped when enough remain
+      power_capped  whether the power cap throttled the clock in any sample
+      mJ            energy per call: W x ms_mean
+      samples, calls
+    """
+    cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    call, _ = _caller(fn, rotate)
+    if cuda:
+        _power_field(_smi_index())  # asked now: it blocks for a while
     _sync()
-    chunk = max(1, round(0.05 / max(time.perf_counter() - start, 1e-6)))  # ~50 ms between syncs
-
-    def loop(limit: float) -> int:
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < limit:
+    start = time.perf_counter()
+    call(0)  # sizes the chunks
+    _sync()
+    per_call_ms = max((time.perf_counter() - start) * 1e3, 1e-3)
+    chunk = max(1, min(100_000, round(chunk_ms / per_call_ms)))
+    marks, hosts, i, sampler, first = _Marks(cuda), [], 1, None, None
+    t_timed = time.perf_counter() + warm_s
+    try:
+        marks.mark()
+        hosts.append(time.perf_counter())
+        while True:
             for _ in range(chunk):
-                fn()
-            n += chunk
-            _sync()
-        return n
-
-    loop(warm_s)
-    with PowerSampler() as sampler:
-        time.sleep(0.2)
-        t0 = time.perf_counter()
-        calls = loop(seconds)
-        elapsed = time.perf_counter() - t0
-    samples = sampler.samples
+                call(i)
+                i += 1
+            marks.mark()
+            now = time.perf_counter()
+            hosts.append(now)
+            marks.wait(2)
+            if sampler is None and now >= t_timed - lead_s:
+                sampler = PowerSampler().__enter__()
+            if first is None and now >= t_timed:
+                first = len(hosts) - 1  # chunks from this mark on are timed
+            if first is not None and now >= t_timed + seconds and len(hosts) - 1 > first:
+                break
+        _sync()
+    finally:
+        if sampler is not None:
+            sampler.__exit__(None, None, None)
+    chunks = [marks.ms(k) for k in range(first, len(hosts) - 1)]
+    calls = chunk * len(chunks)
+    ms_mean = sum(chunks) / calls
+    samples = sampler.samples if sampler is not None else []
     if len(samples) > 4 * trim:
-        samples = samples[trim:-trim]
-    ms = elapsed / calls * 1e3
+        samples = samples[trim:len(samples) - trim]
     watts = statistics.fmean(s[0] for s in samples) if samples else None
-    return {"ms": ms, "W": watts, "MHz": statistics.median(s[1] for s in samples) if samples else None,
+    return {"ms": statistics.median(c / chunk for c in chunks), "ms_mean": ms_mean, "W": watts,
+            "MHz": statistics.median(s[1] for s in samples) if samples else None,
             "power_capped": any(s[2] & POWER_CAP_BIT for s in samples) if samples else None,
-            "mJ": watts * ms if watts is not None else None, "samples": len(samples)}
+            "mJ": watts * ms_mean if watts is not None else None, "samples": len(samples), "calls": calls}
 
 
 def burst_ms(fn: Callable, *, cool_s: float = 3.0, calls: int = 60, skip: int = 5,
@@ -604,10 +686,12 @@ def ceilings_tflops(dtype_names) -> dict:
     return result
 
 
-def print_rows(title: str, rows: list, columns: list) -> None:
-    """A problem's title line, its table, then each row's note."""
+def print_rows(title: str, rows: list, columns: list, timed_columns: Sequence = (),
+               timing: str = "interleaved") -> None:
+    """A problem's title line, its table (``timed_columns`` once per timing mode, ``mode_lines``),
+    then each row's note."""
     print(f"\n{title}")
-    print_table(rows, columns)
+    print_table(*mode_lines(rows, columns, timed_columns, timing))
     for r in rows:
         if r.get("note"):
             print(f"  {r['provider']}: {r['note']}")
@@ -672,22 +756,133 @@ def _run_provider(prov, p, state, x):
 
 
 def time_checked(timed: dict, rows: list, *, warmup: int, rep: int, rotate: Optional[Sequence] = None,
-                 device="cuda") -> dict:
-    """Time the providers that passed their check, in turns (``bench_interleaved``).
+                 device="cuda", timing: str = "interleaved", warm_s: float = 2.0, seconds: float = 1.0) -> dict:
+    """Time the providers that passed their check, in the ``timing`` mode(s).
 
-    ``timed``: name -> (row, fn(x)). Sets each row's "ms"; a provider whose call fails gets its
-    row marked by ``record_failure`` and is left out. Returns the providers that have a time.
-    """
-    times = bench_interleaved({n: fn for n, (_, fn) in timed.items()}, warmup=warmup, rep=rep, rotate=rotate)
-    done = {}
-    for name, ms in times.items():
-        row, fn = timed[name]
-        if isinstance(ms, BaseException):
-            record_failure(row, ms, rows, device)
-        else:
-            row["ms"] = ms
-            done[name] = (row, fn)
+    ``timed``: name -> (row, fn(x)). interleaved: in turns (``bench_interleaved``), the row's
+    "ms". sustained: each alone, one after another (``sustained`` for ``seconds`` after
+    ``warm_s``), the row's "ms_sustained", "W", "MHz", "power_capped" and "mJ". both: the two,
+    interleaved first. A provider whose call fails gets its row marked by ``record_failure`` and
+    is left out. Returns the providers timed in every mode asked for."""
+    done = dict(timed)
+    if timing in ("interleaved", "both"):
+        times = bench_interleaved({n: fn for n, (_, fn) in done.items()}, warmup=warmup, rep=rep, rotate=rotate)
+        for name, ms in times.items():
+            if isinstance(ms, BaseException):
+                record_failure(done.pop(name)[0], ms, rows, device)
+            else:
+                done[name][0]["ms"] = ms
+    if timing in ("sustained", "both"):
+        for name, (row, fn) in list(done.items()):
+            try:
+                r = sustained(fn, seconds, warm_s=warm_s, rotate=rotate, device=device)
+            except Exception as e:
+                record_failure(done.pop(name)[0], e, rows, device)
+                continue
+            row.update(ms_sustained=r["ms"], W=r["W"], MHz=r["MHz"], power_capped=r["power_capped"], mJ=r["mJ"])
     return done
+
+
+def compile_seconds(rows: list) -> None:
+    """Each timed row's compile_s: its first call (``first_call_s``, removed) minus a steady call."""
+    for r in rows:
+        first, steady = r.pop("first_call_s", None), r.get("ms", r.get("ms_sustained"))
+        if first is not None and steady is not None:
+            r["compile_s"] = max(0.0, first - steady * 1e-3)
+
+
+def derive_rates(rows: list, timing: str, *, flops: float, ceiling: float, peers: dict,
+                 pct: str = "pct_ceiling") -> None:
+    """In each timing mode, for every row with a time: TFLOP/s of ``flops``, percent of the
+    ``ceiling`` TFLOP/s (field ``pct``) and, for each peer provider (name -> column in
+    ``peers``), that peer's ms / this row's ms; all with the mode's suffix, so that ratios
+    compare times of one mode."""
+    for s in mode_suffixes(timing):
+        base = {r["provider"]: r.get("ms" + s) for r in rows if r["provider"] in peers}
+        for r in rows:
+            ms = r.get("ms" + s)
+            if not ms:
+                continue
+            r["tflops" + s] = tflops(flops, ms)
+            r[pct + s] = 100.0 * r["tflops" + s] / ceiling
+            for name, col in peers.items():
+                if base.get(name):
+                    r[col + s] = base[name] / ms
+
+
+# --------------------------------------------------------------------------- torch.compile peers
+
+def torch_compiled(fn: Callable, mode: Optional[str] = None) -> Callable:
+    """``torch.compile`` of ``fn`` as a torch user would deploy it for one problem: static shapes
+    (``dynamic=False``), one whole graph (a graph break raises instead of running partly eager)
+    and Inductor's ``mode``. Build one per problem, after ``reset_compiled``."""
+    return torch.compile(fn, mode=mode, dynamic=False, fullgraph=True)
+
+
+def reset_compiled() -> None:
+    """Drop every compiled graph: each problem then compiles its own, and a function compiled for
+    many shapes never meets dynamo's recompile limit (past which it would run eagerly, unsaid)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------- timing modes
+
+TIMINGS = ("interleaved", "sustained", "both")
+SUFFIX = {"interleaved": "", "sustained": "_sustained"}  # of a mode's row fields
+SUSTAINED_FIELDS = ["W", "MHz"]  # printed on sustained lines
+
+
+def add_timing_args(parser: argparse.ArgumentParser, default: str = "interleaved") -> None:
+    parser.add_argument("--timing", choices=TIMINGS, default=default,
+                        help="interleaved: providers in turns, one call each per round; sustained: each "
+                             "alone, back to back, at the power limit; both (default: %(default)s)")
+    parser.add_argument("--sustained-warmup-s", type=float, default=2.0,
+                        help="sustained: seconds back to back before timing (default: %(default)s)")
+    parser.add_argument("--sustained-s", type=float, default=1.0,
+                        help="sustained: seconds timed per provider (default: %(default)s)")
+
+
+def timing_modes(timing: str) -> list:
+    return ["interleaved", "sustained"] if timing == "both" else [timing]
+
+
+def mode_suffixes(timing: str) -> list:
+    """Suffixes of the row fields of each mode ``timing`` measures ("" and "_sustained")."""
+    return [SUFFIX[m] for m in timing_modes(timing)]
+
+
+def timing_options(args) -> dict:
+    """``time_checked``'s timing keywords from parsed arguments (``add_common_args``, ``add_timing_args``)."""
+    return {"warmup": args.warmup, "rep": args.rep, "timing": args.timing,
+            "warm_s": args.sustained_warmup_s, "seconds": args.sustained_s}
+
+
+def timing_settings(args) -> dict:
+    """What a payload's "settings" records of the timing."""
+    return {"warmup": args.warmup, "rep": args.rep, "timing": args.timing,
+            "sustained_warmup_s": args.sustained_warmup_s, "sustained_s": args.sustained_s}
+
+
+def mode_lines(rows: list, columns: list, timed_columns: list, timing: str) -> tuple[list, list]:
+    """Lines and columns to print ``rows``: one line per row and timing mode, each showing that
+    mode's fields under their plain names (ms, tflops, ...), the first line also ``columns``.
+    Sustained lines carry W and MHz, and then a "timing" column names each line's mode."""
+    modes = timing_modes(timing)
+    cols = list(columns) + list(timed_columns)
+    if "sustained" in modes:
+        cols = list(columns) + ["timing"] + list(timed_columns) + SUSTAINED_FIELDS
+    lines = []
+    for r in rows:
+        for k, mode in enumerate(modes):
+            line = {c: r.get(c) for c in columns} if k == 0 else {}
+            line["timing"] = mode
+            line.update({c: r.get(c + SUFFIX[mode]) for c in timed_columns})
+            if mode == "sustained":
+                line.update({c: r.get(c) for c in SUSTAINED_FIELDS})
+            lines.append(line)
+    return lines, cols
 
 
 def short_error(e: BaseException) -> str:

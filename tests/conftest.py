@@ -51,21 +51,58 @@ def cpu_bench_interleaved(fns, *, warmup=1, rep=3, rotate=None):
     return result
 
 
+class FakePowerSampler:
+    """Stands in for perf.harness.PowerSampler in CPU dry runs: a board held at its power limit."""
+    WATTS, MHZ = 700.0, 1500.0
+
+    def __init__(self, period_ms=100):
+        self.samples = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.samples = [(self.WATTS, self.MHZ, 0x4)] * 12
+
+
 @pytest.fixture
 def cpu_timing(monkeypatch):
-    """perf.harness timing on the CPU (dry runs of the benchmarks): wall clock, graph = half."""
+    """perf.harness timing on the CPU (dry runs of the benchmarks): wall clock, graph = half;
+    sustained timing runs as it is (wall clock for a CPU device) under FakePowerSampler."""
     from perf import harness
 
     monkeypatch.setattr(harness, "bench_ms", cpu_bench_ms)
     monkeypatch.setattr(harness, "bench_interleaved", cpu_bench_interleaved)
     monkeypatch.setattr(harness, "bench_graph_interleaved", lambda fns, **k: {
         n: (0.5 * v if isinstance(v, float) else None) for n, v in cpu_bench_interleaved(fns, **k).items()})
+    monkeypatch.setattr(harness, "PowerSampler", FakePowerSampler)
 
 
 @pytest.fixture
-def lce_benchmark_on_cpu(monkeypatch):
+def compile_eagerly(monkeypatch):
+    """torch.compile replaced by the function itself (dry runs need no Inductor); returns the
+    keyword arguments of each call, with the function under "fn"."""
+    import torch
+
+    calls = []
+
+    def compile(fn, **kwargs):
+        calls.append({"fn": fn, **kwargs})
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile)
+    # The benchmarks turn Inductor's disk caches off for the process; the test session keeps its
+    # setting (set back by hand: monkeypatch's undo deletes a config module's entry).
+    caches_off = torch.compiler.config.force_disable_caches
+    yield calls
+    torch.compiler.config.force_disable_caches = caches_off
+
+
+@pytest.fixture
+def lce_benchmark_on_cpu(monkeypatch, compile_eagerly):
     """The LCE benchmarks' setup on the CPU (dry runs): no Hopper check, ``ikbo_gemm.lce``
-    replaced by torch matmuls, and problems of a small shape (M 9, N 6, K_user 5, K_cand 7)."""
+    replaced by torch matmuls, torch.compile by the function itself, and problems of a small
+    shape (M 9, N 6, K_user 5, K_cand 7)."""
     import torch
     from perf import bench_lce, harness
 

@@ -220,7 +220,7 @@ def test_varlen_packing_of_a_user_without_candidates():
 # --------------------------------------------------------------------------- provider wiring
 
 @pytest.fixture
-def fake_libs(monkeypatch):
+def fake_libs(monkeypatch, compile_eagerly):
     monkeypatch.setattr(cf.LIBS, "fa4", types.SimpleNamespace(flash_attn_func=fa4_func,
                                                              flash_attn_varlen_func=fa4_varlen))
     monkeypatch.setattr(cf.LIBS, "ikbo", types.SimpleNamespace(attention=ikbo_attention))
@@ -252,6 +252,24 @@ def test_every_provider_computes_the_same_attention(fake_libs, broadcast, order)
     assert set(ran) == expected
 
 
+@pytest.mark.parametrize("broadcast", ["kv", "q"])
+def test_compiled_materialize_sdpa_compiles_for_real(broadcast):
+    """Inductor on the CPU, a tiny problem: one graph, the same attention, no recompile for a copy."""
+    from torch._dynamo.utils import counters
+
+    cf.harness.reset_compiled()
+    p, inp = cpu_problem(B=6, ratio=3, S_q=4, L=8, H=2, D=8, broadcast=broadcast)
+    want = per_candidate_reference(inp.q, inp.k, inp.v, p.idx_cpu, p.scale, broadcast)
+    prov = next(pr for pr in cf.providers() if pr.name == "torch.compile materialize+sdpa")
+    before = counters["stats"]["unique_graphs"]
+    st = prov.setup(p, inp)
+    with torch.no_grad():
+        for x in (inp, inp.clone()):
+            torch.testing.assert_close(prov.run(p, st, x).double(), want, rtol=1e-6, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    cf.harness.reset_compiled()
+
+
 def test_a_wrong_provider_fails_the_check():
     p, inp = cpu_problem(B=10, ratio=3, S_q=4, L=8, H=2, D=8)
     cand = cf.check_candidates(p.B, np.random.default_rng(0))
@@ -271,6 +289,8 @@ def test_default_configuration_is_the_published_one():
     assert keys == [(2048, 64, 64, L, "bf16", "kv", "sorted") for L in cf.PUBLISHED["L"]]
     assert list(sweeps) == ["L (bf16, kv, sorted)"]
     assert args.H == 2 and args.D == 128 and args.dtype == ["bf16"]
+    assert (args.timing, args.sustained_warmup_s, args.sustained_s) == ("both", 2.0, 1.0)
+    assert cf.parse_args(["--timing", "interleaved"]).timing == "interleaved"
 
 
 def test_sweeps_share_the_published_point():
@@ -332,8 +352,9 @@ def dry_run(monkeypatch, fake_libs, cpu_timing):
 
 
 def _run_main(tmp_path, extra):
-    argv = ["--L", "8", "128", "--B", "6", "--ratio", "2", "--S-q", "4", "--D", "8",
-            "--warmup", "1", "--rep", "3", "--graph-below-ms", "1e9", "--out-dir", str(tmp_path)] + extra
+    argv = ["--L", "8", "128", "--B", "6", "--ratio", "2", "--S-q", "4", "--D", "8", "--warmup", "1", "--rep", "3",
+            "--sustained-warmup-s", "0.01", "--sustained-s", "0.02", "--graph-below-ms", "1e9",
+            "--out-dir", str(tmp_path)] + extra
     assert cf.main(argv) == 0
     return json.loads((tmp_path / "compare_fa4-latest.json").read_text())
 
@@ -342,17 +363,23 @@ def test_main_dry_run(dry_run, tmp_path, capsys):
     data = _run_main(tmp_path, ["--broadcast", "kv", "q", "--order", "sorted", "shuffled"])
     rows = data["rows"]
     assert len(rows) == 2 * 2 * 2 * len(cf.DISPLAY_ORDER)
+    assert data["settings"]["timing"] == "both"  # the default
     for r in rows:
         q_only_skip = r["broadcast"] == "q" and r["provider"] in ("fa4 page table", "fa4 varlen packed")
         assert r["status"] == ("skipped" if q_only_skip else "ok"), r
+        if r["status"] == "ok":
+            assert r["ms"] > 0 and r["ms_sustained"] > 0 and r["W"] == 700.0 and r["MHz"] == 1500.0
         if r["status"] == "ok" and r["provider"] != "materialize":
-            assert r["rel_err"] < 1e-2 and r["tflops"] > 0 and r["graph_ms"] > 0
+            assert r["rel_err"] < 1e-2 and r["tflops"] > 0 and r["graph_ms"] > 0 and r["tflops_sustained"] > 0
+            assert "graph_ms_sustained" not in r
             if r["provider"] != "ikbo":
-                assert r["ikbo_speedup"] > 0
-    assert set(data["host_overhead_us"]) >= {"ikbo", "fa4 materialized", "sdpa materialized"}
+                assert r["ikbo_speedup"] > 0 and r["ikbo_speedup_sustained"] > 0
+    assert set(data["host_overhead_us"]) >= {"ikbo", "fa4 materialized", "sdpa materialized",
+                                             "torch.compile materialize+sdpa"}
     assert data["environment"]["torch"] == torch.__version__
     out = capsys.readouterr().out
-    assert "TFLOP/s (eager)" in out and "host time per call" in out
+    assert "TFLOP/s (eager, interleaved)" in out and "TFLOP/s (eager, sustained)" in out
+    assert "host time per call" in out
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -383,3 +410,17 @@ def test_main_dry_run_not_implemented(dry_run, tmp_path, monkeypatch):
     data = _run_main(tmp_path, ["--no-plot", "--providers", "ikbo", "fa4 varlen packed"])
     statuses = {r["provider"]: r["status"] for r in data["rows"]}
     assert statuses == {"ikbo": "skipped", "fa4 varlen packed": "ok"}
+
+
+def test_main_dry_run_each_timing(dry_run, tmp_path, compile_eagerly):
+    data = _run_main(tmp_path, ["--no-plot", "--timing", "sustained"])
+    by = {(r["L"], r["provider"]): r for r in data["rows"]}
+    ours, sdpa = by[(8, "ikbo")], by[(8, "sdpa materialized")]
+    assert "ms" not in ours and "graph_ms" not in ours and ours["ms_sustained"] > 0  # graphs: interleaved only
+    assert sdpa["ikbo_speedup_sustained"] == pytest.approx(sdpa["ms_sustained"] / ours["ms_sustained"])
+    compiled = by[(128, "torch.compile materialize+sdpa")]
+    assert compiled["status"] == "ok" and compiled["rel_err"] < 1e-2
+    data = _run_main(tmp_path, ["--no-plot", "--timing", "interleaved"])
+    assert all("ms_sustained" not in r and "W" not in r for r in data["rows"])
+    # a fresh compile per problem (two L), and one for the host-time problem, each run
+    assert len([c for c in compile_eagerly if c["mode"] is None and c["dynamic"] is False]) == 2 * 3

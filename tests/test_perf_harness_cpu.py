@@ -1,8 +1,9 @@
-"""CPU checks of perf/harness.py and perf/bench_lce.py (workload, FLOP count, reference,
-torch baselines, arguments)."""
+"""CPU checks of perf/harness.py (errors, timing in turns, tables, results, environment,
+device checks, arguments)."""
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from perf import bench_lce as bl  # noqa: E402
 from perf import harness  # noqa: E402
 
 
@@ -54,6 +54,34 @@ def test_round_robin_rotates_the_start():
     assert len(calls) == 12
 
 
+class _FakeEvent:
+    """torch.cuda.Event on the CPU: the wall-clock time of record(); synchronize() is counted."""
+    waited = []
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        self.waited.append(self)
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def test_interleaved_calls_take_successive_input_sets(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    seen = []
+    fns = {n: (lambda x, n=n: seen.append((n, x))) for n in "ab"}
+    times = harness.bench_interleaved(fns, warmup=1, rep=2, rotate=[0, 1, 2])
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    # warm-up a b, then timed a b | b a: every call, whichever the function, takes the next set
+    assert seen == [("a", 0), ("b", 1), ("a", 2), ("b", 0), ("b", 1), ("a", 2)]
+
+
 def test_record_failure_kinds():
     rows = [{"provider": "p"}]
     harness.record_failure(rows[0], harness.Skip("no page table"), rows, device="cpu")
@@ -72,6 +100,120 @@ def test_time_checked_keeps_the_timed_and_marks_the_failed(monkeypatch):
     done = harness.time_checked(timed, rows, warmup=1, rep=1, device="cpu")
     assert list(done) == ["a"] and rows[0]["ms"] == 1.5
     assert rows[1]["status"] == "error" and "illegal instruction" in rows[1]["note"] and "ms" not in rows[1]
+
+
+def test_time_checked_in_each_timing_mode(monkeypatch):
+    interleaved, sustained = [], []
+
+    def fake_interleaved(fns, **k):
+        interleaved.append(sorted(fns))
+        return {name: 1.0 + i for i, name in enumerate(fns)}
+
+    def fake_sustained(fn, seconds, *, warm_s, rotate, device):
+        sustained.append((fn(None), seconds, warm_s, rotate))
+        if fn(None) == "b":
+            raise RuntimeError("launch failed")
+        return {"ms": 2.0, "ms_mean": 2.1, "W": 690.0, "MHz": 1450.0, "power_capped": True, "mJ": 1.4,
+                "samples": 9, "calls": 50}
+
+    monkeypatch.setattr(harness, "bench_interleaved", fake_interleaved)
+    monkeypatch.setattr(harness, "sustained", fake_sustained)
+
+    def run(timing):
+        rows = [{"provider": n, "status": "ok"} for n in "ab"]
+        timed = {r["provider"]: (r, lambda x, n=r["provider"]: n) for r in rows}
+        done = harness.time_checked(timed, rows, warmup=1, rep=1, rotate=[0, 1], device="cpu", timing=timing,
+                                    warm_s=0.5, seconds=0.25)
+        return rows, done
+
+    rows, done = run("both")
+    assert interleaved == [["a", "b"]] and [s[1:] for s in sustained] == [(0.25, 0.5, [0, 1])] * 2
+    assert list(done) == ["a"] and rows[0]["ms"] == 1.0 and rows[0]["ms_sustained"] == 2.0
+    assert (rows[0]["W"], rows[0]["MHz"], rows[0]["power_capped"], rows[0]["mJ"]) == (690.0, 1450.0, True, 1.4)
+    assert rows[1]["status"] == "error" and "launch failed" in rows[1]["note"] and rows[1]["ms"] == 2.0
+    interleaved.clear()
+    rows, done = run("sustained")
+    assert interleaved == [] and "ms" not in rows[0] and rows[0]["ms_sustained"] == 2.0
+    rows, done = run("interleaved")
+    assert len(interleaved) == 1 and len(sustained) == 4 and set(done) == {"a", "b"}
+    assert all("ms_sustained" not in r for r in rows)
+
+
+def test_mode_lines():
+    rows = [{"provider": "a", "status": "ok", "ms": 1.0, "x": 2.0, "ms_sustained": 1.5, "x_sustained": 1.8,
+             "W": 700.0, "MHz": 1400.0}]
+    lines, cols = harness.mode_lines(rows, ["provider", "status"], ["ms", "x"], "both")
+    assert cols == ["provider", "status", "timing", "ms", "x", "W", "MHz"]
+    assert lines == [{"provider": "a", "status": "ok", "timing": "interleaved", "ms": 1.0, "x": 2.0},
+                     {"timing": "sustained", "ms": 1.5, "x": 1.8, "W": 700.0, "MHz": 1400.0}]
+    lines, cols = harness.mode_lines(rows, ["provider"], ["ms"], "interleaved")
+    assert cols == ["provider", "ms"] and lines == [{"provider": "a", "timing": "interleaved", "ms": 1.0}]
+    lines, cols = harness.mode_lines(rows, ["provider"], ["ms"], "sustained")
+    assert cols == ["provider", "timing", "ms", "W", "MHz"] and lines[0]["ms"] == 1.5 and len(lines) == 1
+
+
+def test_timing_arguments():
+    import argparse
+    ap = argparse.ArgumentParser()
+    harness.add_common_args(ap)
+    harness.add_timing_args(ap, default="both")
+    args = ap.parse_args([])
+    assert (args.timing, args.sustained_warmup_s, args.sustained_s) == ("both", 2.0, 1.0)
+    assert harness.timing_settings(args) == {"warmup": 5, "rep": 30, "timing": "both", "sustained_warmup_s": 2.0,
+                                             "sustained_s": 1.0}
+    assert harness.timing_modes("both") == ["interleaved", "sustained"] and harness.mode_suffixes("sustained") == [
+        "_sustained"]
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--timing", "burst"])
+
+
+def test_sustained_times_chunks_of_calls_on_the_cpu(monkeypatch):
+    from conftest import FakePowerSampler
+
+    monkeypatch.setattr(harness, "PowerSampler", FakePowerSampler)
+    seen = []
+
+    def fn(x):
+        seen.append(x)
+        time.sleep(0.002)
+
+    r = harness.sustained(fn, 0.1, warm_s=0.05, rotate=["a", "b", "c"], device="cpu")
+    assert seen[:4] == ["a", "b", "c", "a"] and set(seen) == {"a", "b", "c"}
+    assert 2.0 <= r["ms"] < 20 and 2.0 <= r["ms_mean"] < 20  # a chunk's calls took 2 ms and more each
+    assert r["calls"] >= 5 and len(seen) >= r["calls"] + 1  # an untimed call sizes the chunks, then the warm-up
+    assert (r["W"], r["MHz"], r["power_capped"], r["samples"]) == (700.0, 1500.0, True, 10)
+    assert r["mJ"] == pytest.approx(700.0 * r["ms_mean"])
+
+
+def test_sustained_on_a_gpu_waits_two_chunks_back(monkeypatch):
+    """The CUDA-event path, events faked: the host waits on the mark two chunks back."""
+    from conftest import FakePowerSampler
+
+    marks = []
+
+    class Event(_FakeEvent):
+        def record(self):
+            super().record()
+            marks.append(self)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(harness, "PowerSampler", FakePowerSampler)
+    monkeypatch.setattr(harness, "_power_field", lambda index: "power.draw")
+    _FakeEvent.waited.clear()
+    r = harness.sustained(lambda: time.sleep(0.001), 0.05, warm_s=0.02, device="cuda")
+    assert len(marks) >= 5 and _FakeEvent.waited == marks[:len(marks) - 2]
+    assert r["ms"] >= 1.0 and r["W"] == 700.0 and r["calls"] >= 1
+
+
+def test_torch_compiled_is_static_and_whole(compile_eagerly):
+    def f(x):
+        return x + 1
+
+    assert harness.torch_compiled(f) is f and harness.torch_compiled(f, "max-autotune-no-cudagraphs") is f
+    assert compile_eagerly == [{"fn": f, "mode": None, "dynamic": False, "fullgraph": True},
+                               {"fn": f, "mode": "max-autotune-no-cudagraphs", "dynamic": False, "fullgraph": True}]
 
 
 def test_print_table_aligns(capsys):
@@ -156,142 +298,6 @@ def test_out_dir_argument():
     harness.add_common_args(ap)
     assert ap.parse_args([]).out_dir == harness.RESULTS_DIR
     assert ap.parse_args(["--out-dir", "elsewhere"]).out_dir == Path("elsewhere")
-
-
-# --------------------------------------------------------------------------- bench_lce
-
-def test_lce_flops_published():
-    p = bl.PUBLISHED
-    flops = bl.lce_flops(p["M"], p["N"], 1024, 15, p["K_user"], p["K_cand"])
-    assert flops == 2 * 433 * 256 * (1024 * 872 + 15 * 1184)
-    assert abs(flops / 1e9 - 202) < 1  # "about 202 GFLOP"
-
-
-def test_lce_problem_published_counts():
-    p = bl.make_problem(1024, 70, torch.float16, device="cpu")
-    assert p.counts == [70] * 14 + [44] and p.U == 15
-    assert p.idx.dtype == torch.int32 and torch.bincount(p.idx.long()).tolist() == p.counts
-
-
-@pytest.mark.parametrize("B,ratio", [(1024, 10000), (7, 1), (9, 4)])
-def test_lce_problem_extremes(B, ratio):
-    p = bl.make_problem(B, ratio, torch.float16, device="cpu")
-    assert sum(p.counts) == B and p.U == -(-B // ratio)
-
-
-SMALL = {"M": 9, "N": 6, "K_user": 5, "K_cand": 7}
-
-
-def small_lce(B=11, ratio=3, seed=0):
-    p = bl.make_problem(B, ratio, torch.float32, shape=SMALL, device="cpu")
-    inp = bl.make_inputs(p, torch.Generator().manual_seed(seed), device="cpu")
-    return p, inp
-
-
-def materialized_definition(p, inp):
-    """out[b] = [w_user, w_cand] @ [e_user[idx[b]]; e_cand[b]], in float64, one candidate at a time."""
-    w = torch.cat([inp.w_user, inp.w_cand], dim=1).double()
-    return torch.stack([w @ torch.cat([inp.e_user[u], inp.e_cand[b]], dim=0).double()
-                        for b, u in enumerate(p.idx.tolist())])
-
-
-def test_lce_reference_matches_the_definition():
-    p, inp = small_lce()
-    ref = bl.reference_output(p, inp, chunk=4)
-    assert ref.dtype == torch.float32 and ref.shape == (p.B, p.M, p.N)
-    torch.testing.assert_close(ref.double(), materialized_definition(p, inp), rtol=1e-5, atol=1e-5)
-
-
-def test_lce_torch_providers_match_the_reference():
-    p, inp = small_lce(B=10, ratio=4)
-    ref = bl.reference_output(p, inp)
-    rotated = inp.clone_activations()
-    assert rotated.w_cand is inp.w_cand and rotated.e_cand.data_ptr() != inp.e_cand.data_ptr()
-    for prov in bl.providers():
-        if prov.ours:
-            continue
-        st = prov.setup(p, inp)
-        for x in (inp, rotated):
-            out = prov.run(p, st, x)
-            assert out.shape == (p.B, p.M, p.N)
-            assert harness.rel_error(out, ref) < 1e-5, prov.name
-    # a provider that adds the wrong user's result fails the check
-    wrong = bl.reference_output(p, inp).clone()
-    wrong -= torch.matmul(inp.w_user, inp.e_user)[p.idx.long()]
-    wrong += torch.matmul(inp.w_user, inp.e_user)[(p.idx.long() + 1) % p.U]
-    assert harness.rel_error(wrong, ref) > 0.05
-
-
-def test_lce_ours_calls_the_op(monkeypatch):
-    p, inp = small_lce()
-    seen = []
-
-    def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused"):
-        seen.append((schedule, validate))
-        return torch.matmul(w_cand, e_cand) + torch.matmul(w_user, e_user)[idx.long()]
-
-    monkeypatch.setattr(bl.LIB, "ikbo_gemm", type("M", (), {"lce": staticmethod(lce)}))
-    ref = bl.reference_output(p, inp)
-    for prov in [pr for pr in bl.providers() if pr.ours]:
-        assert harness.rel_error(prov.run(p, prov.setup(p, inp), inp), ref) < 1e-5
-    assert seen == [("two_launch", False), ("fused", False)]
-
-
-def test_lce_default_configs():
-    args = bl.parse_args([])
-    keys, groups = bl.build_configs(args)
-    assert groups["published"] == [(1024, 70, "fp16"), (1024, 70, "bf16")]
-    assert [k[0] for k in groups["B sweep (fp16)"]] == bl.SWEEPS["B"]
-    assert [k[1] for k in groups["ratio sweep (fp16)"]] == bl.SWEEPS["ratio"]
-    assert len(keys) == len(set(keys)) == 2 + len(bl.SWEEPS["B"]) + len(bl.SWEEPS["ratio"]) - 2
-    assert keys[:2] == groups["published"]  # the published shape runs first
-
-
-def test_lce_arguments():
-    args = bl.parse_args(["--configs", "ratio", "--ratio", "2", "10000", "--sweep-dtype", "bf16",
-                          "--out-dir", "o", "--providers", "ikbo fused", "torch bmm"])
-    keys, groups = bl.build_configs(args)
-    assert keys == [(1024, 2, "bf16"), (1024, 10000, "bf16")]
-    assert args.out_dir == Path("o") and args.providers == ["ikbo fused", "torch bmm"]
-    with pytest.raises(SystemExit) as e:
-        bl.parse_args(["--providers", "cutlass"])
-    assert e.value.code == 2
-
-
-# --------------------------------------------------------------------------- CPU dry run of main()
-
-def test_lce_main_dry_run(monkeypatch, tmp_path, capsys, cpu_timing):
-    def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused"):
-        if schedule == "two_launch":
-            raise NotImplementedError("two_launch: not yet")
-        return torch.matmul(w_cand, e_cand) + torch.matmul(w_user, e_user)[idx.long()]
-
-    monkeypatch.setattr(bl, "DEVICE", "cpu")
-    monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
-    monkeypatch.setattr(bl, "load_ikbo_gemm", lambda: None)
-    monkeypatch.setattr(bl.LIB, "ikbo_gemm", type("M", (), {"lce": staticmethod(lce)}))
-    monkeypatch.setattr(harness, "l2_bytes", lambda: 2**20)
-    monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
-    argv = ["--M", "9", "--N", "6", "--K-user", "5", "--K-cand", "7", "--dtype", "fp16",
-            "--sweep-dtype", "bf16", "--B", "16", "70", "--ratio", "3", "10000",
-            "--warmup", "1", "--rep", "3", "--out-dir", str(tmp_path)]
-    # CPU half-precision matmul may be missing on old torch; the dry run needs it
-    torch.matmul(torch.ones(2, 2, dtype=torch.float16), torch.ones(2, 2, dtype=torch.float16))
-    assert bl.main(argv) == 0
-    data = json.loads((tmp_path / "bench_lce-latest.json").read_text())
-    rows = data["rows"]
-    keys = {(r["B"], r["ratio"], r["dtype"]) for r in rows}
-    assert keys == {(1024, 70, "fp16"), (16, 70, "bf16"), (70, 70, "bf16"), (1024, 3, "bf16"),
-                    (1024, 10000, "bf16")}
-    for r in rows:
-        if r["provider"] == "ikbo two_launch":
-            assert r["status"] == "skipped"
-        else:
-            assert r["status"] == "ok", r
-            assert r["rel_err"] < 1e-2 and r["x_decomp"] > 0 and r["pct_ceiling"] > 0
-            assert r["compile_s"] >= 0
-    out = capsys.readouterr().out
-    assert "ratio sweep (bf16): TFLOP/s" in out
 
 
 def test_import_op_says_what_is_missing():

@@ -1,0 +1,403 @@
+"""A linear layer over concatenated user and candidate features on one Hopper GPU: torch
+baselines, ``ikbo_gemm.linear`` and a same-run cuBLAS ceiling.
+
+    python perf/bench_linear.py                          # the headline and ratio groups
+    python perf/bench_linear.py --configs grid --budget-s 3600
+    python perf/bench_linear.py --configs headline --N 256 --activation none gelu --timing both
+
+out[b] = act(x_cand[b] @ w_cand^T + x_user[idx[b]] @ w_user^T + bias); x_cand [B, K_cand],
+x_user [U, K_user], w_cand [N, K_cand], w_user [N, K_user] (nn.Linear's [out, in]), bias [N],
+idx [B]. Useful work: 2 N (B K_cand + U K_user).
+
+Providers, each checked against an fp32 reference before it is timed (a wrong one is
+reported, never timed):
+  torch cat+linear             what models do today: cat(x_user[idx], x_cand), then F.linear
+                               with cat(w_user, w_cand) and the activation
+  torch decomposition          user GEMM at U rows, candidate GEMM (bias in it) at B, gather,
+                               add, activation
+  torch.compile decomposition  the same under torch.compile, compiled afresh for each problem
+                               (static shapes, one graph, no Inductor disk cache): Inductor
+                               fuses the gather, add and activation
+  torch addmm floor            the candidate GEMM alone: torch.addmm(bias, x_cand, w_cand^T)
+                               and the activation, checked against its own fp32 reference
+  ikbo linear                  ikbo_gemm.linear (its row is skipped until the op exists)
+Columns: us per call, TFLOP/s of the useful work (the floor counted at it too: the rate at
+which the op would match it), percent of the 8192^3 cuBLAS GEMM ceiling, x_* = that torch
+provider's time / this time, compile_s = first call minus a steady call. Calls cycle through
+copies of the candidate and user features, enough that L2 never holds a call's inputs.
+
+Configuration groups (--configs; --B, --ratio, --K, --N, --dtype, --activation replace that
+axis in every group chosen):
+  headline  B {2048, 8192}, ratio 70, (K_user, K_cand) {(512, 512), (1024, 2048), (4096, 4096)},
+            N {1024, 4096}, bf16 and fp16, relu: 24 points
+  ratio     B 2048, ratio {10, 70, 1000}, (1024, 2048), N 1024, bf16, relu and none: 6 points
+  grid      B {512, 2048, 8192} x ratio {10, 70, 1000} x the three K pairs x N {256, 1024, 4096}
+            x bf16, fp16 x relu, none: 324 points (about 20 min interleaved; raise --budget-s)
+The default run (headline, ratio: 29 points) takes about 2.5 min on an H200, mostly compiles.
+Points past --budget-s are skipped, the headline group's excepted.
+
+Timing (--timing, perf/harness.py): interleaved (default), sustained (each provider alone, back
+to back at the power limit: fields *_sustained, W, MHz) or both; ratios within each mode.
+Sustained adds about 3 s per provider and point.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):  # run as a script: make `perf` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from perf import harness  # noqa: E402
+from perf.harness import ContextLost, make_idx, user_counts  # noqa: E402
+
+NAME = "bench_linear"
+DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
+K_PAIRS = [(512, 512), (1024, 2048), (4096, 4096)]  # (K_user, K_cand)
+GROUPS = {
+    "headline": {"B": [2048, 8192], "ratio": [70], "K": K_PAIRS, "N": [1024, 4096],
+                 "dtype": ["bf16", "fp16"], "activation": ["relu"]},
+    "ratio": {"B": [2048], "ratio": [10, 70, 1000], "K": [(1024, 2048)], "N": [1024],
+              "dtype": ["bf16"], "activation": ["relu", "none"]},
+    "grid": {"B": [512, 2048, 8192], "ratio": [10, 70, 1000], "K": K_PAIRS, "N": [256, 1024, 4096],
+             "dtype": ["bf16", "fp16"], "activation": ["relu", "none"]},
+}
+AXES = ["B", "ratio", "K", "N", "dtype", "activation"]
+ACTIVATIONS = ["none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
+SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x_decomp",
+                   "torch.compile decomposition": "x_compiled", "torch addmm floor": "x_floor"}
+OURS = "ikbo linear"
+
+
+def linear_flops(B: int, U: int, N: int, K_user: int, K_cand: int) -> int:
+    return 2 * N * (B * K_cand + U * K_user)
+
+
+def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """``activation`` (a name of ACTIVATIONS) applied to ``x``."""
+    if activation == "none":
+        return x
+    if activation == "relu":
+        return torch.relu(x)
+    if activation in ("gelu", "gelu_tanh"):
+        return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+    if activation == "silu":
+        return F.silu(x)
+    if activation == "sigmoid":
+        return torch.sigmoid(x)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+@dataclasses.dataclass
+class LinearProblem:
+    B: int
+    ratio: int
+    K_user: int
+    K_cand: int
+    N: int
+    dtype: torch.dtype
+    activation: str
+    counts: list
+    idx: torch.Tensor  # int32 [B] on the device
+    cache: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def U(self) -> int:
+        return len(self.counts)
+
+    @property
+    def flops(self) -> int:
+        return linear_flops(self.B, self.U, self.N, self.K_user, self.K_cand)
+
+    def fields(self) -> dict:
+        return {"B": self.B, "ratio": self.ratio, "U": self.U, "K_user": self.K_user, "K_cand": self.K_cand,
+                "N": self.N, "dtype": {v: k for k, v in harness.DTYPES.items()}[self.dtype],
+                "activation": self.activation}
+
+
+@dataclasses.dataclass
+class LinearInputs:
+    x_cand: torch.Tensor
+    x_user: torch.Tensor
+    w_cand: torch.Tensor
+    w_user: torch.Tensor
+    bias: torch.Tensor
+
+    def clone_activations(self) -> "LinearInputs":
+        """A copy of the per-request features; the weights and bias stay shared."""
+        return dataclasses.replace(self, x_cand=self.x_cand.clone(), x_user=self.x_user.clone())
+
+    def activation_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.x_cand, self.x_user))
+
+
+def make_problem(B, ratio, K_user, K_cand, N, dtype, activation, device=None) -> LinearProblem:
+    counts = user_counts(B, ratio)
+    return LinearProblem(B, ratio, K_user, K_cand, N, dtype, activation, counts,
+                         make_idx(counts, "sorted").to(device or DEVICE))
+
+
+def make_inputs(p: LinearProblem, gen: torch.Generator, device=None) -> LinearInputs:
+    device = device or DEVICE
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(p.dtype)
+
+    w_scale = (p.K_user + p.K_cand) ** -0.5  # like a trained layer: outputs O(1)
+    return LinearInputs(randn(p.B, p.K_cand), randn(p.U, p.K_user), randn(p.N, p.K_cand, scale=w_scale),
+                        randn(p.N, p.K_user, scale=w_scale), randn(p.N, scale=0.5))
+
+
+def reference_output(p: LinearProblem, inp: LinearInputs, user_side: bool = True) -> torch.Tensor:
+    """fp32 [B, N]; without ``user_side``, the floor's: the candidate GEMM, bias, activation."""
+    out = inp.x_cand.float() @ inp.w_cand.float().T + inp.bias.float()
+    if user_side:
+        out += (inp.x_user.float() @ inp.w_user.float().T)[p.idx.long()]
+    return activate(out, p.activation)
+
+
+# --------------------------------------------------------------------------- providers
+
+
+@dataclasses.dataclass
+class Provider:
+    name: str
+    setup: Callable[[LinearProblem, LinearInputs], Any]
+    run: Callable[[LinearProblem, Any, LinearInputs], torch.Tensor]  # -> out [B, N]
+    ours: bool = False
+    floor: bool = False  # computes the candidate side only: checked against its own reference
+
+
+class _Lib:
+    ikbo_gemm = None
+    note: Optional[str] = None
+
+
+LIB = _Lib()
+
+
+def load_ikbo_gemm() -> None:
+    LIB.ikbo_gemm, LIB.note = harness.import_op("ikbo_gemm", "linear")
+
+
+# The torch paths on plain tensors, the form torch.compile is given.
+
+def decomposition(x_cand, x_user, idx, w_cand, w_user, bias, activation: str) -> torch.Tensor:
+    user = F.linear(x_user, w_user)  # [U, N]
+    out = F.linear(x_cand, w_cand, bias)  # [B, N]
+    return activate(out.add_(user.index_select(0, idx)), activation)
+
+
+def _w_cat(p: LinearProblem, inp: LinearInputs) -> torch.Tensor:
+    if "w" not in p.cache:  # weights are static: concatenated once, like a deployed model
+        p.cache["w"] = torch.cat([inp.w_user, inp.w_cand], dim=1).contiguous()
+    return p.cache["w"]
+
+
+def _cat_linear(p: LinearProblem, w: torch.Tensor, i: LinearInputs) -> torch.Tensor:
+    x = torch.cat([i.x_user.index_select(0, p.idx), i.x_cand], dim=1)  # [B, K_user + K_cand]
+    return activate(F.linear(x, w, i.bias), p.activation)
+
+
+def _decomposition(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
+    return decomposition(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, p.activation)
+
+
+def _compiled(p: LinearProblem, f, i: LinearInputs) -> torch.Tensor:
+    return f(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, p.activation)
+
+
+def _floor(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
+    return activate(torch.addmm(i.bias, i.x_cand, i.w_cand.T), p.activation)
+
+
+def _ours(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
+    return LIB.ikbo_gemm.linear(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias,
+                                activation=None if p.activation == "none" else p.activation, validate=False)
+
+
+def providers() -> list:
+    """In check order: torch first, ours last (a failure there cannot spoil the baselines)."""
+    return [
+        Provider("torch cat+linear", _w_cat, _cat_linear),
+        Provider("torch decomposition", lambda p, i: None, _decomposition),
+        Provider("torch.compile decomposition", lambda p, i: harness.torch_compiled(decomposition), _compiled),
+        Provider("torch addmm floor", lambda p, i: None, _floor, floor=True),
+        Provider(OURS, lambda p, i: None, _ours, ours=True),
+    ]
+
+
+# --------------------------------------------------------------------------- one configuration
+
+
+def run_problem(p: LinearProblem, inp: LinearInputs, provs: list, args, ceiling: float) -> list:
+    """Check every provider, then time those that passed (``--timing``); one row per provider."""
+    refs = {}
+
+    def rel_error_of(prov, out):
+        if prov.floor not in refs:
+            refs[prov.floor] = reference_output(p, inp, user_side=not prov.floor)
+        return harness.rel_error(out.float(), refs[prov.floor])
+
+    # enough copies that 3x L2 lies between two uses of one: these inputs are small
+    n_rot = harness.rotation_count(inp.activation_bytes(), harness.l2_bytes(), cap=1024)
+    sets = [inp] + [inp.clone_activations() for _ in range(n_rot - 1)]
+    harness.reset_compiled()
+    rows, timed = harness.check_providers(
+        provs, p, inp, fields=p.fields(), rel_error_of=rel_error_of, tol=args.tol,
+        skip_note=lambda prov: LIB.note if prov.ours and LIB.ikbo_gemm is None else None, device=DEVICE)
+    refs.clear()
+    harness.time_checked(timed, rows, rotate=sets, device=DEVICE, **harness.timing_options(args))
+    timed.clear()
+    harness.compile_seconds(rows)
+    harness.derive_rates(rows, args.timing, flops=p.flops, ceiling=ceiling, peers=SPEEDUP_COLUMNS)
+    for r in rows:
+        for s in harness.mode_suffixes(args.timing):
+            if r.get("ms" + s):
+                r["us" + s] = r["ms" + s] * 1e3
+    p.cache.clear()
+    return rows
+
+
+# --------------------------------------------------------------------------- configurations
+
+def build_configs(args) -> tuple[list, dict]:
+    """Unique (B, ratio, K_user, K_cand, N, dtype, activation) in run order, and group -> its keys."""
+    groups = {}
+    for name in args.configs:
+        axes = [getattr(args, a) or GROUPS[name][a] for a in AXES]
+        groups[name] = [(B, ratio, k[0], k[1], N, dt, act) for B, ratio, k, N, dt, act in itertools.product(*axes)]
+    keys = list(dict.fromkeys(k for ks in groups.values() for k in ks))
+    return keys, groups
+
+
+def _k_pair(text: str) -> tuple[int, int]:
+    try:
+        k_user, k_cand = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K_user,K_cand (two integers), got {text!r}") from None
+    if k_user < 1 or k_cand < 1:
+        raise argparse.ArgumentTypeError(f"K_user and K_cand must be >= 1, got {text!r}")
+    return k_user, k_cand
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="bench_linear.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", choices=sorted(GROUPS), default=["headline", "ratio"],
+                    help="configuration groups (default: headline ratio)")
+    ap.add_argument("--B", type=int, nargs="+", help="candidates, in every group chosen")
+    ap.add_argument("--ratio", type=int, nargs="+", help="candidates per user")
+    ap.add_argument("--K", type=_k_pair, nargs="+", metavar="K_USER,K_CAND", help="feature widths")
+    ap.add_argument("--N", type=int, nargs="+", help="output features")
+    ap.add_argument("--dtype", nargs="+", choices=sorted(harness.DTYPES))
+    ap.add_argument("--activation", nargs="+", choices=ACTIVATIONS)
+    ap.add_argument("--providers", nargs="+", metavar="NAME",
+                    help=f"subset of: {', '.join(p.name for p in providers())}")
+    ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="skip the remaining points (the headline group's excepted) once this many seconds have passed")
+    harness.add_common_args(ap)
+    harness.add_timing_args(ap)
+    args = ap.parse_args(argv)
+    names = [p.name for p in providers()]
+    if args.providers and set(args.providers) - set(names):
+        ap.error(f"unknown provider(s) {sorted(set(args.providers) - set(names))}; choose from {names}")
+    return args
+
+
+COLUMNS = ["provider", "status", "rel_err", "compile_s"]
+TIMED_COLUMNS = ["us", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values()]  # per timing mode
+KEY_FIELDS = ["B", "ratio", "K_user", "K_cand", "N", "dtype", "activation"]
+
+
+def _key(r: dict) -> tuple:
+    return tuple(r[f] for f in KEY_FIELDS)
+
+
+def print_problem(p: LinearProblem, rows: list, timing: str) -> None:
+    f = p.fields()
+    harness.print_rows(f"B={f['B']} ratio={f['ratio']} (U={f['U']}) K_user={f['K_user']} K_cand={f['K_cand']} "
+                       f"N={f['N']} {f['dtype']} {f['activation']}  [{p.flops / 1e9:.1f} GFLOP; x_* = that "
+                       f"torch provider's time / this time, in the same timing]", rows, COLUMNS, TIMED_COLUMNS, timing)
+
+
+def summary(rows: list, groups: dict, provs: list, timing: str) -> None:
+    """Per group and timing mode: each point's us per provider, then ours' ratios."""
+    for name, keys in groups.items():
+        for s in harness.mode_suffixes(timing):
+            table = []
+            for key in keys:
+                sel = [r for r in rows if _key(r) == key]
+                if not sel:
+                    continue
+                line = dict(zip(KEY_FIELDS, key))
+                for r in sel:
+                    line[r["provider"]] = r.get("us" + s) if r["status"] == "ok" else r["status"]
+                    if r["provider"] == OURS:
+                        line.update({c: r.get(c + s) for c in [*SPEEDUP_COLUMNS.values(), "pct_ceiling"]})
+                table.append(line)
+            if table:
+                print(f"\n{name}: us per call{', sustained' if s else ''} (x_* and pct_ceiling: {OURS})")
+                harness.print_table(table, KEY_FIELDS + [pr.name for pr in provs]
+                                    + [*SPEEDUP_COLUMNS.values(), "pct_ceiling"])
+
+
+@torch.no_grad()  # inference: no autograd bookkeeping in any provider
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    harness.start_benchmark(NAME)
+    load_ikbo_gemm()
+    if LIB.note:
+        print(f"{NAME}: {LIB.note}; its rows are skipped", flush=True)
+    provs = [pr for pr in providers() if not args.providers or pr.name in args.providers]
+    keys, groups = build_configs(args)
+    env = harness.environment()
+    harness.print_environment(env)
+    ceilings = harness.ceilings_tflops(k[5] for k in keys)
+
+    stamp = harness.utc_stamp()
+    payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
+               "environment": env, "ceiling_tflops": ceilings, "groups": {n: len(ks) for n, ks in groups.items()},
+               "settings": {**harness.timing_settings(args), "tol": args.tol},
+               "notes": [LIB.note] if LIB.note else [], "rows": []}
+    always = set(groups.get("headline", []))
+    start, skipped = time.perf_counter(), 0
+    try:
+        for key in keys:
+            B, ratio, K_user, K_cand, N, dt, act = key
+            if key not in always and time.perf_counter() - start > args.budget_s:
+                skipped += 1
+                continue
+            gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
+            p = make_problem(B, ratio, K_user, K_cand, N, harness.DTYPES[dt], act)
+            inp = make_inputs(p, gen)
+            rows = run_problem(p, inp, provs, args, ceilings[dt])
+            print_problem(p, rows, args.timing)
+            payload["rows"] += rows
+            harness.write_results(NAME, payload, args.out_dir, stamp)  # partial results survive a crash
+            del p, inp
+            torch.cuda.empty_cache()
+    except ContextLost as e:
+        harness.note_lost_context(NAME, payload, e)
+    if skipped:
+        note = f"time budget of {args.budget_s:.0f} s spent: {skipped} of {len(keys)} points skipped"
+        print(f"{NAME}: {note}", flush=True)
+        payload["notes"].append(note)
+    payload["seconds"] = time.perf_counter() - start
+    summary(payload["rows"], groups, provs, args.timing)
+    path = harness.write_results(NAME, payload, args.out_dir, stamp)
+    print(f"\nresults: {path}  ({payload['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
