@@ -13,10 +13,11 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.interop import cutlass_dtype
+from cute_kernels.mainloop import pingpong_mainloop
 from cute_kernels.scheduler import strided_tiles
 from cute_kernels.warp_specialized import (
     Barrier,
@@ -531,8 +532,8 @@ class LceSm90:
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 acc[i] = acc[i] + poison
             self.ping_pong.wait(consumer_idx)
-            state = self.mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_blocks, tile.is_user,
-                                  consumer_idx)
+            state = pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_blocks, tile.is_user,
+                                      self.ping_pong, consumer_idx)
             t_next = t + stride
             tile_next = self.decode(t_next, rank, geom)
             if tile.is_user:
@@ -560,43 +561,6 @@ class LceSm90:
         # A grid that did not wait at its start (wait_prior 0) ends only after the previous
         # grid, so what follows on the stream sees both.
         cute.arch.griddepcontrol_wait()
-
-    @cute.jit
-    def mainloop(self, ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks: Int32, zero_init, consumer_idx: Int32):
-        """wgmma over the tile's k-blocks; one wgmma group in flight, stages released one behind.
-
-        With ``zero_init`` the first wgmma overwrites the accumulator, otherwise it
-        accumulates onto what acc holds (the user tile).
-        """
-        release = state.clone()
-        ab_pipeline.consumer_wait(state)
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        self.mma_k_block(tiled_mma, acc, tCrA, tCrB, state.index, first=True)
-        state.advance()
-        for k in cutlass.range(1, k_blocks, unroll=1):
-            ab_pipeline.consumer_wait(state)
-            self.mma_k_block(tiled_mma, acc, tCrA, tCrB, state.index)
-            warpgroup.wait_group(1)
-            ab_pipeline.consumer_release(release)
-            release.advance()
-            state.advance()
-        # Every wgmma of this tile is issued: the other consumer may start its main loop.
-        self.ping_pong.hand_over(consumer_idx)
-        warpgroup.wait_group(0)
-        ab_pipeline.consumer_release(release)
-        return state
-
-    @cute.jit
-    def mma_k_block(self, tiled_mma, acc, tCrA, tCrB, stage: Int32, first: cutlass.Constexpr = False):
-        # Orders the accumulator's earlier writes (the user tile; the group still in flight)
-        # before these wgmmas; without it ptxas inserts one of its own.
-        warpgroup.fence()
-        for kk in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            coord = (None, None, kk, stage)
-            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-            if const_expr(first and kk == 0):
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
 
     @cute.jit
     def fragment_view(self, acc, mWs, tile, tidx):

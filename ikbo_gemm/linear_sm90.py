@@ -14,11 +14,12 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.accumulator import acc_mn_view
 from cute_kernels.interop import cutlass_dtype
+from cute_kernels.mainloop import pingpong_mainloop
 from cute_kernels.scheduler import strided_tiles
 from cute_kernels.warp_specialized import (
     Barrier,
@@ -357,7 +358,8 @@ class LinearSm90:
         while t < work.size():
             tile = self.decode(t, work, rank)
             self.ping_pong.wait(consumer_idx)
-            state = self.mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_count, consumer_idx)
+            state = pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_count, True,
+                                      self.ping_pong, consumer_idx)
             if const_expr(self.cfg.phase == "user"):
                 self.store_user_tile(acc, coords, mOut, tile)
             else:
@@ -372,38 +374,6 @@ class LinearSm90:
             if warp_in_wg == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-    @cute.jit
-    def mainloop(self, ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks: Int32, consumer_idx: Int32):
-        """wgmma over the tile's k-blocks; one wgmma group in flight, stages released one behind."""
-        release = state.clone()
-        ab_pipeline.consumer_wait(state)
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        self.mma_k_block(tiled_mma, acc, tCrA, tCrB, state.index, first=True)
-        state.advance()
-        for k in cutlass.range(1, k_blocks, unroll=1):
-            ab_pipeline.consumer_wait(state)
-            self.mma_k_block(tiled_mma, acc, tCrA, tCrB, state.index)
-            warpgroup.wait_group(1)
-            ab_pipeline.consumer_release(release)
-            release.advance()
-            state.advance()
-        # Every wgmma of this tile is issued: the other consumer may start its main loop.
-        self.ping_pong.hand_over(consumer_idx)
-        warpgroup.wait_group(0)
-        ab_pipeline.consumer_release(release)
-        return state
-
-    @cute.jit
-    def mma_k_block(self, tiled_mma, acc, tCrA, tCrB, stage: Int32, first: cutlass.Constexpr = False):
-        warpgroup.fence()
-        for kk in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            coord = (None, None, kk, stage)
-            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-            if const_expr(first and kk == 0):
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-
-    # ----------------------------------------------------------- epilogues
     @cute.jit
     def store_user_tile(self, acc, coords, mWs, tile: LinearTile):
         """fp32 user results straight into workspace slab ``tile.split`` (padded to whole tiles: no
