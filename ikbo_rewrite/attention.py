@@ -1,0 +1,2 @@
+def rewrite_attention(ctx):
+    pass

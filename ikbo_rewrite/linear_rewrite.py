@@ -1,0 +1,2 @@
+def rewrite(ctx, available):
+    pass
