@@ -18,6 +18,7 @@ class HoistStep:
     kind: str  # "matmul", "reduction" (both pay alone), "pointwise", "view", "norm", "cat"
     originals: list
     gathers: list
+    inputs: list = dataclasses.field(default_factory=list)  # the gathers it read
     parent: Optional["HoistStep"] = None
     children: list = dataclasses.field(default_factory=list)
     undone: bool = False
@@ -36,6 +37,7 @@ class Context:
         self.found = list(self.broadcasts.values())
         self.steps: list[HoistStep] = []
         self.step_of: dict[Node, HoistStep] = {}  # a hoisted gather -> the step that made it
+        self.replaced: set = set()  # nodes whose uses a rewrite took (erased even where impure)
         self.absorbed: set = set()  # gathers an IKBO op now reads at the user batch
         self.reasons: dict[Node, list] = collections.defaultdict(list)  # gather -> why left
 

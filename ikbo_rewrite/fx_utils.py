@@ -157,3 +157,12 @@ def replace(old: Node, new: Node) -> None:
 
 def live_users(n: Node) -> list:
     return list(n.users)
+
+
+def bound_args(n: Node) -> dict:
+    """A call's arguments by name, defaults filled in from the op's schema."""
+    schema = n.target._schema
+    out = {a.name: (a.default_value if a.has_default_value() else None) for a in schema.arguments}
+    out.update(zip([a.name for a in schema.arguments], n.args))
+    out.update(n.kwargs)
+    return out

@@ -159,7 +159,8 @@ def _apply(ctx: Context, n: Node, bc: Broadcast, plan: _Plan) -> list:
     """Run ``n`` at U rows before it, gather its result(s), and return the new broadcasts."""
     b = Builder(ctx.graph, n)
     hoisted = b.call(n.target, *plan.args, **plan.kwargs)
-    step = HoistStep(plan.kind, [], [], parent=ctx.step_of.get(bc.node))
+    step = HoistStep(plan.kind, [], [], inputs=[a for a in _tensor_args(n) if ctx.broadcast(a)],
+                     parent=ctx.step_of.get(bc.node))
     if isinstance(tensor_val(n), torch.Tensor):
         outs = [(n, hoisted)]
     else:  # a tuple (native_layer_norm): each getitem is gathered
@@ -233,7 +234,7 @@ def _apply_chain(ctx: Context, view: Node, bc: Broadcast, j: int, chain: list) -
     sizes[0] = b.size(bc.source, 0)
     cur = b.call(split.target, cur, sizes)
     step = HoistStep("matmul" if any(is_op(c, aten.mm, aten.addmm) for c in chain) else "pointwise", [split], [],
-                     parent=ctx.step_of.get(bc.node))
+                     inputs=[bc.node], parent=ctx.step_of.get(bc.node))
     g = _gather(ctx, b, bc, cur, step)
     replace(split, g)
     step.gathers.append(g)
@@ -272,6 +273,9 @@ def undo_unpaid(ctx: Context) -> None:
         if not kept(step):
             for original, g in zip(step.originals, step.gathers):
                 replace(g, original)
+                for x in step.inputs:  # why the work stayed after the gather it reads
+                    for why in ctx.reasons.get(g, []):
+                        ctx.leave(x, why)
             step.undone = True
     for step in ctx.steps:
         if not step.undone:

@@ -26,7 +26,9 @@ def _dead_code(ctx: Context, used_constants: set) -> None:
     for n in reversed(list(ctx.graph.nodes)):
         if n.users:
             continue
-        if (n.op == "call_function" and not n.is_impure()) or (n.op == "get_attr" and n in used_constants):
+        if n.op == "call_function" and (not n.is_impure() or n in ctx.replaced):
+            ctx.graph.erase_node(n)
+        elif n.op == "get_attr" and n in used_constants:
             ctx.graph.erase_node(n)
 
 
