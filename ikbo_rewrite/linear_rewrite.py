@@ -1,2 +1,0 @@
-def rewrite(ctx, available):
-    pass
