@@ -8,16 +8,14 @@ import torch
 from torch import nn
 
 
-class MLP(nn.Sequential):
+def MLP(sizes: Sequence[int]) -> nn.Sequential:  # noqa: N802  (reads as a layer)
     """Linear layers with ReLU between them (none after the last)."""
-
-    def __init__(self, sizes: Sequence[int]):
-        layers = []
-        for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
-            layers.append(nn.Linear(a, b))
-            if i < len(sizes) - 2:
-                layers.append(nn.ReLU())
-        super().__init__(*layers)
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
 
 
 def split_linear(x_user: torch.Tensor, x_cand: torch.Tensor, idx: torch.Tensor, layer: nn.Linear,

@@ -46,7 +46,7 @@ def split_concat(ctx: Context, cat: Node) -> tuple[Optional[Split], Optional[str
     if len(keys) > 1:
         return None, "the concat's user parts are gathered by different indices"
     if all(bcs):
-        return None, "every part of the concat is gathered (hoisting handles it)"
+        return None, None  # a row-wise concat: hoisting moves it before the gather
     user, cand, off = [], [], 0
     for p, b in zip(parts, bcs):
         k = _static(shape(p)[dim])

@@ -45,7 +45,11 @@ class Report:
     def __str__(self) -> str:
         lines = [f"ikbo_rewrite: {self.broadcasts} broadcast(s) found, {len(self.rewrites)} rewrite(s), "
                  f"{len(self.left)} broadcast(s) left"]
-        lines += [f"  rewrite {r}" for r in self.rewrites]
+        lines += [f"  rewrite {r}" for r in self.rewrites if r.kind != "hoist"]
+        hoists = [r for r in self.rewrites if r.kind == "hoist"]
+        if hoists:  # one line: they are many and small
+            lines.append(f"  rewrite hoist     {len(hoists)} op(s) now at U rows: "
+                         + ", ".join(n for r in hoists for n in r.replaced))
         lines += [f"  left    {x}" for x in self.left]
         lines += [f"  note    {n}" for n in self.notes]
         return "\n".join(lines)
