@@ -37,7 +37,7 @@ class Broadcast:
     source: Node  # the per-user tensor [U, ...]
     form: str
     index: Optional[Node] = None  # idx [B] where the graph has it
-    groups: Optional[tuple] = None  # expand forms: ("interleave" | "tile", r, U)
+    groups: Optional[tuple] = None  # ("interleave" | "tile", r, U) or ("counts", counts, B)
 
     @property
     def key(self):
@@ -115,6 +115,12 @@ def as_broadcast(n: Node) -> Optional[Broadcast]:
             idx = _gather_index(n.args[2], s)
             if idx is not None:
                 return Broadcast(n, src, "gather", index=idx)
+    if is_op(n, aten.repeat_interleave) and n.args and ndim(n.args[0]) and len(n.args) > 2:
+        src, repeats, dim = n.args[0], n.args[1], norm_dim(n.args[2], ndim(n.args[0]))
+        if dim == 0 and isinstance(repeats, Node) and _index_ok(repeats, shape(src)[0]):
+            return Broadcast(n, src, "repeat_interleave", groups=("counts", repeats, s[0]))
+        if dim == 0 and isinstance(repeats, int) and repeats > 1:
+            return Broadcast(n, src, "repeat_interleave", groups=("interleave", repeats, shape(src)[0]))
     found = _expand_groups(n)
     if found is not None and not is_constant(found[0]):
         return Broadcast(n, found[0], "expand+reshape", groups=found[1])
@@ -137,6 +143,8 @@ def index_node(bc: Broadcast, builder: Builder) -> Node:
         return bc.index
     how, r, _ = bc.groups
     batch = builder.size(bc.node, 0)
+    if how == "counts":  # repeat_interleave(counts, output_size=B)
+        return builder.call(aten.repeat_interleave.Tensor, r, output_size=batch)
     users = builder.size(bc.source, 0)
     ar = builder.call(aten.arange.default, batch, dtype=torch.int64, device=tensor_val(bc.source).device)
     if how == "tile":

@@ -88,14 +88,17 @@ def weight_axes(w: Node):
     sizes = {"w0": shape(n)[0], "w1": shape(n)[1]}
     axes: Axes = [("w0",), ("w1",)]
     for c in reversed(chain):
-        if is_op(c, aten.expand):
-            new = shape(c)
-            if len(new) != len(axes) or any(a != () and not same(new[i], shape(c.args[0])[i])
-                                            for i, a in enumerate(axes)):
+        if is_op(c, aten.expand):  # new leading dims, or size-1 dims, broadcast as a batch
+            new, old = shape(c), shape(c.args[0])
+            lead = len(new) - len(old)
+            if lead < 0 or any(a != () and not same(new[lead + i], old[i]) for i, a in enumerate(axes)):
                 return None
-            axes = [a if a != () else ("batch",) for a in axes]
+            axes = [("batch",)] * lead + [a if a != () else ("batch",) for a in axes]
             continue
-        axes = step(c, axes, sizes)
+        try:
+            axes = step(c, axes, sizes)
+        except KeyError:  # a reshape across the broadcast batch
+            return None
         if axes is None:
             return None
     return n, axes
