@@ -119,7 +119,8 @@ def _plan(ctx: Context, n: Node, bc: Broadcast) -> Optional[_Plan]:
         return _Plan("matmul", *_sub(args, kwargs, swaps))
     if is_op(n, aten.matmul) and rank >= 2 and ndim(args[1]) is not None and ndim(args[1]) <= 2:
         return _Plan("matmul", *_sub(args, kwargs, swaps))
-    if is_op(n, aten.linear) and rank >= 2 and _free_of_batch(args[1:], n):
+    if is_op(n, aten.linear) and rank >= 2 and ndim(args[1]) == 2 and (len(args) < 3 or args[2] is None
+                                                                       or ndim(args[2]) == 1):
         return _Plan("matmul", *_sub(args, kwargs, swaps))
     if is_op(n, aten.addmm) and args[1] is g and _free_of_batch(args[:1], n):
         return _Plan("matmul", *_sub(args, kwargs, swaps))
