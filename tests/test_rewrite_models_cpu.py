@@ -119,3 +119,15 @@ def test_export_with_dynamic_batches_serves_other_sizes():
             args = _args(mod, B, U, seed)
             check_close(module(*args), model, args)
     assert has(module, "ikbo_fa.attention")
+
+
+def test_duck_sized_batches_are_still_a_broadcast(fresh_dynamo):
+    """First traced with U == B (one symbol for both), then with U < B (torch recompiles,
+    its guard on U == B fails): both graphs rewritten, both right."""
+    mod, model, _, _ = _build("wukong", seed=15)
+    with torch.no_grad():
+        compiled = ikbo_rewrite.compile(model, dynamic=True)
+        for B, U, seed in ((5, 5, 16), (12, 3, 17)):
+            args = _args(mod, B, U, seed)
+            check_close(compiled(*args), model, args)
+    assert [r.kinds() for r in compiled.reports] == [["lce"]] * len(compiled.reports)
