@@ -17,7 +17,7 @@ from torch.fx import Node
 
 from .broadcast import index_node
 from .context import Context
-from .fx_utils import Builder, aten, bound_args, is_op, replace, same, shape, tensor_val
+from .fx_utils import Builder, aten, bound_args, replace, same, shape, tensor_val
 from .masks import prefix_lengths
 
 HEAD_DIMS = (64, 128)

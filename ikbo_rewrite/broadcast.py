@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from .fx_utils import Builder, aten, arg, is_constant, is_one, is_op, ndim, norm_dim, same, shape, tensor_val
+from .fx_utils import Builder, aten, is_constant, is_one, is_op, ndim, norm_dim, same, shape, tensor_val
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 _PASS_THROUGH = (aten.clone, aten.alias, aten.contiguous)

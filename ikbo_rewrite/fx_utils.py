@@ -45,16 +45,8 @@ def same(a, b) -> bool:
         return False
 
 
-def same_shape(a: Sequence, b: Sequence) -> bool:
-    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-
-
 def is_one(a) -> bool:
     return same(a, 1)
-
-
-def product(sizes: Sequence):
-    return functools.reduce(operator.mul, sizes, 1)
 
 
 def is_op(n, *targets) -> bool:
@@ -64,13 +56,6 @@ def is_op(n, *targets) -> bool:
     t = n.target
     packet = getattr(t, "overloadpacket", None)
     return any(t is x or packet is x for x in targets)
-
-
-def arg(n: Node, i: int, name: str, default=None):
-    """Positional-or-keyword argument ``i``/``name`` of a call."""
-    if len(n.args) > i:
-        return n.args[i]
-    return n.kwargs.get(name, default)
 
 
 def norm_dim(d: int, rank: int) -> int:
@@ -153,10 +138,6 @@ class Builder:
 def replace(old: Node, new: Node) -> None:
     """Every use of ``old`` reads ``new`` (``old`` is left for dead-code elimination)."""
     old.replace_all_uses_with(new, propagate_meta=False)
-
-
-def live_users(n: Node) -> list:
-    return list(n.users)
 
 
 def bound_args(n: Node) -> dict:

@@ -100,6 +100,8 @@ def _plan(ctx: Context, n: Node, bc: Broadcast) -> Optional[_Plan]:
     if is_op(n, *_RESHAPES, aten.expand) and out is not None and same(out.shape[0], shape(g)[0]):
         sizes = list(args[1])
         if is_op(n, aten.expand):
+            if out.dim() != rank:  # new leading dims: the batch is no longer dim 0
+                return None
             sizes[0] = -1
         elif not any(isinstance(s, int) and s == -1 for s in sizes[1:]):
             sizes[0] = -1
@@ -158,18 +160,17 @@ def _gather(ctx: Context, b: Builder, bc: Broadcast, source: Node, parent) -> No
 
 def _apply(ctx: Context, n: Node, bc: Broadcast, plan: _Plan) -> list:
     """Run ``n`` at U rows before it, gather its result(s), and return the new broadcasts."""
+    single = isinstance(tensor_val(n), torch.Tensor)
+    if not single and any(u.target is not operator.getitem for u in n.users):
+        return []  # a tuple (native_layer_norm) is hoisted through its getitems only
     b = Builder(ctx.graph, n)
     hoisted = b.call(n.target, *plan.args, **plan.kwargs)
     step = HoistStep(plan.kind, [], [], inputs=[a for a in _tensor_args(n) if ctx.broadcast(a)],
                      parent=ctx.step_of.get(bc.node))
-    if isinstance(tensor_val(n), torch.Tensor):
+    if single:
         outs = [(n, hoisted)]
-    else:  # a tuple (native_layer_norm): each getitem is gathered
-        outs = []
-        for user in list(n.users):
-            if not (is_op(user, operator.getitem) or user.target is operator.getitem):
-                return []
-            outs.append((user, b.call(operator.getitem, hoisted, user.args[1])))
+    else:
+        outs = [(u, b.call(operator.getitem, hoisted, u.args[1])) for u in list(n.users)]
     new = []
     for original, at_users in outs:
         g = _gather(ctx, b, bc, at_users, step)

@@ -2,7 +2,6 @@
 compute, undo hoists that do not pay, and report what is left."""
 from __future__ import annotations
 
-import torch
 from torch.fx import GraphModule
 
 from . import attention, hoist, lce, linear

@@ -131,3 +131,13 @@ def test_duck_sized_batches_are_still_a_broadcast(fresh_dynamo):
             args = _args(mod, B, U, seed)
             check_close(compiled(*args), model, args)
     assert [r.kinds() for r in compiled.reports] == [["lce"]] * len(compiled.reports)
+
+
+def test_the_pass_keys_the_fx_graph_cache():
+    """One uuid for every instance of the same pass; it names the pass's source and whether
+    the linear op exists (both change what the pass does)."""
+    from ikbo_rewrite.inductor_pass import IkboPass
+
+    a, b = IkboPass(), IkboPass()
+    assert a.uuid() == b.uuid() and a.uuid().endswith(f"linear{int(linear.available())}")
+    assert a.reports is not b.reports
