@@ -27,10 +27,12 @@ def bench_on_cpu(monkeypatch, cpu_timing):
             monkeypatch.setenv(var, os.environ[var])
         else:
             monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", inductor_config.fx_graph_cache)
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache)
     torch._dynamo.reset()
-    yield
+    # main() turns the compile caches off; config.patch puts them back (monkeypatch would
+    # delete the attributes on undo, which hides a config entry)
+    with inductor_config.patch(fx_graph_cache=inductor_config.fx_graph_cache), \
+            functorch_config.patch(enable_autograd_cache=functorch_config.enable_autograd_cache):
+        yield
     torch._dynamo.reset()
 
 
