@@ -1,0 +1,165 @@
+"""attention: SDPA whose K and V are gathered by one index (or whose Q is) becomes
+``ikbo_fa.attention`` on the per-user tensors, in its [batch, seq, heads, dim] layout.
+
+Every spelling of SDPA in an ATen graph is read (the op itself in an exported graph; the
+backend ops Inductor's graphs carry: flash, efficient, cuDNN, the CPU flash kernel), and so
+is the hand-written softmax(QK^T)V, which Inductor turns into SDPA before this pass runs.
+Rewritten only where the op computes the same: no dropout, not causal, fp16/bf16, head dim
+64 or 128, and no mask or a key-padding prefix mask (which becomes ``kv_lengths``)."""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+from .broadcast import index_node
+from .context import Context
+from .fx_utils import Builder, aten, bound_args, replace, same, shape, tensor_val
+from .masks import prefix_lengths
+
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+
+# op -> (name of its mask argument or None, whether it returns a tuple whose [0] is the output)
+_SDPA = {
+    "scaled_dot_product_attention": ("attn_mask", False),
+    "_scaled_dot_product_flash_attention_for_cpu": ("attn_mask", True),
+    "_scaled_dot_product_flash_attention": (None, True),
+    "_scaled_dot_product_efficient_attention": ("attn_bias", True),
+    "_scaled_dot_product_cudnn_attention": ("attn_bias", True),
+    "_scaled_dot_product_attention_math": ("attn_mask", True),
+}
+
+
+@dataclasses.dataclass
+class Sdpa:
+    node: Node
+    out: Node  # the node holding the attention output [B, H, S_q, D]
+    q: Node
+    k: Node
+    v: Node
+    mask: Optional[Node]
+    dropout: float
+    causal: bool
+    scale: Optional[float]
+
+
+def read_sdpa(n: Node) -> tuple[Optional[Sdpa], str]:
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return None, ""
+    name = n.target.overloadpacket.__name__
+    if n.target.namespace != "aten" or name not in _SDPA:
+        return None, ""
+    mask_arg, is_tuple = _SDPA[name]
+    a = bound_args(n)
+    out = n
+    if is_tuple:
+        outs = [u for u in n.users]
+        if any(u.target is not operator.getitem for u in outs):
+            return None, "SDPA's outputs are used whole"
+        used = [u for u in outs if u.users]
+        if any(u.args[1] != 0 for u in used):
+            return None, "SDPA's log-sum-exp or other side outputs are used"
+        if not used:
+            return None, ""
+        out = used[0]
+    return Sdpa(n, out, a["query"], a["key"], a["value"], a.get(mask_arg) if mask_arg else None,
+                float(a.get("dropout_p") or 0.0), bool(a.get("is_causal")), a.get("scale")), ""
+
+
+def _check(s: Sdpa) -> str:
+    if s.dropout != 0.0:
+        return f"dropout_p {s.dropout}"
+    if s.causal:
+        return "causal attention"
+    q, k, v = (tensor_val(x) for x in (s.q, s.k, s.v))
+    if any(t is None or t.dim() != 4 for t in (q, k, v)):
+        return "q, k and v are not [batch, heads, seq, dim]"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
+        return f"dtype {q.dtype}: the op takes fp16 or bf16"
+    if not all(same(a, b) for a, b in zip(k.shape, v.shape)) or not same(q.shape[3], k.shape[3]):
+        return "k and v differ in shape, or q's head dim differs from k's"
+    if not any(same(q.shape[3], d) for d in HEAD_DIMS):
+        return f"head dim {q.shape[3]}: the kernel takes {' or '.join(map(str, HEAD_DIMS))}"
+    h, h_kv = q.shape[1], k.shape[1]
+    if not isinstance(h, int) or not isinstance(h_kv, int) or h % h_kv:
+        return f"{h} query heads are not a multiple of {h_kv} key heads"
+    if s.scale is not None and not isinstance(s.scale, (int, float)):
+        return "the scale is not a number"
+    return ""
+
+
+def rewrite_attention(ctx: Context) -> None:
+    for n in list(ctx.graph.nodes):
+        s, why = read_sdpa(n)
+        gathers = [x for x in ((s.q, s.k, s.v) if s else ()) if ctx.broadcast(x)]
+        if s is None:
+            if why:
+                for x in n.args[:3]:
+                    if ctx.broadcast(x):
+                        ctx.leave(x, f"attention: {why}")
+            continue
+        if not gathers:
+            continue
+        why = _rewrite_one(ctx, s)
+        if why:
+            for g in gathers:
+                ctx.leave(g, f"attention: {why}")
+
+
+def _direction(ctx: Context, s: Sdpa):
+    bq, bk, bv = (ctx.broadcast(x) for x in (s.q, s.k, s.v))
+    if bk and bv and bk.key == bv.key and not (bq and bq.key == bk.key):
+        return "kv", bk
+    if bq and not bk and not bv:
+        return "q", bq
+    return None, None
+
+
+def _rewrite_one(ctx: Context, s: Sdpa) -> str:
+    why = _check(s)
+    if why:
+        return why
+    direction, bc = _direction(ctx, s)
+    if direction is None:
+        return "q, k and v are not one side gathered, the other per candidate"
+    lengths = None
+    if s.mask is not None:
+        lengths, why = prefix_lengths(ctx, s.mask, shape(s.k)[2])
+        if lengths is None:
+            return why
+        if direction == "kv" and (lengths.broadcast is None or lengths.broadcast.key != bc.key):
+            return "the mask's lengths are per candidate, not per user"
+        if direction == "q" and lengths.broadcast is not None and lengths.broadcast.key != bc.key:
+            return "the mask is gathered by another index"
+    b = Builder(ctx.graph, s.out)
+    idx = index_node(bc, b)
+    bhsd = lambda x: b.call(aten.permute.default, x, [0, 2, 1, 3])  # noqa: E731  [B, H, S, D] <-> [B, S, H, D]
+    if direction == "kv":
+        q, k, v = bhsd(s.q), bhsd(ctx.broadcast(s.k).source), bhsd(ctx.broadcast(s.v).source)
+    else:
+        q, k, v = bhsd(bc.source), bhsd(s.k), bhsd(s.v)
+    kv_lengths = None
+    if lengths is not None:
+        kv_lengths = lengths.node
+        if direction == "q" and lengths.broadcast is not None:
+            kv_lengths = b.call(aten.index.Tensor, kv_lengths, [idx])
+        rows = shape(k)[0]
+        if not same(shape(kv_lengths)[0], rows):
+            return "the mask's lengths do not have one entry per key/value row"
+    scale = None if s.scale is None else float(s.scale)
+    res = b.call(torch.ops.ikbo_fa.attention.default, q, [k, v], idx, scale, kv_lengths, direction, False, None)
+    o = b.call(operator.getitem, res, 0)
+    replace(s.out, bhsd(o))
+    ctx.replaced.add(s.node)  # SDPA counts as impure (its dropout draws random numbers)
+    ctx.absorbed.update(x for x in (s.q, s.k, s.v) if ctx.broadcast(x))
+    if lengths is not None:
+        ctx.absorbed.update(lengths.gathers)
+    qv, kv = tensor_val(q), tensor_val(k)
+    ctx.report.add("attention", [s.node], f"{direction.upper()} broadcast, S_q {qv.shape[1]}, L {kv.shape[1]}, "
+                   f"H {qv.shape[2]}, H_kv {kv.shape[2]}, D {qv.shape[3]}"
+                   + (", kv_lengths from the key-padding mask" if lengths is not None else ""))
+    return ""

@@ -1,0 +1,104 @@
+"""Following a tensor's dimensions through views: each dimension is a group of labelled
+source dimensions (a reshape merges or splits groups), so that a matmul several views away
+from a concat can be asked which source dimension it reduces over."""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch.fx import Node
+
+from .fx_utils import aten, is_one, is_op, norm_dim, same, shape
+
+Axes = list  # [tuple of labels] per dimension; () is a dimension of size 1
+
+_SAME = (aten.clone, aten.alias, aten.contiguous, aten.detach)
+_RESHAPES = (aten.view, aten.reshape, aten._unsafe_view)
+
+
+def regroup(axes: Axes, sizes: dict, out_shape) -> Optional[Axes]:
+    """The groups of a reshape to ``out_shape``, or None where it is not a regrouping."""
+    labels = [lab for group in axes for lab in group]
+    out, i = [], 0
+    for s in out_shape:
+        if is_one(s):
+            out.append(())
+            continue
+        group, prod = [], 1
+        while i < len(labels) and not same(prod, s):
+            group.append(labels[i])
+            prod = prod * sizes[labels[i]]
+            i += 1
+        if not group or not same(prod, s):
+            return None
+        out.append(tuple(group))
+    return out if i == len(labels) else None
+
+
+def step(n: Node, axes: Axes, sizes: dict) -> Optional[Axes]:
+    """The axes of view ``n`` of a tensor with ``axes`` (its first argument), or None."""
+    rank = len(axes)
+    if is_op(n, *_SAME):
+        return list(axes)
+    if is_op(n, aten.permute):
+        return [axes[norm_dim(d, rank)] for d in n.args[1]]
+    if is_op(n, aten.transpose):
+        a, b = norm_dim(n.args[1], rank), norm_dim(n.args[2], rank)
+        out = list(axes)
+        out[a], out[b] = out[b], out[a]
+        return out
+    if is_op(n, aten.t) and rank == 2:
+        return [axes[1], axes[0]]
+    if is_op(n, aten.unsqueeze):
+        out = list(axes)
+        out.insert(norm_dim(n.args[1], rank + 1), ())
+        return out
+    if is_op(n, *_RESHAPES, aten.flatten, aten.squeeze):
+        return regroup(axes, sizes, shape(n))
+    return None
+
+
+def follow(start: Node, axes: Axes, sizes: dict):
+    """(node, axes, path) for every non-view user reached from ``start`` through views:
+    ``node`` reads the view whose axes are given, which is ``path[-1]`` (or ``start``)."""
+    out, work = [], [(start, axes, [])]
+    while work:
+        t, ax, path = work.pop()
+        for u in t.users:
+            if u.args and u.args[0] is t:
+                nxt = step(u, ax, sizes)
+                if nxt is not None:
+                    work.append((u, nxt, path + [u]))
+                    continue
+            out.append((u, ax, path, t))
+    return out
+
+
+def weight_axes(w: Node):
+    """(get_attr node, axes over its labels ("w0", "w1")) for a constant 2-D weight seen
+    through views and a broadcast along a new leading dim; None otherwise."""
+    chain = []
+    n = w
+    while n.op == "call_function":
+        chain.append(n)
+        n = n.args[0]
+        if not isinstance(n, Node):
+            return None
+    if n.op != "get_attr" or shape(n) is None or len(shape(n)) != 2:
+        return None
+    sizes = {"w0": shape(n)[0], "w1": shape(n)[1]}
+    axes: Axes = [("w0",), ("w1",)]
+    for c in reversed(chain):
+        if is_op(c, aten.expand):  # new leading dims, or size-1 dims, broadcast as a batch
+            new, old = shape(c), shape(c.args[0])
+            lead = len(new) - len(old)
+            if lead < 0 or any(a != () and not same(new[lead + i], old[i]) for i, a in enumerate(axes)):
+                return None
+            axes = [("batch",)] * lead + [a if a != () else ("batch",) for a in axes]
+            continue
+        try:
+            axes = step(c, axes, sizes)
+        except KeyError:  # a reshape across the broadcast batch
+            return None
+        if axes is None:
+            return None
+    return n, axes

@@ -1,0 +1,281 @@
+"""The reference models (examples/) end to end, in four versions, on one Hopper GPU:
+
+    python perf/bench_models.py                   # --configs headline: every model at B 1024, ratio 70
+    python perf/bench_models.py --configs grid    # every model at B {256, 1024, 4096} x ratio {10, 70, 1000}
+    python perf/bench_models.py --models combined --B 1024 --ratio 70
+
+Versions of each model (bf16, inference, candidates sorted by user):
+  eager      the model as written (index_select / [idx], concat, nn.Linear, SDPA)
+  compile    torch.compile(model), as written (default options)
+  rewrite    ikbo_rewrite.compile(model): the IKBO pass inside Inductor
+  hand       torch.compile of the model written by hand with the IKBO ops (same weights)
+
+Measured per version: the output's relative error against eager, then latency per request in
+two ways, each version timed in turns (one call of each per round): "ms", back-to-back calls
+(host overhead included), and "graph_ms", replays of a CUDA graph captured by hand around one
+call (torch.cuda.graph; the compiled versions use the default mode, not "reduce-overhead", so
+that one capture method serves all four; a version that cannot be captured shows "-"); peak
+memory ("peak_mib": torch.cuda.max_memory_allocated during one call, minus what was allocated
+before it, so inputs and weights are not counted); first-call time ("first_s": the first
+synchronized call, compile included, with Inductor's FX graph cache and the kernels' disk
+cache off). Per model and shape: the rewrite's latency against the hand-written version's
+and against torch.compile's, and every broadcast the rewrite left that the hand-written
+version removes (the hand-written versions remove them all), with the pass's reason.
+
+Results: a table per shape, JSON under perf/results/ (``bench_models-<stamp>.json`` and
+``-latest``), and a PNG of graph_ms per version where matplotlib is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `perf` and `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples import combined, din, multi_seed, wukong  # noqa: E402
+from perf import harness  # noqa: E402
+from perf.harness import make_idx, user_counts  # noqa: E402
+
+NAME = "bench_models"
+DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
+VERSIONS = ["eager", "compile", "rewrite", "hand"]
+GRID = {"B": [256, 1024, 4096], "ratio": [10, 70, 1000]}
+HEADLINE = (1024, 70)
+TOL = 3e-2  # bf16 end to end, against eager bf16
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    module: object  # the examples module: make_inputs(cfg, B, U, ...)
+    model: Callable  # the class as written
+    hand: Callable  # the hand-written class, built from the model
+    cfg: object
+
+
+MODELS = {
+    "combined": ModelSpec(combined, combined.CombinedRanker, combined.CombinedRankerIkbo, combined.CombinedConfig()),
+    "wukong": ModelSpec(wukong, wukong.WukongBlock, wukong.WukongBlockIkbo, wukong.WukongConfig()),
+    "din": ModelSpec(din, din.DinBlock, din.DinBlockIkbo, din.DinConfig()),
+    "multi_seed": ModelSpec(multi_seed, multi_seed.MultiSeedBlock, multi_seed.MultiSeedBlockIkbo,
+                            multi_seed.MultiSeedConfig()),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", choices=["headline", "grid"], default="headline")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--versions", nargs="+", choices=VERSIONS, default=VERSIONS)
+    p.add_argument("--B", type=int, nargs="+", help="batch sizes (instead of the --configs ones)")
+    p.add_argument("--ratio", type=int, nargs="+", help="candidates per user (instead of the --configs ones)")
+    p.add_argument("--tol", type=float, default=TOL)
+    harness.add_common_args(p)
+    p.set_defaults(warmup=3, rep=20)
+    return p.parse_args(argv)
+
+
+def shapes(args) -> list:
+    if args.B or args.ratio:
+        return [(b, r) for b in (args.B or [HEADLINE[0]]) for r in (args.ratio or [HEADLINE[1]])]
+    if args.configs == "grid":
+        return [(b, r) for b in GRID["B"] for r in GRID["ratio"]]
+    return [HEADLINE]
+
+
+def build(spec: ModelSpec, B: int, ratio: int, seed: int):
+    """(model, hand-written model, inputs, U): weights and inputs on the device, bf16."""
+    counts = user_counts(B, ratio)
+    torch.manual_seed(seed)
+    model = spec.model(spec.cfg).to(DEVICE, torch.bfloat16).eval()
+    hand = spec.hand(model)
+    gen = torch.Generator().manual_seed(seed)
+    inputs = spec.module.make_inputs(spec.cfg, B, len(counts), dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    inputs = tuple(inputs[:-1]) + (make_idx(counts, "sorted").to(DEVICE),)
+    return model, hand, inputs, len(counts)
+
+
+def make_versions(model, hand, versions) -> dict:
+    """name -> callable(inputs); the compiled ones compile at their first call."""
+    import ikbo_rewrite
+
+    made = {"eager": model, "compile": torch.compile(model), "rewrite": ikbo_rewrite.compile(model),
+            "hand": torch.compile(hand)}
+    return {v: made[v] for v in versions}
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_mib(fn, inputs) -> Optional[float]:
+    """Memory one call allocates at its peak, beyond what was allocated before it."""
+    if DEVICE != "cuda":
+        return None
+    _sync()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn(*inputs)
+    _sync()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+def left_broadcasts(fn) -> list:
+    """The rewrite's reports: every broadcast it left, with the reason."""
+    reports = getattr(fn, "reports", None) or []
+    return [{"node": x.node, "shape": x.shape, "reasons": x.reasons} for r in reports for x in r.left]
+
+
+def run_shape(name: str, spec: ModelSpec, B: int, ratio: int, args) -> tuple[list, dict]:
+    torch._dynamo.reset()
+    model, hand, inputs, U = build(spec, B, ratio, args.seed)
+    fields = {"model": name, "B": B, "ratio": ratio, "U": U}
+    rows, timed, ref = [], {}, None
+    versions = make_versions(model, hand, args.versions)
+    with torch.no_grad():
+        for version, fn in versions.items():
+            row = {**fields, "version": version, "status": "ok", "note": None}
+            rows.append(row)
+            try:
+                row["first_s"], out = harness.first_call_s(lambda: fn(*inputs))
+                if ref is None:
+                    ref = out.float()
+                row["rel_err"] = harness.rel_error(out.float(), ref)
+                del out
+                if not row["rel_err"] <= args.tol:
+                    row.update(status="wrong", note=f"rel. error {row['rel_err']:.3g} > {args.tol:g}: not timed")
+                    continue
+                row["peak_mib"] = peak_mib(fn, inputs)
+                timed[version] = (row, lambda fn=fn: fn(*inputs))
+            except Exception as e:
+                harness.record_failure(row, e, rows, DEVICE)
+        plain = harness.bench_interleaved({v: f for v, (_, f) in timed.items()}, warmup=args.warmup, rep=args.rep)
+        graphs = harness.bench_graph_interleaved({v: f for v, (_, f) in timed.items()}, warmup=args.warmup,
+                                                 rep=args.rep)
+    for v, (row, _) in timed.items():
+        if isinstance(plain[v], BaseException):
+            harness.record_failure(row, plain[v], rows, DEVICE)
+            continue
+        row["ms"], row["graph_ms"] = plain[v], graphs.get(v)
+    summary = compare(rows, fields)
+    summary["rewrite_left"] = left_broadcasts(versions["rewrite"]) if "rewrite" in versions else None
+    return rows, summary
+
+
+def _best(row) -> Optional[float]:
+    """The latency a serving stack gets: the graph replay where one could be captured."""
+    return row.get("graph_ms") or row.get("ms")
+
+
+def compare(rows: list, fields: dict) -> dict:
+    by = {r["version"]: r for r in rows if r["status"] == "ok" and _best(r)}
+    out = dict(fields)
+    rw, hand, comp = by.get("rewrite"), by.get("hand"), by.get("compile")
+    if rw and hand:
+        out["rewrite_vs_hand"] = _best(rw) / _best(hand)  # parity target: <= 1.05
+    if rw and comp:
+        out["x_latency_vs_compile"] = _best(comp) / _best(rw)
+        if rw.get("peak_mib") and comp.get("peak_mib"):
+            out["x_memory_vs_compile"] = comp["peak_mib"] / rw["peak_mib"]
+    for r in rows:
+        if r["version"] in ("rewrite", "hand") and comp and _best(r):
+            r["x_compile"] = _best(comp) / _best(r)
+    return out
+
+
+def print_shape(rows: list, summary: dict, left: list) -> None:
+    title = f"{summary['model']}: B {summary['B']}, ratio {summary['ratio']} (U {summary['U']})"
+    harness.print_rows(title, rows, ["version", "status", "ms", "graph_ms", "x_compile", "peak_mib", "first_s",
+                                     "rel_err"])
+    parts = [f"{k} {harness.fmt(summary[k])}" for k in ("rewrite_vs_hand", "x_latency_vs_compile",
+                                                         "x_memory_vs_compile") if k in summary]
+    if parts:
+        print("  " + ", ".join(parts))
+    print(f"  broadcasts the rewrite left (the hand-written version removes them): {len(left) or 'none'}")
+    for x in left:
+        print(f"    {x['node']} {x['shape']}: {'; '.join(x['reasons'])}")
+
+
+def plot(payload: dict, out_dir) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    shapes_ = payload["summaries"]
+    if not shapes_:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(shapes_)), 4))
+    width = 0.8 / len(VERSIONS)
+    for i, v in enumerate(VERSIONS):
+        ys = []
+        for s in shapes_:
+            r = next((r for r in payload["rows"] if r["version"] == v and r["status"] == "ok"
+                      and all(r[k] == s[k] for k in ("model", "B", "ratio"))), None)
+            ys.append(_best(r) if r else 0)
+        ax.bar([j + i * width for j in range(len(shapes_))], ys, width, label=v)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes_))])
+    ax.set_xticklabels([f"{s['model']}\nB{s['B']} r{s['ratio']}" for s in shapes_], fontsize=7)
+    ax.set_ylabel("ms per request (CUDA graph replay)")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    stamped, latest = harness.result_paths(NAME, ".png", out_dir, payload["stamp"])
+    fig.savefig(stamped, dpi=120)
+    fig.savefig(latest, dpi=120)
+    plt.close(fig)
+    return stamped
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    harness.start_benchmark(NAME)
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = False  # every version's first call compiles afresh
+    functorch_config.enable_autograd_cache = False
+    env = harness.environment()
+    harness.print_environment(env)
+    stamp = harness.utc_stamp()
+    payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv), "environment": env,
+               "stamp": stamp, "settings": {"warmup": args.warmup, "rep": args.rep, "tol": args.tol,
+                                            "versions": args.versions},
+               "notes": [], "rows": [], "summaries": []}
+    start = time.perf_counter()
+    try:
+        for name in args.models:
+            for B, ratio in shapes(args):
+                rows, summary = run_shape(name, MODELS[name], B, ratio, args)
+                print_shape(rows, summary, summary["rewrite_left"] or [])
+                payload["rows"] += rows
+                payload["summaries"].append(summary)
+                harness.write_results(NAME, payload, args.out_dir, stamp)
+                if DEVICE == "cuda":
+                    torch.cuda.empty_cache()
+    except harness.ContextLost as e:
+        harness.note_lost_context(NAME, payload, e)
+    payload["seconds"] = time.perf_counter() - start
+    if payload["summaries"]:
+        print("\nsummary (latency = CUDA graph replay where captured)")
+        harness.print_table(payload["summaries"], ["model", "B", "ratio", "U", "rewrite_vs_hand",
+                                                   "x_latency_vs_compile", "x_memory_vs_compile"])
+    path = harness.write_results(NAME, payload, args.out_dir, stamp)
+    png = plot(payload, args.out_dir)
+    print(f"\nresults: {path}" + (f", {png}" if png else "") + f"  ({payload['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

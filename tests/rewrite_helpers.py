@@ -1,0 +1,49 @@
+"""Shared pieces of the ikbo_rewrite CPU tests: float64 references, bf16 tolerances, and the
+pass applied through export (fast, no Inductor) or compile."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import ikbo_rewrite
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double(), ref.detach().double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def reference64(model: torch.nn.Module, args) -> torch.Tensor:
+    """The model as written, in float64 (same weights), on float64 copies of the inputs."""
+    m64 = copy.deepcopy(model).double()
+    args64 = [a.double() if a.is_floating_point() else a for a in args]
+    with torch.no_grad():
+        return m64(*args64)
+
+
+def check_close(out: torch.Tensor, model: torch.nn.Module, args, tol: float = 2e-2) -> None:
+    """``out`` (the rewritten model's) is as close to the float64 reference as the model as
+    written is, within bf16's tolerance."""
+    ref = reference64(model, args)
+    with torch.no_grad():
+        base = rel_err(model(*args), ref)
+    err = rel_err(out, ref)
+    assert err <= max(tol, 3 * base), (err, base)
+
+
+def exported(model, args, dynamic_shapes=None):
+    with torch.no_grad():
+        return ikbo_rewrite.export(model, args, dynamic_shapes=dynamic_shapes)
+
+
+def targets(module) -> list:
+    return [str(n.target) for n in module.graph.nodes if n.op == "call_function"]
+
+
+def has(module, name: str) -> bool:
+    return any(name in t for t in targets(module))
+
+
+def bf16(*tensors):
+    return [t.bfloat16() if t.is_floating_point() else t for t in tensors]

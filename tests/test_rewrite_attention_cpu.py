@@ -1,0 +1,137 @@
+"""The attention rewrite: SDPA over gathered K/V (or Q) becomes ``ikbo_fa.attention``; a
+key-padding prefix mask becomes ``kv_lengths``; what the op would compute otherwise stays."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ikbo_rewrite
+from rewrite_helpers import check_close, exported, has
+
+H, L, S_Q = 2, 7, 3
+
+
+class Target(nn.Module):
+    """q per candidate [B, H, S_q, D], k/v per user gathered by idx (layout [U, L, H, D] as stored)."""
+
+    def __init__(self, mode: str = "kv", mask: str = "none", causal=False, dropout=0.0, gqa=False):
+        super().__init__()
+        self.mode, self.mask, self.causal, self.dropout, self.gqa = mode, mask, causal, dropout, gqa
+
+    def forward(self, q, k, v, idx, lengths):
+        t = lambda x: x.transpose(1, 2)  # noqa: E731  [batch, L, H, D] -> [batch, H, L, D]
+        if self.mode == "kv":
+            q, k, v = t(q), t(k[idx]), t(v[idx])
+        else:
+            q, k, v = t(q.index_select(0, idx)), t(k), t(v)
+        ar = torch.arange(k.shape[2], device=q.device)
+        mask = None
+        if self.mask == "prefix":  # per user, gathered after the comparison
+            keep = ar[None, :] < lengths[:, None]
+            mask = (keep[idx] if self.mode == "kv" else keep)[:, None, None, :]
+        elif self.mask == "prefix_lengths_gathered":
+            mask = (ar[None, :] < lengths[idx][:, None])[:, None, None, :]
+        elif self.mask == "suffix":
+            mask = (ar[None, :] >= lengths[idx][:, None])[:, None, None, :]
+        elif self.mask == "per_candidate":
+            mask = (ar[None, :] < (idx % k.shape[2] + 1)[:, None])[:, None, None, :]
+        elif self.mask == "float_additive":
+            mask = ((ar[None, :] >= lengths[idx][:, None]).to(q.dtype) * -10000.0)[:, None, None, :]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, dropout_p=self.dropout,
+                                           enable_gqa=self.gqa)
+        return o.transpose(1, 2)
+
+
+def _inputs(mode="kv", B=8, U=3, D=64, h_kv=H, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qb, kb = (B, U) if mode == "kv" else (U, B)
+    q = torch.randn(qb, S_Q, H, D, generator=g).to(dtype)
+    k = torch.randn(kb, L, h_kv, D, generator=g).to(dtype)
+    v = torch.randn(kb, L, h_kv, D, generator=g).to(dtype)
+    idx = torch.randint(0, U, (B,), generator=g)
+    lengths = torch.randint(1, L + 1, (kb,), generator=g)  # one per key/value row
+    return q, k, v, idx, lengths
+
+
+@pytest.mark.parametrize("mode, mask", [("kv", "none"), ("kv", "prefix"), ("kv", "prefix_lengths_gathered"),
+                                        ("q", "none"), ("q", "prefix")])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gathered_side_becomes_ikbo_attention(mode, mask, D):
+    model = Target(mode, mask)
+    args = _inputs(mode, D=D, seed=D)
+    module, report = exported(model, args)
+    assert report.kinds().count("attention") == 1, str(report)
+    assert report.left == [] and not has(module, "scaled_dot_product")
+    assert ("kv_lengths" in report.rewrites[-1].detail or any(r.kind == "attention" and "kv_lengths" in r.detail
+                                                              for r in report.rewrites)) == (mask != "none")
+    check_close(module(*args), model, args)
+
+
+def test_grouped_query_heads():
+    model = Target("kv", "prefix", gqa=True)
+    args = _inputs("kv", h_kv=1, seed=4)
+    module, report = exported(model, args)
+    assert "attention" in report.kinds() and "H 2, H_kv 1" in str(report)
+    check_close(module(*args), model, args)
+
+
+@pytest.mark.parametrize("kwargs, D, dtype, why", [
+    (dict(causal=True), 64, torch.bfloat16, "causal"),
+    (dict(dropout=0.5), 64, torch.bfloat16, "dropout"),
+    (dict(), 96, torch.bfloat16, "head dim 96"),
+    (dict(), 64, torch.float32, "fp16 or bf16"),
+    (dict(mask="suffix"), 64, torch.bfloat16, "not a prefix"),
+    (dict(mask="per_candidate"), 64, torch.bfloat16, "per candidate"),
+    (dict(mask="float_additive"), 64, torch.bfloat16, "prefix mask"),
+])
+def test_what_the_op_would_compute_differently_is_left(kwargs, D, dtype, why):
+    model = Target(**kwargs)
+    args = _inputs(D=D, dtype=dtype, seed=D + 1)
+    module, report = exported(model, args)
+    assert "attention" not in report.kinds() and has(module, "scaled_dot_product")
+    assert why in str(report), str(report)
+    if not kwargs.get("dropout"):
+        check_close(module(*args), model, args)
+
+
+def test_a_random_mask_is_not_a_prefix_mask():
+    class Masked(nn.Module):
+        def forward(self, q, k, v, idx, mask):
+            return F.scaled_dot_product_attention(q, k[idx], v[idx], attn_mask=mask[idx][:, None, None, :])
+
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(6, H, S_Q, 64, generator=g).bfloat16()
+    k, v = (torch.randn(2, H, L, 64, generator=g).bfloat16() for _ in range(2))
+    mask = torch.rand(2, L, generator=g) > 0.3
+    mask[:, 0] = True
+    args = (q, k, v, torch.randint(0, 2, (6,), generator=g), mask)
+    module, report = exported(Masked(), args)
+    assert report.rewrites == [] and "prefix" in str(report.left)
+    check_close(module(*args), Masked(), args)
+
+
+class HandWritten(nn.Module):
+    """softmax(q k^T / sqrt(d)) v, written out: Inductor turns it into SDPA before the pass."""
+
+    def forward(self, q, k, v, idx):
+        k, v = k[idx], v[idx]
+        s = torch.matmul(q, k.transpose(-2, -1)).div(math.sqrt(q.shape[-1]))
+        return torch.matmul(s.softmax(dim=-1), v)
+
+
+def test_hand_written_attention_through_compile():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(9, H, 4, 64, generator=g).bfloat16()
+    k, v = (torch.randn(3, H, 16, 64, generator=g).bfloat16() for _ in range(2))
+    args = (q, k, v, torch.randint(0, 3, (9,), generator=g))
+    model = HandWritten()
+    with torch.no_grad():
+        compiled = ikbo_rewrite.compile(model)
+        out = compiled(*args)
+    assert "attention" in compiled.report.kinds(), str(compiled.report)
+    check_close(out, model, args)
