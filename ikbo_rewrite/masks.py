@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 
 from .context import Context
-from .fx_utils import aten, is_one, is_op, ndim, norm_dim, same, shape, tensor_val, val
+from .fx_utils import aten, get_attr_value, is_one, is_op, ndim, norm_dim, same, shape, tensor_val, val
 
 _SAME = (aten.clone, aten.alias, aten.contiguous, aten.detach)
 _RESHAPES = (aten.view, aten.reshape, aten._unsafe_view)
@@ -27,13 +27,23 @@ class Lengths:
     gathers: list  # the gathers crossed (the rewrite makes them dead)
 
 
-def _scalar(n) -> Optional[float]:
+def _scalar(n, ctx: Optional[Context] = None) -> Optional[float]:
+    """The one value of a number or a constant tensor (a full / zeros tensor of any shape, a
+    scalar tensor, a held constant whose elements are all equal), else None."""
     if isinstance(n, (int, float)):
         return float(n)
-    if is_op(n, aten.full) and not n.args[0]:
-        return float(n.args[1])
+    if is_op(n, aten.full, aten.full_like):
+        return _scalar(n.args[1])
+    if is_op(n, aten.zeros, aten.zeros_like, aten.new_zeros):
+        return 0.0
     if is_op(n, aten.scalar_tensor):
         return float(n.args[0])
+    if ctx is not None and isinstance(n, Node) and n.op == "get_attr":
+        t = get_attr_value(ctx.gm, n.target)
+        if isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point():
+            first = t.reshape(-1)[0]
+            if bool((t == first).all()) or (bool(torch.isnan(first)) and bool(torch.isnan(t).all())):
+                return float(first)
     return None
 
 
@@ -44,6 +54,7 @@ def _non_one(n: Node) -> list:
 class _Walk:
     def __init__(self, ctx: Context):
         self.ctx, self.bc, self.gathers, self.why = ctx, None, [], None
+        self.stop = None  # where the walk found no mask spelling it knows (for the report)
 
     def cross(self, n: Node) -> Optional[Node]:
         """The next node below a view-like ``n`` (or a gather), mapping dims; None if ``n`` is not one."""
@@ -55,6 +66,12 @@ class _Walk:
             self.bc = bc
             self.gathers.append(n)
             return bc.source
+        if is_op(n, aten._to_copy, torch.ops.prims.convert_element_type):
+            # A float cast keeps 0 and -inf (a bool -> float cast would not: not crossed).
+            before, after = tensor_val(n.args[0]), tensor_val(n)
+            if before is not None and after is not None and before.is_floating_point() and after.is_floating_point():
+                return n.args[0]
+            return None
         if is_op(n, *_SAME, aten.expand, aten.unsqueeze, aten.squeeze, *_RESHAPES):
             inner = n.args[0]
             if is_op(n, *_RESHAPES) and [shape(n)[i] for i in _non_one(n)] != [shape(inner)[i] for i in _non_one(inner)]:
@@ -62,7 +79,7 @@ class _Walk:
             return inner
         if is_op(n, aten.slice) and norm_dim(n.args[1], ndim(n)) == ndim(n) - 1:
             inner = n.args[0]
-            if is_op(inner, aten.constant_pad_nd) and len(inner.args[1]) == 2 and inner.args[1][0] == 0:
+            if _right_pad(inner):
                 base = inner.args[0]  # padded to an aligned width, then sliced back to it
                 if (len(n.args) > 2 and n.args[2] == 0 and len(n.args) > 3 and same(val(n.args[3]), shape(base)[-1])):
                     return base
@@ -81,6 +98,7 @@ class _Walk:
 def _keep(w: _Walk, n: Node):
     """(bool node, polarity): scores are kept where the bool node equals polarity."""
     n = w.down(n)
+    w.stop = n
     v = tensor_val(n)
     if v is None:
         return None
@@ -90,7 +108,7 @@ def _keep(w: _Walk, n: Node):
             return None if inner is None else (inner[0], not inner[1])
         return n, True
     if is_op(n, aten.where):
-        a, b = _scalar(n.args[1]), _scalar(n.args[2])
+        a, b = (_scalar(w.down(x), w.ctx) if isinstance(x, Node) else _scalar(x) for x in n.args[1:3])
         if a == 0.0 and b == -math.inf:
             inner = _keep(w, n.args[0])
         elif a == -math.inf and b == 0.0:
@@ -99,7 +117,8 @@ def _keep(w: _Walk, n: Node):
         else:
             return None
         return inner
-    if is_op(n, aten.masked_fill) and _scalar(n.args[2]) == -math.inf and _scalar(w.down(n.args[0])) == 0.0:
+    if (is_op(n, aten.masked_fill) and _scalar(n.args[2], w.ctx) == -math.inf
+            and _scalar(w.down(n.args[0]), w.ctx) == 0.0):
         inner = _keep(w, n.args[1])
         return None if inner is None else (inner[0], not inner[1])
     return None
@@ -125,7 +144,8 @@ def prefix_lengths(ctx: Context, mask: Node, key_len) -> tuple[Optional[Lengths]
     w = _Walk(ctx)
     found = _keep(w, mask)
     if found is None:
-        return None, w.why or "the mask is not provably a key-padding prefix mask (j < length)"
+        at = f" (no known spelling at {getattr(w.stop, 'target', w.stop)})" if w.stop is not None else ""
+        return None, w.why or f"the mask is not provably a key-padding prefix mask (j < length){at}"
     cmp, polarity = found
     if is_op(cmp, aten.lt, aten.ge):
         j, length, polarity = cmp.args[0], cmp.args[1], polarity == is_op(cmp, aten.lt)
@@ -149,10 +169,21 @@ def prefix_lengths(ctx: Context, mask: Node, key_len) -> tuple[Optional[Lengths]
     return Lengths(lengths, w.bc, w.gathers), ""
 
 
+def _right_pad(n) -> bool:
+    """A constant pad of the last dim on its right only (``constant_pad_nd``, or ``pad`` before
+    decomposition), as SDPA's efficient kernel pads its mask to an aligned width."""
+    if is_op(n, aten.constant_pad_nd):
+        return len(n.args[1]) == 2 and n.args[1][0] == 0
+    if is_op(n, aten.pad):
+        mode = n.args[2] if len(n.args) > 2 else n.kwargs.get("mode", "constant")
+        return mode == "constant" and len(n.args[1]) == 2 and n.args[1][0] == 0
+    return False
+
+
 def _mask_dims_ok(mask: Node) -> bool:
     """The mask's own rank-4 shape (before SDPA expands it) is 1 along heads and queries."""
     n = mask
-    while is_op(n, aten.expand, *_SAME) or (is_op(n, aten.slice) and is_op(n.args[0], aten.constant_pad_nd)):
+    while is_op(n, aten.expand, *_SAME) or (is_op(n, aten.slice) and _right_pad(n.args[0])):
         n = n.args[0] if not is_op(n, aten.slice) else n.args[0].args[0]
     s = (1,) * (4 - ndim(n)) + shape(n)
     return is_one(s[1]) and is_one(s[2])

@@ -35,6 +35,16 @@ class Target(nn.Module):
             mask = (keep[idx] if self.mode == "kv" else keep)[:, None, None, :]
         elif self.mask == "prefix_lengths_gathered":
             mask = (ar[None, :] < lengths[idx][:, None])[:, None, None, :]
+        elif self.mask in ("cuda_bias", "cuda_bias_filled"):
+            # The float bias CUDA SDPA makes of a bool mask for its efficient kernel: -inf where a key
+            # is dropped, expanded to [B, H, S_q, L], padded to a multiple of 16 keys and sliced back.
+            keep = (ar[None, :] < lengths[idx][:, None])[:, None, None, :]
+            if self.mask == "cuda_bias":
+                bias = torch.where(keep.logical_not(), float("-inf"), torch.scalar_tensor(0.0, dtype=q.dtype))
+            else:
+                bias = torch.zeros_like(keep, dtype=q.dtype).masked_fill(keep.logical_not(), float("-inf"))
+            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            mask = F.pad(bias, (0, 16 - k.shape[2] % 16))[..., : k.shape[2]]
         elif self.mask == "suffix":
             mask = (ar[None, :] >= lengths[idx][:, None])[:, None, None, :]
         elif self.mask == "per_candidate":
@@ -58,7 +68,8 @@ def _inputs(mode="kv", B=8, U=3, D=64, h_kv=H, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize("mode, mask", [("kv", "none"), ("kv", "prefix"), ("kv", "prefix_lengths_gathered"),
-                                        ("q", "none"), ("q", "prefix")])
+                                        ("kv", "cuda_bias"), ("kv", "cuda_bias_filled"), ("q", "none"),
+                                        ("q", "prefix")])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gathered_side_becomes_ikbo_attention(mode, mask, D):
     model = Target(mode, mask)
