@@ -10,16 +10,18 @@ Versions of each model (bf16, inference, candidates sorted by user):
   rewrite    ikbo_rewrite.compile(model): the IKBO pass inside Inductor
   hand       torch.compile of the model written by hand with the IKBO ops (same weights)
 
-Measured per version: the output's relative error against eager, then latency per request in
-two ways, each version timed in turns (one call of each per round): "ms", back-to-back calls
-(host overhead included), and "graph_ms", replays of a CUDA graph captured by hand around one
-call (torch.cuda.graph; the compiled versions use the default mode, not "reduce-overhead", so
+Measured per version: the output's relative error against eager, then latency per request.
+``--timing interleaved`` (the default) times each version in turns (one call of each per
+round) in two ways: "ms", plain calls (host overhead included), and "graph_ms", replays of a
+CUDA graph captured by hand around one call (torch.cuda.graph; the compiled versions use the default mode, not "reduce-overhead", so
 that one capture method serves all four; a version that cannot be captured shows "-"); peak
+``--timing sustained`` runs each version's plain calls alone, back to back at the power limit
+("ms_sustained", with the power and SM clock seen); ``both`` does the two. Then peak
 memory ("peak_mib": torch.cuda.max_memory_allocated during one call, minus what was allocated
 before it, so inputs and weights are not counted); first-call time ("first_s": the first
 synchronized call, compile included, with Inductor's FX graph cache and the kernels' disk
 cache off). Per model and shape: the rewrite's latency against the hand-written version's
-and against torch.compile's, and every broadcast the rewrite left that the hand-written
+and against torch.compile's (from graph_ms where captured; ``_sustained`` from ms_sustained), and every broadcast the rewrite left that the hand-written
 version removes (the hand-written versions remove them all), with the pass's reason.
 
 Results: a table per shape, JSON under perf/results/ (``bench_models-<stamp>.json`` and
@@ -77,6 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--ratio", type=int, nargs="+", help="candidates per user (instead of the --configs ones)")
     p.add_argument("--tol", type=float, default=TOL)
     harness.add_common_args(p)
+    harness.add_timing_args(p)
     p.set_defaults(warmup=3, rep=20)
     return p.parse_args(argv)
 
@@ -158,17 +161,21 @@ def run_shape(name: str, spec: ModelSpec, B: int, ratio: int, args) -> tuple[lis
                 timed[version] = (row, lambda fn=fn: fn(*inputs))
             except Exception as e:
                 harness.record_failure(row, e, rows, DEVICE)
-        plain = harness.bench_interleaved({v: f for v, (_, f) in timed.items()}, warmup=args.warmup, rep=args.rep)
-        graphs = harness.bench_graph_interleaved({v: f for v, (_, f) in timed.items()}, warmup=args.warmup,
-                                                 rep=args.rep)
-    for v, (row, _) in timed.items():
-        if isinstance(plain[v], BaseException):
-            harness.record_failure(row, plain[v], rows, DEVICE)
-            continue
-        row["ms"], row["graph_ms"] = plain[v], graphs.get(v)
+        # interleaved: plain calls and CUDA-graph replays in turns; sustained: plain calls,
+        # each version alone back to back (time_checked)
+        done = harness.time_checked(timed, rows, device=DEVICE, **harness.timing_options(args))
+        if args.timing != "sustained" and done:
+            graphs = harness.bench_graph_interleaved({v: f for v, (_, f) in done.items()}, warmup=args.warmup,
+                                                     rep=args.rep)
+            for v, (row, _) in done.items():
+                row["graph_ms"] = graphs.get(v)
     summary = compare(rows, fields)
     summary["rewrite_left"] = left_broadcasts(versions["rewrite"]) if "rewrite" in versions else None
     return rows, summary
+
+
+SUMMARY_FIELDS = ("rewrite_vs_hand", "x_latency_vs_compile", "x_memory_vs_compile", "rewrite_vs_hand_sustained",
+                  "x_latency_vs_compile_sustained")
 
 
 def _best(row) -> Optional[float]:
@@ -176,28 +183,36 @@ def _best(row) -> Optional[float]:
     return row.get("graph_ms") or row.get("ms")
 
 
+def _sustained(row) -> Optional[float]:
+    return row.get("ms_sustained")
+
+
 def compare(rows: list, fields: dict) -> dict:
-    by = {r["version"]: r for r in rows if r["status"] == "ok" and _best(r)}
+    """Ratios between versions: from the interleaved latency (graph replays where captured) and,
+    suffixed ``_sustained``, from the sustained plain calls."""
     out = dict(fields)
-    rw, hand, comp = by.get("rewrite"), by.get("hand"), by.get("compile")
-    if rw and hand:
-        out["rewrite_vs_hand"] = _best(rw) / _best(hand)  # parity target: <= 1.05
-    if rw and comp:
-        out["x_latency_vs_compile"] = _best(comp) / _best(rw)
-        if rw.get("peak_mib") and comp.get("peak_mib"):
-            out["x_memory_vs_compile"] = comp["peak_mib"] / rw["peak_mib"]
-    for r in rows:
-        if r["version"] in ("rewrite", "hand") and comp and _best(r):
-            r["x_compile"] = _best(comp) / _best(r)
+    for suffix, time_of in (("", _best), ("_sustained", _sustained)):
+        by = {r["version"]: r for r in rows if r["status"] == "ok" and time_of(r)}
+        rw, hand, comp = by.get("rewrite"), by.get("hand"), by.get("compile")
+        if rw and hand:
+            out["rewrite_vs_hand" + suffix] = time_of(rw) / time_of(hand)  # parity target: <= 1.05
+        if rw and comp:
+            out["x_latency_vs_compile" + suffix] = time_of(comp) / time_of(rw)
+        for r in by.values():
+            if r["version"] in ("rewrite", "hand") and comp:
+                r["x_compile" + suffix] = time_of(comp) / time_of(r)
+    by = {r["version"]: r for r in rows if r["status"] == "ok"}
+    rw, comp = by.get("rewrite"), by.get("compile")
+    if rw and comp and rw.get("peak_mib") and comp.get("peak_mib"):
+        out["x_memory_vs_compile"] = comp["peak_mib"] / rw["peak_mib"]
     return out
 
 
-def print_shape(rows: list, summary: dict, left: list) -> None:
+def print_shape(rows: list, summary: dict, left: list, timing: str = "interleaved") -> None:
     title = f"{summary['model']}: B {summary['B']}, ratio {summary['ratio']} (U {summary['U']})"
-    harness.print_rows(title, rows, ["version", "status", "ms", "graph_ms", "x_compile", "peak_mib", "first_s",
-                                     "rel_err"])
-    parts = [f"{k} {harness.fmt(summary[k])}" for k in ("rewrite_vs_hand", "x_latency_vs_compile",
-                                                         "x_memory_vs_compile") if k in summary]
+    harness.print_rows(title, rows, ["version", "status", "graph_ms", "peak_mib", "first_s", "rel_err"],
+                       ["ms", "x_compile"], timing)
+    parts = [f"{k} {harness.fmt(summary[k])}" for k in SUMMARY_FIELDS if k in summary]
     if parts:
         print("  " + ", ".join(parts))
     print(f"  broadcasts the rewrite left (the hand-written version removes them): {len(left) or 'none'}")
@@ -250,7 +265,7 @@ def main(argv=None) -> int:
     harness.print_environment(env)
     stamp = harness.utc_stamp()
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv), "environment": env,
-               "stamp": stamp, "settings": {"warmup": args.warmup, "rep": args.rep, "tol": args.tol,
+               "stamp": stamp, "settings": {**harness.timing_settings(args), "tol": args.tol,
                                             "versions": args.versions},
                "notes": [], "rows": [], "summaries": []}
     start = time.perf_counter()
@@ -258,7 +273,7 @@ def main(argv=None) -> int:
         for name in args.models:
             for B, ratio in shapes(args):
                 rows, summary = run_shape(name, MODELS[name], B, ratio, args)
-                print_shape(rows, summary, summary["rewrite_left"] or [])
+                print_shape(rows, summary, summary["rewrite_left"] or [], args.timing)
                 payload["rows"] += rows
                 payload["summaries"].append(summary)
                 harness.write_results(NAME, payload, args.out_dir, stamp)
@@ -268,9 +283,9 @@ def main(argv=None) -> int:
         harness.note_lost_context(NAME, payload, e)
     payload["seconds"] = time.perf_counter() - start
     if payload["summaries"]:
-        print("\nsummary (latency = CUDA graph replay where captured)")
-        harness.print_table(payload["summaries"], ["model", "B", "ratio", "U", "rewrite_vs_hand",
-                                                   "x_latency_vs_compile", "x_memory_vs_compile"])
+        print("\nsummary (interleaved latency = CUDA graph replay where captured; _sustained = plain calls back to back)")
+        harness.print_table(payload["summaries"], ["model", "B", "ratio", "U"] + [
+            k for k in SUMMARY_FIELDS if any(k in s for s in payload["summaries"])])
     path = harness.write_results(NAME, payload, args.out_dir, stamp)
     png = plot(payload, args.out_dir)
     print(f"\nresults: {path}" + (f", {png}" if png else "") + f"  ({payload['seconds']:.0f} s)")

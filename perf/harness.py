@@ -694,7 +694,7 @@ def print_rows(title: str, rows: list, columns: list, timed_columns: Sequence = 
     print_table(*mode_lines(rows, columns, timed_columns, timing))
     for r in rows:
         if r.get("note"):
-            print(f"  {r['provider']}: {r['note']}")
+            print(f"  {row_name(r)}: {r['note']}")
 
 
 def note_lost_context(name: str, payload: dict, e: "ContextLost") -> None:
@@ -703,6 +703,11 @@ def note_lost_context(name: str, payload: dict, e: "ContextLost") -> None:
     msg = f"the CUDA context is lost after {e}; stopping (results so far are saved)"
     print(f"{name}: {msg}", flush=True)
     payload["notes"].append(msg)
+
+
+def row_name(row: dict) -> str:
+    """What a row times: its provider, or (bench_models) its model version."""
+    return row.get("provider") or row.get("version") or "?"
 
 
 def record_failure(row: dict, e: BaseException, rows: list, device="cuda") -> None:
@@ -715,7 +720,7 @@ def record_failure(row: dict, e: BaseException, rows: list, device="cuda") -> No
     else:  # reported; the other providers go on
         row.update(status="error", note=short_error(e))
         if context_lost(device):
-            raise ContextLost(f"{row['provider']}: {row['note']}", rows) from e
+            raise ContextLost(f"{row_name(row)}: {row['note']}", rows) from e
 
 
 def check_providers(provs: list, p, inp, *, fields: dict, rel_error_of: Callable, tol: float,

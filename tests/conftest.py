@@ -6,9 +6,16 @@ import time
 import pytest
 
 os.environ.setdefault("IKBO_VALIDATE", "1")
-# Kernels compile afresh in each test session, into a disk cache of its own (removed at exit).
-_KERNEL_CACHE = tempfile.TemporaryDirectory(prefix="cute-kernels-tests-")
-os.environ.setdefault("CUTE_KERNELS_CACHE_DIR", _KERNEL_CACHE.name)
+# Kernels compile afresh in each test session, into a disk cache of its own (removed at exit;
+# an empty CUTE_KERNELS_CACHE_DIR keeps it off). Under pytest-xdist each worker takes a
+# subdirectory of the directory the session's process chose, so no worker loads what another
+# compiled.
+if "CUTE_KERNELS_CACHE_DIR" not in os.environ:
+    _KERNEL_CACHE = tempfile.TemporaryDirectory(prefix="cute-kernels-tests-")
+    os.environ["CUTE_KERNELS_CACHE_DIR"] = _KERNEL_CACHE.name
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... in an xdist worker
+if _WORKER and os.environ["CUTE_KERNELS_CACHE_DIR"].strip():
+    os.environ["CUTE_KERNELS_CACHE_DIR"] = os.path.join(os.environ["CUTE_KERNELS_CACHE_DIR"], _WORKER)
 
 
 def _sm90_available() -> bool:

@@ -1,15 +1,14 @@
 """GPU tests of ikbo_fa.attention on sm_90: against fp32 attention on materialized
-tensors, with an error budget of 1.5x torch SDPA's error in the same dtype."""
+tensors, with an error budget of 1.5x torch SDPA's error in the same dtype. The contract
+attention shares with lce (layouts, out=, autograd, CUDA graphs, the disk cache) is in
+test_op_contract_gpu.py."""
 import math
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ikbo_fa
-from cute_kernels.compile import kernel_cache
-
 from attention_inputs import materialize, random_problem
 
 pytestmark = pytest.mark.gpu
@@ -265,77 +264,3 @@ def test_unsorted_equals_sorted():
     perm = torch.argsort(idx, stable=True)
     out_sorted = ikbo_fa.attention(q[perm], kv, idx[perm])
     torch.testing.assert_close(out[perm], out_sorted, rtol=0, atol=0)
-
-
-def test_out_at_any_alignment():
-    B, U, S_q, H, D, L = 256, 4, 64, 2, 128, 300
-    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=10)
-    out = torch.full((q.numel() + 1,), float("nan"), dtype=q.dtype, device="cuda")[1:].view(q.shape)
-    assert out.data_ptr() % 16
-    assert ikbo_fa.attention(q, kv, idx, out=out) is out
-    assert torch.equal(out, ikbo_fa.attention(q, kv, idx))
-
-
-def test_size1_dims_with_any_stride():
-    """B = 1, S_q = 1 and H_kv = 1 with unit strides on those dims (torch still calls such
-    tensors contiguous, and the launcher does not check those strides): same result."""
-    B, U, S_q, H, D, L = 1, 1, 1, 2, 128, 300
-    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, 1, D, L, torch.bfloat16, jagged=False, packed=False, seed=12)
-    expected = ikbo_fa.attention(q, kv, idx, broadcast="kv")  # B = U = 1: say which side idx picks
-    odd_q = torch.empty(H, D, 1, 1, dtype=q.dtype, device="cuda").permute(2, 3, 0, 1).copy_(q)
-    odd_k, odd_v = (torch.empty(U, L, D, 1, dtype=t.dtype, device="cuda").movedim(3, 2).copy_(t) for t in (k, v))
-    out = torch.full((H, D, 1, 1), float("nan"), dtype=q.dtype, device="cuda").permute(2, 3, 0, 1)
-    for t in (odd_q, odd_k, out):
-        assert t.is_contiguous() and 1 in [st for n, st in zip(t.shape, t.stride()) if n == 1]
-    assert ikbo_fa.attention(odd_q, (odd_k, odd_v), idx, out=out, broadcast="kv") is out
-    assert torch.equal(out, expected)
-
-
-def test_inputs_that_require_grad():
-    """The outputs are right and their backward raises: no silently missing gradient."""
-    B, U, S_q, H, D, L = 256, 4, 64, 2, 128, 300
-    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=True, seed=9)
-    kv.requires_grad_(True)
-    out, lse = ikbo_fa.attention(q, kv, idx, return_lse=True)
-    assert out.requires_grad
-    with pytest.raises(RuntimeError, match="attention_reference"):
-        out.float().sum().backward()
-    ref = ikbo_fa.attention_reference(q, kv.detach(), idx)
-    assert _rel(out.detach(), ref.float()) < 1e-2
-
-
-def test_cuda_graph_capture():
-    B, U, S_q, H, D, L = 256, 4, 64, 2, 128, 512
-    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=7)
-    out = torch.empty(B, S_q, H, D, dtype=torch.bfloat16, device="cuda")
-    ikbo_fa.attention(q, kv, idx, out=out, validate=False)  # compile + warm up
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ikbo_fa.attention(q, kv, idx, out=out, validate=False)
-    out.fill_(float("nan"))
-    idx.copy_(torch.flip(idx, [0]))
-    graph.replay()
-    torch.cuda.synchronize()
-    ref = ikbo_fa.attention_reference(q, kv, idx)
-    assert _rel(out, ref.float()) < 1e-2
-
-
-def test_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
-    """The attention kernel and its worklist kernel, loaded from disk, compute exactly what
-    the compiled ones did."""
-    attention_module = sys.modules["ikbo_fa.attention"]
-    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
-    B, U, S_q, H, D, L = 300, 7, 64, 2, 128, 333
-    q, kv, k, v, idx, _ = _make("kv", B, U, S_q, H, H, D, L, torch.bfloat16, jagged=False, packed=False, seed=8)
-    runs = []
-    for _ in range(2):  # compiled, then loaded as a fresh process would
-        kernel_cache.clear()
-        attention_module._plans.clear()
-        runs.append(ikbo_fa.attention(q, kv, idx))
-        torch.cuda.synchronize()
-        runs.append(sorted(kernel.loaded for kernel in kernel_cache.values()))
-    assert runs[1] == [False] * len(runs[1]) and runs[3] == [True] * len(runs[1]) and runs[1]
-    assert len(list(tmp_path.glob("ikbo_fa-*.o"))) == len(runs[1])
-    torch.testing.assert_close(runs[2], runs[0], rtol=0, atol=0)
-    ref = ikbo_fa.attention_reference(q, kv, idx)
-    assert _rel(runs[2], ref.float()) < 1e-2

@@ -54,3 +54,34 @@ def test_shapes_of_each_config_set():
     assert bench_models.shapes(args) == [(1024, 70)]
     grid = bench_models.shapes(bench_models.parse_args(["--configs", "grid"]))
     assert len(grid) == 9 and (4096, 1000) in grid
+
+
+def test_sustained_timing_beside_interleaved(bench_on_cpu, tmp_path, capsys):
+    assert bench_models.main(["--models", "wukong", "--B", "12", "--ratio", "4", "--warmup", "1", "--rep", "2",
+                              "--timing", "both", "--sustained-warmup-s", "0.01", "--sustained-s", "0.02",
+                              "--out-dir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    payload = json.loads((tmp_path / "bench_models-latest.json").read_text())
+    assert payload["settings"]["timing"] == "both"
+    rows = {r["version"]: r for r in payload["rows"]}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["ms"] > 0 and r["ms_sustained"] > 0 and r["graph_ms"] > 0, r
+    assert rows["rewrite"]["x_compile_sustained"] == pytest.approx(
+        rows["compile"]["ms_sustained"] / rows["rewrite"]["ms_sustained"])
+    summary = payload["summaries"][0]
+    assert summary["x_latency_vs_compile_sustained"] == pytest.approx(
+        rows["compile"]["ms_sustained"] / rows["rewrite"]["ms_sustained"])
+    assert summary["rewrite_vs_hand_sustained"] > 0 and summary["rewrite_vs_hand"] > 0
+    assert "sustained" in text and "x_latency_vs_compile_sustained" in text
+
+
+def test_sustained_only_times_no_graphs(bench_on_cpu, tmp_path):
+    assert bench_models.main(["--models", "wukong", "--B", "5", "--ratio", "5", "--versions", "compile", "rewrite",
+                              "--timing", "sustained", "--sustained-warmup-s", "0.01", "--sustained-s", "0.02",
+                              "--out-dir", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "bench_models-latest.json").read_text())
+    rows = {r["version"]: r for r in payload["rows"]}
+    assert set(rows) == {"compile", "rewrite"}
+    assert all("ms" not in r and "graph_ms" not in r and r["ms_sustained"] > 0 for r in rows.values()), rows
+    summary = payload["summaries"][0]
+    assert "x_latency_vs_compile" not in summary and summary["x_latency_vs_compile_sustained"] > 0

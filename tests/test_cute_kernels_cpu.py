@@ -2,46 +2,25 @@
 import dataclasses
 import os
 
-import cutlass
-import cutlass.cute as cute
 import pytest
 import torch
 
 from cute_kernels import (
     PlanCache,
     checks,
-    compile_kernel,
     copy_back,
     dense_unit_strides,
-    fake_stream,
-    fake_tensor,
     forward_only,
     kernel_cache,
     on_device,
+    on_gpu,
+    plan_key,
     store_target,
     tma_ready,
 )
 from cute_kernels import compile as compile_mod
 from cute_kernels.compile import KernelCache
-
-
-@cute.kernel
-def _double_kernel(src: cute.Tensor, dst: cute.Tensor, n: cutlass.Int32):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    i = bidx * 128 + tidx
-    if i < n:
-        dst[i] = src[i] + src[i]
-
-
-@cute.jit
-def _double(src: cute.Tensor, dst: cute.Tensor, n: cutlass.Int32, stream):
-    _double_kernel(src, dst, n).launch(grid=[(n + 127) // 128, 1, 1], block=[128, 1, 1], stream=stream)
-
-
-def _compile(**kw):
-    t = fake_tensor(cutlass.Float16, (None,), align=16)
-    return compile_kernel(_double, t, t, cutlass.Int32(0), fake_stream(), **kw)
+from tiny_kernel import compile_tiny as _compile
 
 
 def test_compile_for_sm90a_without_gpu_and_keep_no_files(tmp_path, monkeypatch):
@@ -251,21 +230,57 @@ def test_out_target_check_is_both_checks():
 
 def test_checks_name_the_argument():
     x = torch.randn(2, 3)
-    with pytest.raises(TypeError, match="w must be float16 or bfloat16, got float32"):
+    with pytest.raises(TypeError, match="^w must be float16 or bfloat16, got float32$"):
         checks.check_tensor("w", x, ndim=2, dtypes=checks.FLOAT_DTYPES, layout="[M, K]")
-    with pytest.raises(ValueError, match=r"w must have 3 dimensions \[B, K, N\], got shape \[2, 3\]"):
+    with pytest.raises(ValueError, match=r"^w must have 3 dimensions \[B, K, N\], got shape \[2, 3\]$"):
         checks.check_tensor("w", x.half(), ndim=3, dtypes=checks.FLOAT_DTYPES, layout="[B, K, N]")
-    with pytest.raises(ValueError, match="must not be empty"):
+    with pytest.raises(ValueError, match=r"^idx must have 1 dimension \[B\], got shape \[2, 3\]$"):
+        checks.check_tensor("idx", x.int(), ndim=1, dtypes=checks.INDEX_DTYPES, layout="[B]")
+    with pytest.raises(ValueError, match=r"^w must not be empty: expected \[M, K\] with every size >= 1, got \[0, 3\]$"):
         checks.check_tensor("w", torch.empty(0, 3).half(), ndim=2, dtypes=checks.FLOAT_DTYPES, layout="[M, K]")
+    with pytest.raises(ValueError, match=r"with every size but the first >= 1, got \[0, 0\]$"):
+        checks.check_tensor("e", torch.empty(0, 0).half(), ndim=2, dtypes=checks.FLOAT_DTYPES, layout="[B, K]",
+                            empty_batch=True)
+    assert checks.check_tensor("e", torch.empty(0, 3).half(), ndim=2, dtypes=checks.FLOAT_DTYPES, layout="[B, K]",
+                               empty_batch=True).shape == (0, 3)
     with pytest.raises(TypeError, match="w must be a torch.Tensor"):
         checks.check_tensor("w", [1, 2], ndim=2, dtypes=checks.FLOAT_DTYPES, layout="[M, K]")
 
 
+def test_dim_check_names_the_dimension_and_where_its_size_comes_from():
+    e = torch.randn(6, 4, 4).half()
+    checks.check_dim("e_cand", e, 1, 4, "K_cand (w_cand.shape[1])", "[B, K_cand, N]")
+    with pytest.raises(ValueError) as info:
+        checks.check_dim("e_cand", e, 1, 5, "K_cand (w_cand.shape[1])", "[B, K_cand, N]")
+    assert str(info.value) == ("e_cand has shape [6, 4, 4], expected [B, K_cand, N]: its K_cand (dimension 1) must be "
+                               "K_cand (w_cand.shape[1]) = 5, got 4")
+
+
 def test_index_range_names_the_first_bad_position():
     idx = torch.tensor([0, 2, 5, -1, 7])
-    with pytest.raises(IndexError, match=r"idx\[2\] = 5 is out of range"):
+    with pytest.raises(IndexError, match=r"^idx\[2\] = 5 is out of range: values must lie in \[0, U\) = \[0, 5\)$"):
         checks.check_index_range("idx", idx, 5, "U")
+    with pytest.raises(IndexError) as info:
+        checks.check_index_range("idx", torch.tensor([0, 1, 3]), 3, "U", "the batch of k and v")
+    assert str(info.value) == ("idx[2] = 3 is out of range: values must lie in [0, U) = [0, 3), "
+                               "U being the batch of k and v")
     checks.check_index_range("idx", torch.randint(0, 5, (100,)), 5, "U")
+
+
+def test_plan_key_of_a_call_signature():
+    t = torch.randn(3, 4).half()
+    key = plan_key(t, [t, None], "fused", 2)
+    assert hash(key) is not None and key == plan_key(torch.randn(3, 4).half(), [t, None], "fused", 2)
+    for other in (t.float(), t.t(), t[:2], t.to("meta"), torch.randn(3, 8).half()[:, :4]):  # dtype, strides, shape, device
+        assert plan_key(other, [t, None], "fused", 2) != key
+    assert plan_key(t, (t, None), "fused", 2) != key  # a tuple is not a list
+    assert plan_key(t, [t, None], "two_launch", 2) != key
+    assert plan_key(t.to_sparse()) == (("tensor", torch.sparse_coo),)  # the full checks refuse it
+
+
+def test_on_gpu():
+    assert not on_gpu(torch.zeros(2)) and not on_gpu(torch.zeros(2, device="meta"))
+    assert not on_gpu(None) and not on_gpu([torch.zeros(2)])
 
 
 def test_validation_switch(monkeypatch):

@@ -1,41 +1,26 @@
-"""IKBO linear compression without a GPU: the reference against the undecomposed
-formula in float64, the input checks, and the sm_90a compile of every shipped
-kernel configuration."""
+"""IKBO linear compression without a GPU: the reference against the undecomposed formula in
+float64, the input checks, the GPU path's host side with the kernel emulated (launch split,
+fallbacks, padding), and the kernel's host-side tile arithmetic. The contract lce shares with
+attention is in test_op_contract_cpu.py, the compiles in test_compile_sm90a_cpu.py."""
 from __future__ import annotations
 
-import importlib
 import warnings
-import math
 
 import cutlass
 import pytest
 import torch
 
-from cute_kernels.plans import PlanCache
-from ikbo_gemm.lce import SHIPPED_CONFIGS, compile_config, lce, pick_config
+from ikbo_gemm.config import SHIPPED_CONFIGS, LceConfig, LceGeometry, pick_config
+from ikbo_gemm.lce import lce
 from ikbo_gemm.lce_sm90 import LceSm90
 from ikbo_gemm.reference import lce_reference
+from lce_emulation import h200_clusters, install, lce_mod
+from lce_inputs import random_problem
 
 # Unit roundoff (half an ulp, relative) of one rounding to the dtype.
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 # Norm-wise relative error allowed against the exact result.
 NORM_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def make_inputs(B, U, M, N, K_user, K_cand, dtype, idx_dtype=torch.int32, order="sorted", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    scale = 1.0 / math.sqrt(K_user + K_cand)
-    w_cand = (torch.randn(M, K_cand, generator=g) * scale).to(dtype)
-    w_user = (torch.randn(M, K_user, generator=g) * scale).to(dtype)
-    e_cand = torch.randn(B, K_cand, N, generator=g).to(dtype)
-    e_user = torch.randn(U, K_user, N, generator=g).to(dtype)
-    if order == "sorted":  # contiguous groups, every user used when B >= U
-        idx = torch.arange(B) * U // B
-    elif order == "shuffled":
-        idx = (torch.arange(B) * U // B)[torch.randperm(B, generator=g)]
-    else:  # any order, users may repeat or go unused
-        idx = torch.randint(0, U, (B,), generator=g)
-    return w_cand, w_user, e_cand, e_user, idx.to(idx_dtype)
 
 
 def broadcast_formula(w_cand, w_user, e_cand, e_user, idx):
@@ -80,7 +65,7 @@ REFERENCE_CASES = {
 @pytest.mark.parametrize("case", REFERENCE_CASES.values(), ids=REFERENCE_CASES.keys())
 def test_reference_matches_broadcast_formula(case):
     B, U, M, N, K_user, K_cand, dtype, idx_dtype, order = case
-    args = make_inputs(B, U, M, N, K_user, K_cand, dtype, idx_dtype, order)
+    args = random_problem(B, U, M, N, K_user, K_cand, dtype, idx_dtype, order)
     exact, magnitude = broadcast_formula(*args)
     got = lce_reference(*args)
     assert got.shape == (B, M, N) and got.dtype == dtype and got.is_contiguous()
@@ -91,7 +76,7 @@ def test_reference_matches_broadcast_formula(case):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_rounding_check_rejects_two_roundings(dtype):
     """The single-rounding check above has teeth: rounding each partial sum first fails it."""
-    args = make_inputs(16, 4, 32, 32, 64, 64, dtype, order="random")
+    args = random_problem(16, 4, 32, 32, 64, 64, dtype, order="random")
     w_cand, w_user, e_cand, e_user, idx = args
     exact, magnitude = broadcast_formula(*args)
     cand = (w_cand.float() @ e_cand.float()).to(dtype)
@@ -100,43 +85,17 @@ def test_rounding_check_rejects_two_roundings(dtype):
     assert rounding_violations(twice, exact, magnitude, 128, dtype) > 0
 
 
-@pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])
-def test_out_written_in_place(op):
-    args = make_inputs(5, 2, 6, 10, 9, 11, torch.bfloat16, order="shuffled")
-    expected = lce_reference(*args)
-    out = torch.full((5, 6, 10), float("nan"), dtype=torch.bfloat16)
-    got = op(*args, out=out)
-    assert got is out
-    assert torch.equal(out, expected)
-
-
 @pytest.mark.parametrize("schedule", ["fused", "two_launch"])
 def test_op_on_cpu_runs_reference(schedule):
-    args = make_inputs(7, 3, 5, 9, 13, 7, torch.float16, order="random")
+    args = random_problem(7, 3, 5, 9, 13, 7, torch.float16, order="random")
     assert torch.equal(lce(*args, schedule=schedule), lce_reference(*args))
-
-
-def test_out_sharing_memory_with_an_input_raises():
-    w_cand, w_user, e_cand, e_user, idx = make_inputs(4, 2, 8, 16, 8, 8, torch.float16)
-    with pytest.raises(ValueError, match="out overlaps e_cand"):
-        lce(w_cand, w_user, e_cand, e_user, idx, out=e_cand)  # M == K_cand: the shapes match
-    lce(w_cand, w_user, e_cand, e_user, idx, out=e_cand.clone())
-
-
-def test_plans_stay_bounded_when_the_batch_keeps_changing(monkeypatch):
-    lce_module = importlib.import_module("ikbo_gemm.lce")
-    monkeypatch.setattr(lce_module, "_plans", PlanCache(limit=4))
-    for B in range(1, 12):
-        args = make_inputs(B, 2, 5, 9, 13, 7, torch.float16, order="random", seed=B)
-        assert torch.equal(lce(*args), lce_reference(*args))
-        assert len(lce_module._plans) <= 4
 
 
 @pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])
 def test_non_contiguous_inputs(op):
     B, U, M, N, K_user, K_cand = 6, 3, 5, 12, 10, 9
     dtype = torch.float16
-    w_cand, w_user, e_cand, e_user, idx = make_inputs(B, U, M, N, K_user, K_cand, dtype, order="shuffled")
+    w_cand, w_user, e_cand, e_user, idx = random_problem(B, U, M, N, K_user, K_cand, dtype, order="shuffled")
     views = (
         w_cand.t().contiguous().t(),  # column-major
         torch.stack([w_user, w_user.neg()], dim=-1)[..., 0],  # stride 2 along K
@@ -158,7 +117,7 @@ F16 = torch.float16
 
 
 def _valid():
-    w_cand, w_user, e_cand, e_user, idx = make_inputs(B0, U0, M0, N0, KU0, KC0, F16, order="shuffled")
+    w_cand, w_user, e_cand, e_user, idx = random_problem(B0, U0, M0, N0, KU0, KC0, F16, order="shuffled")
     return dict(w_cand=w_cand, w_user=w_user, e_cand=e_cand, e_user=e_user, idx=idx)
 
 
@@ -172,15 +131,30 @@ BAD_INPUTS = {
     "w_user-rank": (lambda a: dict(w_user=a["w_user"][0]), ValueError, ["w_user", "[5]", "[M, K_user]"]),
     "e_cand-rank": (lambda a: dict(e_cand=a["e_cand"][0]), ValueError, ["e_cand", "[8, 16]", "[B, K_cand, N]"]),
     "e_user-rank": (lambda a: dict(e_user=a["e_user"][None]), ValueError, ["e_user", "[1, 2, 5, 16]"]),
-    "idx-rank": (lambda a: dict(idx=a["idx"][None]), ValueError, ["idx", "[1, 4]"]),
-    "w_user-M": (lambda a: dict(w_user=_randn(4, KU0)), ValueError, ["w_user", "[4, 5]", "M", "got 4"]),
+    "idx-rank": (lambda a: dict(idx=a["idx"][None]), ValueError, ["idx must have 1 dimension [B], got shape [1, 4]"]),
+    "w_user-M": (
+        lambda a: dict(w_user=_randn(4, KU0)),
+        ValueError,
+        ["w_user has shape [4, 5], expected [M, K_user]: its M (dimension 0) must be M (w_cand.shape[0]) = 3, got 4"],
+    ),
     "e_cand-K": (
         lambda a: dict(e_cand=_randn(B0, 9, N0)),
         ValueError,
-        ["e_cand has shape [4, 9, 16] [B, K_cand, N]", "K_cand", "= 8", "got 9"],
+        ["e_cand has shape [4, 9, 16], expected [B, K_cand, N]: its K_cand (dimension 1) must be "
+         "K_cand (w_cand.shape[1]) = 8, got 9"],
     ),
-    "e_user-K": (lambda a: dict(e_user=_randn(U0, 6, N0)), ValueError, ["e_user", "[2, 6, 16]", "K_user", "got 6"]),
-    "e_user-N": (lambda a: dict(e_user=_randn(U0, KU0, 15)), ValueError, ["e_user", "[2, 5, 15]", "N", "got 15"]),
+    "e_user-K": (
+        lambda a: dict(e_user=_randn(U0, 6, N0)),
+        ValueError,
+        ["e_user has shape [2, 6, 16], expected [U, K_user, N]: its K_user (dimension 1) must be "
+         "K_user (w_user.shape[1]) = 5, got 6"],
+    ),
+    "e_user-N": (
+        lambda a: dict(e_user=_randn(U0, KU0, 15)),
+        ValueError,
+        ["e_user has shape [2, 5, 15], expected [U, K_user, N]: its N (dimension 2) must be N (e_cand.shape[2]) = 16, "
+         "got 15"],
+    ),
     "idx-length": (lambda a: dict(idx=torch.zeros(5, dtype=torch.int32)), ValueError, ["idx", "[5]", "[4]"]),
     "w_cand-fp32": (lambda a: dict(w_cand=a["w_cand"].float()), TypeError, ["w_cand", "float32"]),
     "e_cand-fp64": (lambda a: dict(e_cand=a["e_cand"].double()), TypeError, ["e_cand", "float64"]),
@@ -193,12 +167,16 @@ BAD_INPUTS = {
     "w_cand-device": (lambda a: dict(w_cand=a["w_cand"].to("meta")), ValueError, ["w_cand", "meta"]),
     "e_user-device": (lambda a: dict(e_user=a["e_user"].to("meta")), ValueError, ["e_user", "meta"]),
     "idx-device": (lambda a: dict(idx=a["idx"].to("meta")), ValueError, ["idx", "meta"]),
-    "empty-B": (
-        lambda a: dict(e_cand=_randn(0, KC0, N0), idx=torch.zeros(0, dtype=torch.int32)),
+    "empty-K_cand-of-no-candidates": (  # a batch of 0 candidates is fine (an empty result), an empty K is not
+        lambda a: dict(e_cand=_randn(0, 0, N0), idx=torch.zeros(0, dtype=torch.int32)),
         ValueError,
-        ["e_cand", "empty", "[0, 8, 16]"],
+        ["e_cand must not be empty: expected [B, K_cand, N] with every size but the first >= 1, got [0, 0, 16]"],
     ),
-    "empty-U": (lambda a: dict(e_user=_randn(0, KU0, N0)), ValueError, ["e_user", "empty", "[0, 5, 16]"]),
+    "empty-U": (
+        lambda a: dict(e_user=_randn(0, KU0, N0)),
+        ValueError,
+        ["e_user must not be empty: expected [U, K_user, N] with every size >= 1, got [0, 5, 16]"],
+    ),
     "empty-M": (lambda a: dict(w_cand=_randn(0, KC0), w_user=_randn(0, KU0)), ValueError, ["w_cand", "[0, 8]"]),
     "empty-K_cand": (
         lambda a: dict(w_cand=_randn(M0, 0), e_cand=_randn(B0, 0, N0)),
@@ -215,7 +193,11 @@ BAD_INPUTS = {
         ValueError,
         ["e_cand", "[4, 8, 0]"],
     ),
-    "empty-idx": (lambda a: dict(idx=torch.zeros(0, dtype=torch.int64)), ValueError, ["idx", "[0]"]),
+    "empty-idx": (
+        lambda a: dict(idx=torch.zeros(0, dtype=torch.int64)),
+        ValueError,
+        ["idx has shape [0]: expected [B] = [4]"],
+    ),
     "out-shape": (
         lambda a: dict(out=torch.empty(B0, M0, 15, dtype=F16)),
         ValueError,
@@ -254,98 +236,25 @@ def test_bad_schedule_raises(op, schedule):
         op(**_valid(), schedule=schedule)
 
 
-@pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])
-@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("bad_value", [U0, -1, 1 << 30])
-def test_out_of_range_index_raises_with_validation(op, idx_dtype, bad_value):
-    args = _valid()
-    idx = torch.tensor([1, 0, bad_value, U0], dtype=idx_dtype)  # positions 2 and 3 are bad
-    with pytest.raises(IndexError, match=rf"idx\[2\] = {bad_value}\b"):
-        op(**{**args, "idx": idx}, validate=True)
+# ----------------------------------------------------------------------------- the GPU path's host side
 
 
-@pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])
-def test_validation_follows_environment(op, monkeypatch):
-    args = _valid()
-    args["idx"] = torch.tensor([0, 1, U0, 0], dtype=torch.int32)
-    monkeypatch.setenv("IKBO_VALIDATE", "1")
-    with pytest.raises(IndexError, match=r"idx\[2\]"):
-        op(**args)
-    assert torch.isnan(op(**args, validate=False)[2]).all()
-    monkeypatch.setenv("IKBO_VALIDATE", "0")
-    assert torch.isnan(op(**args)[2]).all()
-    with pytest.raises(IndexError, match=r"idx\[2\]"):
-        op(**args, validate=True)
-
-
-@pytest.mark.parametrize("op", [lce_reference, lce], ids=["reference", "op"])
-@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-def test_out_of_range_index_gives_nan_slice_without_validation(op, idx_dtype):
-    B, U, M, N, K_user, K_cand = 8, 3, 5, 9, 11, 6
-    dtype = torch.bfloat16
-    w_cand, w_user, e_cand, e_user, idx = make_inputs(B, U, M, N, K_user, K_cand, dtype, idx_dtype, "random")
-    huge = (1 << 31) - 1 if idx_dtype == torch.int32 else 1 << 40
-    bad = {1: U, 4: -1, 6: huge}
-    bad_idx = idx.clone()
-    for b, v in bad.items():
-        bad_idx[b] = v
-    out = torch.full((B, M, N), float("nan"), dtype=dtype)
-    got = op(w_cand, w_user, e_cand, e_user, bad_idx, out=out, validate=False)
-    assert got is out
-    good = [b for b in range(B) if b not in bad]
-    assert torch.isnan(out[list(bad)]).all()
-    assert torch.isfinite(out[good]).all()
-    assert torch.equal(out[good], lce_reference(w_cand, w_user, e_cand, e_user, idx)[good])
-
-
-# ----------------------------------------------------------------------------- compile for sm_90a
-
-
-@pytest.mark.parametrize("cfg", SHIPPED_CONFIGS, ids=str)
-def test_compile_sm90a(cfg, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # --keep-ptx writes the PTX into the working directory
-    kernel = compile_config(cfg, keep_ptx=True, ptxas_report=True)
-    for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"):
-        assert instruction in kernel.ptx, f"{cfg}: no {instruction} in the PTX"
-    assert kernel.spill_bytes == 0, kernel.ptxas_log
-    # No fence or wait inserted by ptxas, no serialized wgmma: the pipeline runs as written.
-    assert kernel.wgmma_notes == [], kernel.ptxas_log
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-def test_picked_configs_are_shipped(dtype, idx_dtype):
-    """Every shape runs a configuration that the compile test above covers."""
-    for m in (1, 64, 100, 128, 160, 200, 433, 512, 1000, 4097):
-        for n in (1, 8, 64, 65, 128, 130, 256, 264, 512, 1000):
-            for b in (1, 2, 3, 1024):
-                assert pick_config(dtype, idx_dtype, m, n, b) in SHIPPED_CONFIGS, (m, n, b)
-
-
-def test_published_shape_tile_is_not_load_bound():
-    """At the published shape a tile's operand loads per MAC stay under the limit
-    (1/tile_n + 1/tile_w <= 1/64) and each w tile feeds a full cluster of 8 CTAs."""
-    cfg = pick_config(torch.float16, torch.int32, 433, 256, 1024)
-    assert 1 / cfg.tile_n + 1 / cfg.tile_w <= 1 / 64
-    assert cfg.cluster_n * cfg.cluster_b == 8
-
-
-def h200_clusters(device, size):
-    """Clusters of ``size`` CTAs resident at once on an H200 (132 SMs; 8-CTA clusters on 120)."""
-    return 132 // size if size < 4 else 120 // size
+def _published(cfg, B, U=15):
+    """The published shape's tiling (K_user 1184, K_cand 872: 19 and 14 k-blocks)."""
+    geom = LceGeometry.of(cfg, M=433, N=256, U=U, B=B, K_user=1184, K_cand=872)
+    assert (geom.k_blocks_user, geom.k_blocks_cand) == (19, 14)
+    return geom
 
 
 @pytest.mark.parametrize("B", [2, 3, 64, 1024, 4096])
 def test_spare_sm_split(B, monkeypatch):
     """Where 8-CTA clusters leave SMs idle (an H200: 15 clusters on 132 SMs), the first
     candidates go to a second launch on the 12 spare SMs, in proportion to the SMs."""
-    lce_mod = importlib.import_module("ikbo_gemm.lce")  # the package exports the op under the same name
-
     monkeypatch.setattr(lce_mod, "max_active_clusters", h200_clusters)
     cfg = pick_config(torch.float16, torch.int32, 433, 256, B)
     assert (cfg.cluster_n, cfg.cluster_b) == (2, 4)
     U, kb_user, kb_cand = 15, 19, 14
-    split = lce_mod._spare_sm_split(cfg, None, B, U, kb_user, kb_cand)
+    split = lce_mod._spare_sm_split(cfg, None, _published(cfg, B, U))
     if B < 8:
         assert split is None  # the user tiles alone outweigh the spare SMs' share
         return
@@ -358,51 +267,9 @@ def test_spare_sm_split(B, monkeypatch):
     assert abs(main_per_sm - spare_per_sm) <= kb_cand * cfg.cluster_b / 12
 
 
-class _EmulatedLaunches:
-    """Stands in for the compiled kernel on CPU tensors: each launch writes its candidates'
-    outputs (when its tile range reaches the candidate tiles) by the reference formula on
-    the padded operands it receives, and is recorded."""
-
-    def __init__(self):
-        self.launches = []
-
-    def kernel(self, cfg):
-        return lambda *args: self.launch(cfg, *args)
-
-    refuse_cooperative = False
-
-    def launch(self, cfg, w_c, w_u, e_c, e_u, idx, target, workspace, flags, tile_begin, tile_end, grid, wait_prior,
-               cooperative):
-        if cooperative and self.refuse_cooperative:  # as the driver does where the grid cannot fit
-            raise RuntimeError("cudaErrorCooperativeLaunchTooLarge")
-        U, M, n8 = e_u.shape[0], w_c.shape[1], e_c.shape[2]
-        assert w_c.shape[0] == w_u.shape[0] == 1 and w_c.shape[2] % 8 == 0 and w_u.shape[2] % 8 == 0 and n8 % 8 == 0
-        for t in (w_c, w_u, e_c, e_u, target):  # what the TMA descriptors need, size-1 dims included
-            assert t.is_contiguous() and t.data_ptr() % 16 == 0
-            assert t.stride(-1) == 1 and all(st % 8 == 0 for st in t.stride()[:-1]), t.stride()
-        assert workspace.dtype == torch.float32 and flags.dtype == torch.int32
-        user_tiles = -(-U // cfg.cluster_b) * -(-M // cfg.tile_w) * -(-n8 // (cfg.tile_n * cfg.cluster_n))
-        self.launches.append(dict(cfg=cfg, cands=idx.shape[0], tiles=(tile_begin, tile_end), wait_prior=wait_prior,
-                                  cooperative=cooperative))
-        if tile_end > user_tiles:
-            acc = w_c[0, :, : e_c.shape[1]].float() @ e_c.float()  # the K tail past e's rows is padding
-            user = w_u[0, :, : e_u.shape[1]].float() @ e_u.float()
-            valid = (idx >= 0) & (idx < U)
-            acc += user[torch.where(valid, idx, 0).long()]
-            acc[~valid] = float("nan")
-            target.data.copy_(acc)  # through the pointer, as the kernel: autograd sees no write
-
-
 @pytest.fixture
 def emulated(monkeypatch):
-    lce_mod = importlib.import_module("ikbo_gemm.lce")
-    kernels = _EmulatedLaunches()
-    monkeypatch.setattr(lce_mod, "_plans", PlanCache())
-    monkeypatch.setattr(lce_mod, "_on_gpu", lambda device: True)
-    monkeypatch.setattr(lce_mod, "require_sm90", lambda device, op: None)
-    monkeypatch.setattr(lce_mod, "max_active_clusters", h200_clusters)
-    monkeypatch.setattr(lce_mod, "_kernel", kernels.kernel)
-    return kernels
+    return install(monkeypatch)
 
 
 @pytest.mark.parametrize("schedule", ["fused", "two_launch"])
@@ -410,7 +277,7 @@ def test_gpu_path_split_covers_every_candidate_once(emulated, schedule):
     """The host side of the GPU path: at M 433, N 256 an H200's spare SMs take the first
     candidates in a second launch; every candidate is written by exactly one launch."""
     B, U = 64, 5
-    args = make_inputs(B, U, 433, 256, 7, 9, torch.float16, order="shuffled", seed=3)
+    args = random_problem(B, U, 433, 256, 7, 9, torch.float16, order="shuffled", seed=3)
     out = torch.full((B, 433, 256), float("nan"), dtype=torch.float16)
     assert lce(*args, out=out, schedule=schedule) is out
     torch.testing.assert_close(out, lce_reference(*args), rtol=2e-3, atol=2e-3)
@@ -427,26 +294,13 @@ def test_gpu_path_split_covers_every_candidate_once(emulated, schedule):
         assert users["cooperative"] == cands["cooperative"] == 0
 
 
-def test_gpu_path_launches_with_the_operands_device_current(emulated, monkeypatch, devices_made_current):
-    """A kernel launches in the current device's context: operands on another GPU have their
-    device made current around every launch."""
-    current = devices_made_current(importlib.import_module("ikbo_gemm.lce"))
-    launch, seen = emulated.launch, []
-    monkeypatch.setattr(emulated, "launch", lambda *a: (seen.append(list(current)), launch(*a))[1])
-    args = make_inputs(64, 5, 433, 256, 7, 9, torch.float16, seed=4)
-    for schedule in ("fused", "two_launch"):
-        torch.testing.assert_close(lce(*args, schedule=schedule), lce_reference(*args), rtol=2e-3, atol=2e-3)
-    assert seen == [[args[2].device]] * 4 and not current
-
-
 def test_gpu_path_refused_fused_launch_runs_two_launch(emulated, monkeypatch):
     """Where the cooperative (fused) grid cannot be resident whole (a green context, an MPS SM
     limit), the driver refuses it before anything runs: the call warns once, naming the cause
     and the schedule that needs no co-residency, and runs that schedule."""
-    lce_mod = importlib.import_module("ikbo_gemm.lce")
     monkeypatch.setattr(lce_mod, "_warned_fallback", False)
     emulated.refuse_cooperative = True
-    args = make_inputs(64, 5, 433, 256, 7, 9, torch.float16, seed=6)
+    args = random_problem(64, 5, 433, 256, 7, 9, torch.float16, seed=6)
     out = torch.full((64, 433, 256), float("nan"), dtype=torch.float16)
     with pytest.warns(RuntimeWarning, match="cannot be resident whole.*CooperativeLaunchTooLarge.*schedule='two_launch'"):
         assert lce(*args, out=out) is out
@@ -463,12 +317,11 @@ def test_gpu_path_refused_fused_launch_runs_two_launch(emulated, monkeypatch):
 def test_gpu_path_capture_checks_the_contexts_sms(emulated, monkeypatch, context_sms):
     """A capture records a cooperative launch without the driver's check, so the op checks the
     current context: with fewer SMs than the device (a green context) it captures two_launch."""
-    lce_mod = importlib.import_module("ikbo_gemm.lce")
     monkeypatch.setattr(lce_mod, "capturing", lambda: True)
     monkeypatch.setattr(lce_mod, "context_sm_count", lambda: context_sms)
     monkeypatch.setattr(lce_mod, "sm_count", lambda device: 132)
     monkeypatch.setattr(lce_mod, "_warned_fallback", False)
-    args = make_inputs(64, 5, 433, 256, 7, 9, torch.float16, seed=7)
+    args = random_problem(64, 5, 433, 256, 7, 9, torch.float16, seed=7)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.testing.assert_close(lce(*args, validate=False), lce_reference(*args), rtol=2e-3, atol=2e-3)
@@ -483,11 +336,10 @@ def test_gpu_path_capture_checks_the_contexts_sms(emulated, monkeypatch, context
 def test_gpu_path_refused_fused_launch_in_a_capture_raises(emulated, monkeypatch):
     """Should a driver refuse the fused grid inside a capture, the call raises, naming the
     schedule to capture instead."""
-    lce_mod = importlib.import_module("ikbo_gemm.lce")
     monkeypatch.setattr(lce_mod, "capturing", lambda: True)
     monkeypatch.setattr(lce_mod, "context_sm_count", lambda: None)
     emulated.refuse_cooperative = True
-    args = make_inputs(64, 5, 433, 256, 7, 9, torch.float16, seed=7)
+    args = random_problem(64, 5, 433, 256, 7, 9, torch.float16, seed=7)
     with pytest.raises(RuntimeError, match="refused.*schedule='two_launch'"):
         lce(*args, validate=False)
     assert emulated.launches == []
@@ -503,61 +355,11 @@ def test_gpu_path_tile_index_past_32_bits_raises(emulated):
         lce(w, w, e_cand, e_user, torch.empty(B, dtype=torch.int32, device="meta"))
 
 
-def test_dense_tensors_only_even_after_a_cached_plan():
-    args = list(make_inputs(3, 2, 5, 8, 7, 7, torch.float16))
-    lce(*args)  # the plan for these shapes is cached
-    for i, name in enumerate(("w_cand", "w_user", "e_cand", "e_user")):
-        bad = list(args)
-        bad[i] = args[i].to_sparse()
-        with pytest.raises(TypeError, match=f"{name} must be a dense"):
-            lce(*bad)
-
-
-def test_out_written_in_place_only_where_torch_allows():
-    args = make_inputs(3, 2, 5, 8, 7, 7, torch.float16)
-    with pytest.raises(RuntimeError, match="leaf tensor that requires grad"):
-        lce(*args, out=torch.zeros(3, 5, 8, dtype=torch.float16, requires_grad=True))
-    with torch.inference_mode():
-        inference_out = torch.empty(3, 5, 8, dtype=torch.float16)
-        lce(*args, out=inference_out)  # fine under inference mode
-    with pytest.raises(RuntimeError, match="inference tensor"):
-        lce(*args, out=inference_out)
-
-
-def test_gpu_path_out_version_moves(emulated):
-    """The kernel writes out through its pointer: out's version counter still moves, so a
-    backward that saved out before the call raises instead of reading the new values."""
-    args = make_inputs(4, 2, 16, 16, 8, 8, torch.float16, seed=7)
-    out = torch.zeros(4, 16, 16, dtype=torch.float16)
-    x = torch.ones(4, 16, 16, dtype=torch.float16, requires_grad=True)
-    y = x * out  # saves out for backward
-    version = out._version
-    assert lce(*args, out=out) is out and emulated.launches[-1]["cands"] > 0
-    assert out._version > version
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        y.float().sum().backward()
-
-
-def test_gpu_path_out_view_with_grad_keeps_the_gradient_honest(emulated):
-    """out= a view of a buffer while an input requires grad: a loss read through the buffer
-    raises (naming the reference) instead of silently missing the lce term."""
-    args = make_inputs(4, 2, 16, 16, 8, 8, torch.float16, seed=8)
-    expected = lce_reference(*args)
-    buf = torch.full((2, 4, 16, 16), float("nan"), dtype=torch.float16)
-    args[0].requires_grad_(True)
-    assert lce(*args, out=buf[1]).data_ptr() == buf[1].data_ptr()
-    torch.testing.assert_close(buf[1], expected, rtol=2e-3, atol=2e-3)
-    assert buf.requires_grad
-    with pytest.raises(RuntimeError, match="ikbo_gemm.lce has no backward"):
-        buf.float().sum().backward()
-    assert args[0].grad is None
-
-
 def test_gpu_path_pads_copies_and_stores_through_an_aligned_target(emulated):
     """Odd N and K, strided and misaligned inputs, int64 idx, a misaligned out: the operands the
     kernel gets are padded, contiguous and aligned, and out holds the exact result."""
     B, U, M, N, K_user, K_cand = 9, 3, 20, 13, 11, 5
-    w_cand, w_user, e_cand, e_user, idx = make_inputs(B, U, M, N, K_user, K_cand, torch.bfloat16,
+    w_cand, w_user, e_cand, e_user, idx = random_problem(B, U, M, N, K_user, K_cand, torch.bfloat16,
                                                       torch.int64, order="random", seed=4)
     e_cand_t = e_cand.transpose(1, 2).contiguous().transpose(1, 2)  # same values, strided
     flat = torch.randn(e_user.numel() + 1).to(torch.bfloat16)[1:]
@@ -572,39 +374,24 @@ def test_gpu_path_pads_copies_and_stores_through_an_aligned_target(emulated):
     assert fresh.shape == (B, M, N) and fresh.is_contiguous() and torch.equal(fresh, out)
 
 
-def test_gpu_path_size1_dims_with_any_stride(emulated):
-    """torch calls a tensor contiguous whatever the strides of its size-1 dims (movedim and
-    empty_like make odd ones): the kernel still gets strides a TMA descriptor takes."""
-    w_cand, w_user, e_cand, e_user, idx = make_inputs(1, 1, 1, 16, 24, 16, torch.float16, seed=5)
-    def odd(t):  # the same values, dim 0 (of size 1) with a stride of one element
-        return torch.empty(*t.shape[1:], 1, dtype=t.dtype).movedim(-1, 0).copy_(t)
-
-    args = [odd(t) for t in (w_cand, w_user, e_cand, e_user)]
-    assert all(t.is_contiguous() and t.stride(0) == 1 for t in args)
-    out = torch.empty(16, 1, 1, dtype=torch.float16).movedim(0, -1)  # B = M = 1, strides (1, 1, 1)
-    assert out.is_contiguous() and out.stride()[:2] == (1, 1)
-    assert lce(*args, idx, out=out) is out
-    assert torch.equal(out, lce_reference(w_cand, w_user, e_cand, e_user, idx))
-
-
 def test_no_spare_sm_split_without_idle_sms(monkeypatch):
-    lce_mod = importlib.import_module("ikbo_gemm.lce")
-
     cfg = pick_config(torch.float16, torch.int32, 433, 256, 1024)
     monkeypatch.setattr(lce_mod, "max_active_clusters", lambda device, size: 128 // size)
-    assert lce_mod._spare_sm_split(cfg, None, 1024, 15, 19, 14) is None  # clusters fill every SM
+    assert lce_mod._spare_sm_split(cfg, None, _published(cfg, 1024)) is None  # clusters fill every SM
     monkeypatch.setattr(lce_mod, "max_active_clusters", h200_clusters)
+    assert lce_mod._spare_sm_split(cfg, None, _published(cfg, 1024)) is not None
     one_deep = pick_config(torch.float16, torch.int32, 433, 256, 1)
-    assert one_deep.cluster_b == 1 and lce_mod._spare_sm_split(one_deep, None, 1, 15, 19, 14) is None
+    assert one_deep.cluster_b == 1 and lce_mod._spare_sm_split(one_deep, None, _published(one_deep, 1)) is None
     wide = pick_config(torch.float16, torch.int32, 433, 1000, 1024)  # 4-slice clusters: no pairs left
-    assert wide.cluster_n == 4 and lce_mod._spare_sm_split(wide, None, 1024, 15, 19, 14) is None
+    geom = LceGeometry.of(wide, M=433, N=1000, U=15, B=1024, K_user=1184, K_cand=872)
+    assert wide.cluster_n == 4 and lce_mod._spare_sm_split(wide, None, geom) is None
 
 
 @pytest.mark.parametrize("tile_n, tile_w", sorted({(c.tile_n, c.tile_w) for c in SHIPPED_CONFIGS}))
 def test_epilogue_frees_each_accumulator_chunk_once_after_its_last_read(tile_n, tile_w):
     """The epilogue loads the next user tile into the accumulator chunks each staged sub-tile
     frees: every chunk exactly once, and only after the last sub-tile that reads it."""
-    k = LceSm90(cutlass.Float16, cutlass.Int32, tile_w, 1, 1, tile_n)
+    k = LceSm90(LceConfig(torch.float16, torch.int32, tile_w, 1, 1, tile_n))
     per_sub = k.ATOM_N * k.EPI_W // 128
     reads = [set(range(k.epi_acc[s], k.epi_acc[s] + per_sub)) for s in range(k.epi_subtiles)]
     assert set().union(*reads) == set(range(tile_n * tile_w // 128))  # every value is stored
@@ -622,7 +409,7 @@ def test_each_w_row_is_loaded_and_each_output_row_stored_exactly_once(cfg):
     """Per k-block the cluster's w chunks cover the tile's rows once (the stage's TMA byte
     count is exact), each atom's stored sub-tile rows cover tile_w once, and the ring,
     staging buffers and barriers fit in shared memory."""
-    k = LceSm90(cutlass.Float16, cutlass.Int32, cfg.tile_w, cfg.cluster_n, cfg.cluster_b, cfg.tile_n)
+    k = LceSm90(cfg)
     heights = [k.w_chunk] * (k.w_chunks - 1) + [k.w_last]
     rows = [r for j, h in enumerate(heights) for r in range(j * k.w_chunk, j * k.w_chunk + h)]
     assert rows == list(range(cfg.tile_w)) and 0 < k.w_last <= k.w_chunk

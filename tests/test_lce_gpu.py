@@ -1,27 +1,24 @@
-"""IKBO linear compression on an sm_90 GPU, against an fp32 reference.
+"""IKBO linear compression on an sm_90 GPU, against an fp32 reference (tests/lce_accuracy.py).
 
 The cases cover every value of each axis at least once (B, ratio B/U, M, N,
 K_user, K_cand, schedule, dtype, idx dtype, idx order) rather than their cross
 product, with few distinct kernel configurations so that first-call compiles
-stay short.
+stay short. The contract lce shares with attention (layouts, out=, autograd, CUDA
+graphs, the disk cache) is in test_op_contract_gpu.py.
 """
 from __future__ import annotations
-
-import math
-import sys
 
 import pytest
 import torch
 
-from cute_kernels.compile import kernel_cache
 from ikbo_gemm.lce import lce
+from lce_accuracy import assert_matches_reference
+from lce_inputs import random_problem, users_for_ratio
 
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
 F16, BF16 = torch.float16, torch.bfloat16
-UNIT_ROUNDOFF = {F16: 2.0**-11, BF16: 2.0**-8}
-NORM_TOL = {F16: 2e-3, BF16: 1e-2}  # sanity bound, norm-wise relative error
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -34,61 +31,10 @@ def _ieee_fp32_matmul():
 
 
 def make_inputs(B, ratio, M, N, K_user, K_cand, dtype, idx_dtype=torch.int32, shuffle=False, seed=0):
-    """Fresh random operands; idx groups ``ratio`` consecutive candidates per user (U = ceil(B / ratio))."""
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    U = -(-B // ratio)
-    scale = 1.0 / math.sqrt(K_user + K_cand)
-
-    def randn(*shape, s=1.0):
-        return (torch.randn(*shape, generator=g, device=DEVICE, dtype=torch.float32) * s).to(dtype)
-
-    idx = torch.arange(B, device=DEVICE) // ratio
-    if shuffle:
-        idx = idx[torch.randperm(B, generator=g, device=DEVICE)]
-    return dict(
-        w_cand=randn(M, K_cand, s=scale),
-        w_user=randn(M, K_user, s=scale),
-        e_cand=randn(B, K_cand, N),
-        e_user=randn(U, K_user, N),
-        idx=idx.to(idx_dtype),
-    )
-
-
-def fp32_reference(w_cand, w_user, e_cand, e_user, idx):
-    """fp32 user GEMMs + fp32 candidate bmm + gather, not rounded."""
-    user = torch.matmul(w_user.float(), e_user.float())
-    return torch.matmul(w_cand.float(), e_cand.float()) + user[idx.long()]
-
-
-def torch_decomposition(w_cand, w_user, e_cand, e_user, idx):
-    """What a user writes in PyTorch, in the inputs' dtype."""
-    return torch.matmul(w_cand, e_cand) + torch.matmul(w_user, e_user)[idx.long()]
-
-
-def rel_err(x, ref):
-    return float((x.double() - ref.double()).norm() / ref.double().norm())
-
-
-def assert_matches_reference(out, args, rows=None):
-    """Every element within one rounding of the fp32 reference, and norm-wise no worse than torch."""
-    dtype = args["e_cand"].dtype
-    ref = fp32_reference(**args)
-    mine = torch_decomposition(**args)
-    if rows is not None:
-        out, ref, mine = out[rows], ref[rows], mine[rows]
-    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} non-finite outputs"
-    # One rounding costs u * |x|; the slack covers fp32 accumulation order.
-    bound = UNIT_ROUNDOFF[dtype] * ref.abs() + 2.0**-14 * ref.abs().max()
-    bad = ~((out.float() - ref).abs() <= bound)
-    if bad.any():
-        first = tuple(torch.nonzero(bad)[0].tolist())
-        raise AssertionError(
-            f"{int(bad.sum())} of {bad.numel()} outputs off; first at {first}: "
-            f"got {float(out[first])}, expected {float(ref[first])}"
-        )
-    err, torch_err = rel_err(out, ref), rel_err(mine, ref)
-    assert err <= 1.25 * torch_err + 1e-5, f"error {err:.3e} vs torch decomposition {torch_err:.3e}"
-    assert err <= NORM_TOL[dtype], f"error {err:.3e}"
+    """Fresh random operands on the GPU, by name; ``ratio`` candidates per user (U = ceil(B / ratio))
+    in contiguous groups, shuffled with ``shuffle``."""
+    return random_problem(B, users_for_ratio(B, ratio), M, N, K_user, K_cand, dtype, idx_dtype,
+                          "shuffled" if shuffle else "sorted", seed, DEVICE)._asdict()
 
 
 def poisoned(B, M, N, dtype):
@@ -223,129 +169,3 @@ def test_output_and_workspace_past_2_31_elements():
     picked = {**args, "e_cand": args["e_cand"][rows], "e_user": args["e_user"][args["idx"][rows].long()]}
     picked["idx"] = torch.arange(len(rows), device=DEVICE, dtype=torch.int32)
     assert_matches_reference(out[rows], picked)
-
-
-def test_out_at_any_alignment():
-    B, M, N = 32, 433, 256
-    args = make_inputs(B, 4, M, N, 200, 136, F16, shuffle=True)
-    out = torch.full((B * M * N + 1,), float("nan"), dtype=F16, device=DEVICE)[1:].view(B, M, N)
-    assert out.data_ptr() % 16
-    assert lce(**args, out=out) is out
-    assert_matches_reference(out, args)
-
-
-def _unit_stride_on_dim0(t):
-    """The same values with dim 0 (of size 1) given a stride of one element: torch still calls
-    it contiguous, and the launcher does not check that stride."""
-    return torch.empty(*t.shape[1:], 1, dtype=t.dtype, device=t.device).movedim(-1, 0).copy_(t)
-
-
-def test_size1_dims_with_any_stride():
-    """B = U = M = 1 with unit strides on those dims (inputs and out): the TMA descriptors still
-    get strides they take."""
-    args = make_inputs(1, 1, 1, 256, 200, 136, F16)
-    odd = {name: _unit_stride_on_dim0(t) for name, t in args.items() if name != "idx"}
-    assert all(t.is_contiguous() and t.stride(0) == 1 for t in odd.values())
-    out = torch.full((256, 1, 1), float("nan"), dtype=F16, device=DEVICE).permute(1, 2, 0)  # [1, 1, 256]
-    assert out.is_contiguous() and out.stride()[:2] == (1, 1)
-    assert lce(**odd, idx=args["idx"], out=out) is out
-    assert_matches_reference(out, args)
-
-
-def test_out_version_moves():
-    """The kernel writes out through its pointer: a backward that saved out before the call
-    raises, as after any in-place write, instead of reading the new values."""
-    args = make_inputs(64, 8, 433, 256, 200, 136, F16, shuffle=True)
-    out = torch.zeros(64, 433, 256, dtype=F16, device=DEVICE)
-    x = torch.ones_like(out, requires_grad=True)
-    y = x * out  # saves out for backward
-    assert lce(**args, out=out) is out
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        y.float().sum().backward()
-    assert_matches_reference(out, args)
-
-
-def test_inputs_that_require_grad():
-    """The output is right and its backward raises: no silently missing gradient."""
-    args = make_inputs(64, 8, 433, 256, 200, 136, F16, shuffle=True)
-    args["w_cand"].requires_grad_(True)
-    out = poisoned(64, 433, 256, F16)
-    got = lce(**args, out=out)
-    assert got is out and got.requires_grad
-    with pytest.raises(RuntimeError, match="lce_reference"):
-        got.float().sum().backward()
-    with torch.no_grad():
-        assert_matches_reference(lce(**args), args)
-
-
-@pytest.mark.parametrize("schedule", ["fused", "two_launch"])
-def test_cuda_graph_capture(schedule):
-    B, ratio, M, N, K_user, K_cand = 256, 10, 433, 256, 1184, 872
-    static = make_inputs(B, ratio, M, N, K_user, K_cand, F16, shuffle=True, seed=0)
-    out = poisoned(B, M, N, F16)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compile outside the capture
-        lce(**static, out=out, validate=False, schedule=schedule)
-    torch.cuda.current_stream().wait_stream(side)
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        lce(**static, out=out, validate=False, schedule=schedule)
-
-    for seed in (1, 2):  # two replays: the ready flags must be reset inside the graph
-        fresh = make_inputs(B, ratio, M, N, K_user, K_cand, F16, shuffle=True, seed=seed)
-        for k in static:
-            static[k].copy_(fresh[k])
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_matches_reference(out, fresh)
-
-
-def test_validation_inside_a_graph_capture(monkeypatch):
-    """The range check cannot run in a capture: IKBO_VALIDATE does not apply to captured calls,
-    validate=True raises a clear error, and eager calls stay validated."""
-    monkeypatch.setenv("IKBO_VALIDATE", "1")
-    args = make_inputs(256, 10, 433, 256, 1184, 872, F16, shuffle=True, seed=4)
-    out = poisoned(256, 433, 256, F16)
-    lce(**args, out=out)  # eager and validated; compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        lce(**args, out=out)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_matches_reference(out, args)
-    with pytest.raises(RuntimeError, match="validate=True .* CUDA-graph capture"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            lce(**args, out=out, validate=True)
-    bad = dict(args, idx=args["idx"].clone())
-    bad["idx"][7] = 10**6
-    with pytest.raises(IndexError, match=r"idx\[7\]"):
-        lce(**bad)
-
-
-def test_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
-    """A process that finds the kernels on disk loads them instead of compiling; the loaded
-    kernels compute exactly what the compiled ones did."""
-    lce_module = sys.modules["ikbo_gemm.lce"]
-    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
-    args = make_inputs(256, 10, 433, 256, 1184, 872, F16, shuffle=True, seed=3)
-
-    def fresh_process_call():
-        kernel_cache.clear()
-        lce_module._plans.clear()
-        out = poisoned(256, 433, 256, F16)
-        lce(**args, out=out)
-        torch.cuda.synchronize()
-        return out, [k for plan in lce_module._plans.values() if plan for k in (l.kernel for l in plan.launches)]
-
-    compiled, kernels = fresh_process_call()
-    assert len(kernels) == 2 and not any(k.loaded for k in kernels)  # the main and the spare launch
-    assert len(list(tmp_path.glob("ikbo_gemm-*.o"))) == 2
-    loaded, kernels = fresh_process_call()
-    assert len(kernels) == 2 and all(k.loaded for k in kernels)
-    assert torch.equal(loaded, compiled)
-    assert_matches_reference(loaded, args)

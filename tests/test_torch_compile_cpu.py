@@ -13,17 +13,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import ikbo_fa
 import ikbo_gemm
 from attention_inputs import random_problem
+from lce_inputs import random_problem as lce_problem
 
 
 def lce_inputs(B, U, M=5, N=12, K_cand=7, K_user=9, idx_dtype=torch.int32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (
-        (torch.randn(M, K_cand, generator=g) / 4).half(),
-        (torch.randn(M, K_user, generator=g) / 4).half(),
-        torch.randn(B, K_cand, N, generator=g).half(),
-        torch.randn(U, K_user, N, generator=g).half(),
-        torch.randint(0, U, (B,), generator=g).to(idx_dtype),
-    )
+    return lce_problem(B, U, M, N, K_user, K_cand, torch.float16, idx_dtype, "random", seed)
 
 
 @pytest.fixture(autouse=True)

@@ -124,7 +124,7 @@ def test_attention_same_with_either_worklist(monkeypatch, S_q, idx_dtype):
     ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, out=out, validate=False)
     assert attention_mod._plans and all(p.worklist is not None for p in attention_mod._plans.values())
     monkeypatch.setattr(attention_mod, "_plans", PlanCache())
-    monkeypatch.setattr(attention_mod, "_worklist_fits", lambda n: False)
+    monkeypatch.setattr(attention_mod, "_WORKLIST_KERNEL", False)
     ref = ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, validate=False)
     assert all(p.worklist is None for p in attention_mod._plans.values())
     assert torch.equal(out.isnan(), ref.isnan())
@@ -143,7 +143,7 @@ def test_torch_worklist_first_built_during_graph_capture(monkeypatch):
     v = torch.randn(U, L, H, D, generator=g).to(torch.bfloat16).cuda()
     idx = _random_idx(B, U, torch.int64, seed=11, bad_fraction=0)
     monkeypatch.setattr(attention_mod, "_plans", PlanCache())
-    monkeypatch.setattr(attention_mod, "_worklist_fits", lambda n: False)
+    monkeypatch.setattr(attention_mod, "_WORKLIST_KERNEL", False)
     ikbo_fa.attention(q, (k[:5], v[:5]), idx % 5, validate=False)  # compiled outside the capture, another U
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -1,0 +1,104 @@
+"""The GPU path of ``ikbo_fa.attention`` on CPU tensors: its host side runs as on an H200, the
+compiled kernels (work list and forward) replaced by stand-ins that check what they receive."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from cute_kernels.plans import PlanCache
+from ikbo_fa.checks import LOG2E
+from ikbo_fa.reference import naive_attention
+from ikbo_fa.worklist import kv_worklist
+
+attention_mod = importlib.import_module("ikbo_fa.attention")  # the module, not the function
+
+
+class EmulatedKernels:
+    """Stand-ins for the compiled kernels: the work list from the torch reference, the forward
+    pass from naive attention over exactly the arrays the kernel reads. Calls are recorded
+    (``fwd_calls``, ``worklist_calls``; ``builds``: full checks of a signature); each callable
+    in ``hooks`` is called at every launch with the kernel's name."""
+
+    def __init__(self):
+        self.fwd_calls = []
+        self.worklist_calls = 0
+        self.builds = []
+        self.hooks = []
+
+    def worklist(self, idx, order, cand_start, tile_start, n_users, per_tile, chunks):
+        for hook in self.hooks:
+            hook("worklist")
+        self.worklist_calls += 1
+        for t, n in ((order, idx.shape[0]), (cand_start, n_users + 2), (tile_start, n_users + 2)):
+            assert t.dtype == torch.int32 and t.is_contiguous() and t.shape == (n,)
+        assert idx.is_contiguous()
+        ref = kv_worklist(idx, n_users, per_tile, chunks)
+        for t, r in zip((order, cand_start, tile_start), ref):
+            t.copy_(r)
+
+    def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, scale_log2, scale, n_ctas):
+        for hook in self.hooks:
+            hook("fwd")
+        self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k, out=out))
+        assert scale_log2 == pytest.approx(scale * LOG2E)
+        assert scale > 0  # the kernel's running max assumes it
+        assert cand.dtype == torch.int32 and cand.is_contiguous() and 1 <= n_ctas <= 132
+        # What the TMA descriptors need (the launcher checks no stride of a size-1 dim).
+        for t in (q, k, v, out):
+            assert t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]), t.stride()
+            assert t.data_ptr() % 16 == 0
+        L = k.shape[1]
+        if kvl is not None:
+            assert kvl.dtype == torch.int32 and kvl.is_contiguous()
+            assert ((kvl >= 0) & (kvl <= L)).all()
+        B = out.shape[0]
+        if cand_start is not None:  # KV broadcast: groups of the work list
+            U = k.shape[0]
+            assert cand_start.shape == (U + 2,) and tile_start.shape == (U + 2,)
+            assert sorted(cand.tolist()) == list(range(B)) and int(cand_start[-1]) == B
+            runs = [(cand[cand_start[u]:cand_start[u + 1]].long(), u) for u in range(U + 1)]
+        else:  # Q broadcast: one candidate per run, Q looked up
+            runs = [(torch.tensor([b]), b) for b in range(B)]
+        for members, r in runs:
+            if len(members) == 0:
+                continue
+            if cand_start is not None:
+                bad = r == k.shape[0]
+                qs = q[members]
+                ks, vs = (k[:1], v[:1]) if bad else (k[r:r + 1], v[r:r + 1])
+            else:
+                c = int(cand[r])
+                bad = not 0 <= c < q.shape[0]
+                qs = q[0:1] if bad else q[c:c + 1]
+                ks, vs = k[r:r + 1], v[r:r + 1]
+            n = len(members)
+            ks = ks.expand(n, *ks.shape[1:])
+            vs = vs.expand(n, *vs.shape[1:])
+            lengths = None if kvl is None else kvl[r if not bad else 0].expand(n)
+            o, l = naive_attention(qs.float(), ks.float(), vs.float(), scale, lengths)
+            if bad:
+                o.fill_(float("nan"))
+                l.fill_(float("nan"))
+            out.data[members] = o.to(out.dtype)  # through the pointer, as the kernel: autograd sees no write
+            if lse is not None:
+                lse.data[members] = l
+
+
+def install(monkeypatch) -> EmulatedKernels:
+    """Route ``ikbo_fa.attention`` on CPU tensors through its GPU path, with the kernels emulated."""
+    kernels = EmulatedKernels()
+    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
+    monkeypatch.setattr(attention_mod, "on_gpu", lambda q: isinstance(q, torch.Tensor))
+    monkeypatch.setattr(attention_mod, "sm_count", lambda device: 132)
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: kernels.fwd)
+    monkeypatch.setattr(attention_mod, "_worklist_kernel", lambda dtype: kernels.worklist)
+    real_resolve = attention_mod.resolve_problem
+
+    def counting_resolve(*args, **kwargs):
+        kernels.builds.append(1)
+        return real_resolve(*args, **kwargs)
+
+    monkeypatch.setattr(attention_mod, "resolve_problem", counting_resolve)
+    return kernels

@@ -1,0 +1,66 @@
+"""The GPU path of ``ikbo_gemm.lce`` on CPU tensors: its host side runs as on an H200, the
+compiled kernel replaced by a stand-in that checks what it receives and writes the result."""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from cute_kernels.plans import PlanCache
+
+lce_mod = importlib.import_module("ikbo_gemm.lce")  # the module (the package exports the op under its name)
+
+
+def h200_clusters(device, size):
+    """Clusters of ``size`` CTAs resident at once on an H200 (132 SMs; 8-CTA clusters on 120)."""
+    return 132 // size if size < 4 else 120 // size
+
+
+class EmulatedLaunches:
+    """Stands in for the compiled kernel on CPU tensors: each launch writes its candidates'
+    outputs (when its tile range reaches the candidate tiles) by the reference formula on
+    the padded operands it receives, and is recorded (``launches``). Each callable in ``hooks``
+    is called at every launch with the kernel's name."""
+
+    def __init__(self):
+        self.launches = []
+        self.hooks = []
+        self.refuse_cooperative = False
+
+    def kernel(self, cfg):
+        return lambda *args: self.launch(cfg, *args)
+
+    def launch(self, cfg, w_c, w_u, e_c, e_u, idx, target, workspace, flags, tile_begin, tile_end, grid, wait_prior,
+               cooperative):
+        for hook in self.hooks:
+            hook("lce")
+        if cooperative and self.refuse_cooperative:  # as the driver does where the grid cannot fit
+            raise RuntimeError("cudaErrorCooperativeLaunchTooLarge")
+        U, M, n8 = e_u.shape[0], w_c.shape[1], e_c.shape[2]
+        assert w_c.shape[0] == w_u.shape[0] == 1 and w_c.shape[2] % 8 == 0 and w_u.shape[2] % 8 == 0 and n8 % 8 == 0
+        for t in (w_c, w_u, e_c, e_u, target):  # what the TMA descriptors need, size-1 dims included
+            assert t.is_contiguous() and t.data_ptr() % 16 == 0
+            assert t.stride(-1) == 1 and all(st % 8 == 0 for st in t.stride()[:-1]), t.stride()
+        assert workspace.dtype == torch.float32 and flags.dtype == torch.int32
+        assert workspace.shape == (flags.shape[0], cfg.tile_n * cfg.tile_w)
+        user_tiles = -(-U // cfg.cluster_b) * -(-M // cfg.tile_w) * -(-n8 // (cfg.tile_n * cfg.cluster_n))
+        self.launches.append(dict(cfg=cfg, cands=idx.shape[0], tiles=(tile_begin, tile_end), wait_prior=wait_prior,
+                                  cooperative=cooperative, target=target.data_ptr(), flags=flags.shape[0]))
+        if tile_end > user_tiles:
+            acc = w_c[0, :, : e_c.shape[1]].float() @ e_c.float()  # the K tail past e's rows is padding
+            user = w_u[0, :, : e_u.shape[1]].float() @ e_u.float()
+            valid = (idx >= 0) & (idx < U)
+            acc += user[torch.where(valid, idx, 0).long()]
+            acc[~valid] = float("nan")
+            target.data.copy_(acc)  # through the pointer, as the kernel: autograd sees no write
+
+
+def install(monkeypatch) -> EmulatedLaunches:
+    """Route ``ikbo_gemm.lce`` on CPU tensors through its GPU path, with the kernel emulated."""
+    kernels = EmulatedLaunches()
+    monkeypatch.setattr(lce_mod, "_plans", PlanCache())
+    monkeypatch.setattr(lce_mod, "on_gpu", lambda x: isinstance(x, torch.Tensor))
+    monkeypatch.setattr(lce_mod, "require_sm90", lambda device, op: None)
+    monkeypatch.setattr(lce_mod, "max_active_clusters", h200_clusters)
+    monkeypatch.setattr(lce_mod, "_kernel", kernels.kernel)
+    return kernels

@@ -1,0 +1,36 @@
+"""Every shipped kernel configuration of both ops compiles for sm_90a without a GPU, once each:
+its PTX holds the instructions the kernels are built on, ptxas spills nothing, and ptxas neither
+serializes a wgmma nor inserts fences or waits the code lacks (a silent slowdown otherwise)."""
+import pytest
+import torch
+
+import ikbo_fa
+import ikbo_gemm
+from ikbo_fa.config import AttentionConfig
+
+# Warp-specialized TMA -> wgmma pipelines with a register split, and programmatic dependent
+# launch (each kernel waits for the grid before it on the stream).
+PTX_INSTRUCTIONS = ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier", "setmaxnreg", "griddepcontrol.wait")
+
+# An attention configuration the op compiles at run time for an S_q of no power of two (not shipped).
+ODD_ATTENTION = AttentionConfig(torch.float16, 64, 100, "q", True, True)
+
+CONFIGS = ([("lce", ikbo_gemm.compile_config, cfg) for cfg in ikbo_gemm.SHIPPED_CONFIGS]
+           + [("attention", ikbo_fa.compile_config, cfg) for cfg in ikbo_fa.SHIPPED_CONFIGS + (ODD_ATTENTION,)])
+
+
+def test_every_shipped_configuration_is_covered():
+    assert len(ikbo_gemm.SHIPPED_CONFIGS) == len(set(ikbo_gemm.SHIPPED_CONFIGS)) > 0
+    assert len(ikbo_fa.SHIPPED_CONFIGS) == len(set(ikbo_fa.SHIPPED_CONFIGS)) > 0
+    assert ODD_ATTENTION not in ikbo_fa.SHIPPED_CONFIGS
+    assert len({str(cfg) for _, _, cfg in CONFIGS}) == len(CONFIGS)  # the test ids are unique
+
+
+@pytest.mark.parametrize("op, compile_config, cfg", CONFIGS, ids=[f"{op}-{cfg}" for op, _, cfg in CONFIGS])
+def test_compiles_for_sm90a(op, compile_config, cfg):
+    kernel = compile_config(cfg, keep_ptx=True, ptxas_report=True)
+    assert ".target sm_90a" in kernel.ptx, f"{op} {cfg}: not compiled for sm_90a"
+    for instruction in PTX_INSTRUCTIONS:
+        assert instruction in kernel.ptx, f"{op} {cfg}: no {instruction} in the PTX"
+    assert kernel.spill_bytes == 0, kernel.ptxas_log
+    assert kernel.wgmma_notes == [], kernel.ptxas_log

@@ -1,0 +1,129 @@
+"""The warp-specialized skeleton's host-side checks (cute_kernels.warp_specialized): a register
+budget, pipeline arrive counts or named-barrier ids that would hang or fail on the GPU raise a
+ValueError with the arithmetic when the kernel object is built; the kernels pass them."""
+import enum
+
+import pytest
+import torch
+
+import ikbo_fa
+import ikbo_gemm
+from cute_kernels.warp_specialized import (
+    Barrier,
+    PipelineSpec,
+    RegisterSplit,
+    check_barriers,
+    contract_table,
+)
+from ikbo_fa.fwd_sm90 import FwdBarrier, IkboAttentionFwdSm90
+from ikbo_gemm.lce_sm90 import LceBarrier, LceSm90
+
+
+def test_register_split_budget():
+    split = RegisterSplit(producer=24, consumer=240)
+    assert split.threads == 384
+    RegisterSplit(producer=40, consumer=232)  # 128 x (40 + 2 x 232) = 64512
+    with pytest.raises(ValueError, match=r"^RegisterSplit: 128 x \(40 x 1 \+ 240 x 2\) = 66560 registers exceed the "
+                                         r"SM's 65536$"):
+        RegisterSplit(producer=40, consumer=240)
+    with pytest.raises(ValueError, match=r"128 x \(24 x 1 \+ 168 x 3\) = 67584 registers exceed"):
+        RegisterSplit(producer=24, consumer=168, consumer_warpgroups=3)
+
+
+@pytest.mark.parametrize("field, regs", [("producer", 20), ("producer", 28), ("consumer", 264), ("consumer", 250)])
+def test_register_split_takes_what_setmaxnreg_takes(field, regs):
+    other = {"producer": 24, "consumer": 240}
+    with pytest.raises(ValueError, match=rf"^RegisterSplit: {field} = {regs} registers: setmaxnreg takes a "
+                                         r"multiple of 8 in \[24, 256\]$"):
+        RegisterSplit(**{**other, field: regs})
+
+
+def _spec(**change):
+    fields = dict(name="ab", producer="producer warp 0", consumer="consumers", stages=4, tx_bytes=1024,
+                  producer_arrives=1, consumer_arrives=8)
+    return PipelineSpec(**{**fields, **change})
+
+
+def test_pipeline_arrive_counts_are_those_of_the_roles():
+    spec = _spec()
+    assert spec.check("K", releasing_threads=256) is spec  # 256 / 32 x 1
+    assert _spec(consumer_arrives=32).check("K", releasing_threads=128, multicast_ctas=8).consumer_arrives == 32
+    with pytest.raises(ValueError, match=r"^K: ab pipeline declares 8 consumer arrives per stage, but 128 releasing "
+                                         r"threads / 32 x 1 multicasting CTAs = 4$"):
+        spec.check("K", releasing_threads=128)
+    with pytest.raises(ValueError, match=r"declares 8 consumer arrives per stage, but 256 releasing threads / 32 x 2 "
+                                         r"multicasting CTAs = 16"):
+        spec.check("K", releasing_threads=256, multicast_ctas=2)
+    with pytest.raises(ValueError, match=r"^K: ab pipeline released by 100 threads, not whole warps$"):
+        spec.check("K", releasing_threads=100)
+    with pytest.raises(ValueError, match=r"^K: ab pipeline declares 2 producer arrives; a TMA producer arrives once"):
+        _spec(producer_arrives=2).check("K", releasing_threads=256)
+    for bad in (dict(stages=0), dict(tx_bytes=0)):
+        with pytest.raises(ValueError, match=r"^K: ab pipeline has \d+ stages of \d+ bytes$"):
+            _spec(**bad).check("K", releasing_threads=256)
+
+
+def test_contract_table():
+    table = contract_table([_spec(), _spec(name="V", stages=2)])
+    assert table.splitlines() == [
+        "| pipeline | producer -> consumer | full / empty arrives | stages |",
+        "| --- | --- | --- | --- |",
+        "| ab | producer warp 0 -> consumers | 1 / 8 | 4 |",
+        "| V | producer warp 0 -> consumers | 1 / 8 | 2 |",
+    ]
+
+
+def test_named_barrier_ids():
+    class Good(Barrier):
+        A = 1
+        B = 3  # + warpgroup: 3 and 4
+        C = 15
+
+    check_barriers("K", Good, {"B": 2})
+
+    class Zero(Barrier):
+        SYNC = 0
+
+    with pytest.raises(ValueError, match=r"^K: named barrier SYNC \+ 0 = 0 is outside \[1, 15\]$"):
+        check_barriers("K", Zero)
+
+    class PastTheEnd(Barrier):
+        TURN = 15
+
+    with pytest.raises(ValueError, match=r"^K: named barrier TURN \+ 1 = 16 is outside \[1, 15\]$"):
+        check_barriers("K", PastTheEnd, {"TURN": 2})
+
+    class Overlapping(Barrier):
+        EPILOGUE = 1  # + warpgroup: 1 and 2
+        TURN = 2
+
+    with pytest.raises(ValueError, match=r"^K: named barrier id 2 is both EPILOGUE \+ 1 and TURN \+ 0$"):
+        check_barriers("K", Overlapping, {"EPILOGUE": 2})
+    assert issubclass(Barrier, enum.IntEnum)
+
+
+def test_the_kernels_pass_their_checks():
+    """Each kernel builds its contracts from its configuration: every shipped one passes."""
+    for barriers, spans in ((LceBarrier, {"EPILOGUE": 2, "MMA_ORDER": 2}), (FwdBarrier, {"EPILOGUE": 2, "GEMM_TURN": 2})):
+        check_barriers("kernel", barriers, spans)
+    for cfg in ikbo_gemm.SHIPPED_CONFIGS:
+        k = LceSm90(cfg)
+        assert k.ab.consumer_arrives == 4 * cfg.cluster and k.ab.stages >= 2, cfg
+        assert k.THREADS == k.REGISTERS.threads == 384
+    for cfg in ikbo_fa.SHIPPED_CONFIGS:
+        k = IkboAttentionFwdSm90(cfg)
+        assert sorted(k.pipelines) == ["K", "Q", "V"]
+        assert all(p.consumer_arrives == 8 and p.producer_arrives == 1 for p in k.pipelines.values()), cfg
+        assert k.num_threads == 384
+
+
+def test_a_wrong_arrive_count_fails_when_the_kernel_is_built(monkeypatch):
+    """A consumer role that releases its stages with fewer threads than the pipeline counts
+    fails on the host, with the arithmetic, instead of hanging the GPU."""
+    monkeypatch.setattr(LceSm90, "TILE_OWNER_THREADS", 256)
+    with pytest.raises(ValueError, match=r"LceSm90: ab pipeline declares 32 consumer arrives per stage, but 256 "
+                                         r"releasing threads / 32 x 8 multicasting CTAs = 64"):
+        LceSm90(ikbo_gemm.config.LceConfig(torch.float16, torch.int32, 152, 2, 4, 128))
+    monkeypatch.setattr(IkboAttentionFwdSm90, "CONSUMER_THREADS", 128)
+    with pytest.raises(ValueError, match=r"IkboAttentionFwdSm90: Q pipeline declares 8 consumer arrives"):
+        IkboAttentionFwdSm90(ikbo_fa.SHIPPED_CONFIGS[0])
