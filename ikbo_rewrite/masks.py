@@ -1,6 +1,6 @@
 """Key-padding masks that are prefix masks: ``keep[r, j] = j < lengths[r]``, however the
 model and SDPA's own decomposition spell it (a bool mask; ``where(keep, 0, -inf)``;
-``masked_fill(0, ~keep, -inf)``; ``~(j >= lengths)``; unsqueezed, expanded, padded to an
+``masked_fill(0, ~keep, -inf)``; -65504 for -inf, as CUDA SDPA's cuDNN kernel takes it; ``~(j >= lengths)``; unsqueezed, expanded, padded to an
 aligned width and sliced back; gathered to the candidates before or after the comparison).
 Anything else is not proven a prefix mask and the attention is left as it is."""
 from __future__ import annotations
@@ -95,6 +95,16 @@ class _Walk:
             n = nxt
 
 
+# The bias SDPA makes of a bool mask drops a key with -inf, or (cuDNN's kernel) with -65504,
+# fp16's lowest value, which bf16 rounds to -65536: either weighs that key exp(-65504) = 0 in
+# fp32 next to any kept key. A bias of a smaller magnitude is a soft mask, not a dropped key.
+_DROP_AT = -65504.0
+
+
+def _drops(x: Optional[float]) -> bool:
+    return x is not None and x <= _DROP_AT
+
+
 def _keep(w: _Walk, n: Node):
     """(bool node, polarity): scores are kept where the bool node equals polarity."""
     n = w.down(n)
@@ -109,15 +119,15 @@ def _keep(w: _Walk, n: Node):
         return n, True
     if is_op(n, aten.where):
         a, b = (_scalar(w.down(x), w.ctx) if isinstance(x, Node) else _scalar(x) for x in n.args[1:3])
-        if a == 0.0 and b == -math.inf:
+        if a == 0.0 and _drops(b):
             inner = _keep(w, n.args[0])
-        elif a == -math.inf and b == 0.0:
+        elif _drops(a) and b == 0.0:
             inner = _keep(w, n.args[0])
             inner = None if inner is None else (inner[0], not inner[1])
         else:
             return None
         return inner
-    if (is_op(n, aten.masked_fill) and _scalar(n.args[2], w.ctx) == -math.inf
+    if (is_op(n, aten.masked_fill) and _drops(_scalar(n.args[2], w.ctx))
             and _scalar(w.down(n.args[0]), w.ctx) == 0.0):
         inner = _keep(w, n.args[1])
         return None if inner is None else (inner[0], not inner[1])

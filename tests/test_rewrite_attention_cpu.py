@@ -45,6 +45,10 @@ class Target(nn.Module):
                 bias = torch.zeros_like(keep, dtype=q.dtype).masked_fill(keep.logical_not(), float("-inf"))
             bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             mask = F.pad(bias, (0, 16 - k.shape[2] % 16))[..., : k.shape[2]]
+        elif self.mask == "cudnn_bias":
+            # The bias CUDA SDPA makes of a bool mask for its cuDNN kernel: -65504 for a dropped key.
+            keep = (ar[None, :] < lengths[idx][:, None])[:, None, None, :]
+            mask = torch.where(keep, torch.full((), 0.0, dtype=q.dtype), torch.full((), -65504.0, dtype=q.dtype))
         elif self.mask == "suffix":
             mask = (ar[None, :] >= lengths[idx][:, None])[:, None, None, :]
         elif self.mask == "per_candidate":
@@ -68,7 +72,8 @@ def _inputs(mode="kv", B=8, U=3, D=64, h_kv=H, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize("mode, mask", [("kv", "none"), ("kv", "prefix"), ("kv", "prefix_lengths_gathered"),
-                                        ("kv", "cuda_bias"), ("kv", "cuda_bias_filled"), ("q", "none"),
+                                        ("kv", "cuda_bias"), ("kv", "cuda_bias_filled"), ("kv", "cudnn_bias"),
+                                        ("q", "none"),
                                         ("q", "prefix")])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gathered_side_becomes_ikbo_attention(mode, mask, D):
