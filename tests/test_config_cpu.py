@@ -55,7 +55,10 @@ def test_attention_config_field_errors_name_the_field(change, message):
 
 
 def test_shipped_configs_are_valid_and_exported():
-    assert ikbo_gemm.SHIPPED_CONFIGS is SHIPPED_CONFIGS and ikbo_gemm.LceConfig is LceConfig
+    # the package's list: the LCE configurations, then the linear layer's
+    assert ikbo_gemm.SHIPPED_CONFIGS[: len(SHIPPED_CONFIGS)] == tuple(SHIPPED_CONFIGS)
+    assert all(isinstance(c, ikbo_gemm.LinearConfig) for c in ikbo_gemm.SHIPPED_CONFIGS[len(SHIPPED_CONFIGS):])
+    assert ikbo_gemm.LceConfig is LceConfig
     assert ikbo_fa.AttentionConfig is AttentionConfig
     for cfg in SHIPPED_CONFIGS:
         assert dataclasses.replace(cfg) == cfg  # __post_init__ accepts it

@@ -16,7 +16,10 @@ from cute_kernels.warp_specialized import (
     contract_table,
 )
 from ikbo_fa.fwd_sm90 import FwdBarrier, IkboAttentionFwdSm90
+from ikbo_gemm.config import LINEAR_SHIPPED_CONFIGS
+from ikbo_gemm.config import SHIPPED_CONFIGS as LCE_SHIPPED_CONFIGS
 from ikbo_gemm.lce_sm90 import LceBarrier, LceSm90
+from ikbo_gemm.linear_sm90 import LinearSm90
 
 
 def test_register_split_budget():
@@ -106,10 +109,15 @@ def test_the_kernels_pass_their_checks():
     """Each kernel builds its contracts from its configuration: every shipped one passes."""
     for barriers, spans in ((LceBarrier, {"EPILOGUE": 2, "MMA_ORDER": 2}), (FwdBarrier, {"EPILOGUE": 2, "GEMM_TURN": 2})):
         check_barriers("kernel", barriers, spans)
-    for cfg in ikbo_gemm.SHIPPED_CONFIGS:
+    for cfg in LCE_SHIPPED_CONFIGS:
         k = LceSm90(cfg)
         assert k.ab.consumer_arrives == 4 * cfg.cluster and k.ab.stages >= 2, cfg
         assert k.THREADS == k.REGISTERS.threads == 384
+    for cfg in LINEAR_SHIPPED_CONFIGS:
+        k = LinearSm90(cfg)
+        assert k.ab.consumer_arrives == 4 * k.cluster and k.ab.stages >= 2, cfg
+        assert k.THREADS == k.REGISTERS.threads == 384
+    assert set(ikbo_gemm.SHIPPED_CONFIGS) == set(LCE_SHIPPED_CONFIGS) | set(LINEAR_SHIPPED_CONFIGS)
     for cfg in ikbo_fa.SHIPPED_CONFIGS:
         k = IkboAttentionFwdSm90(cfg)
         assert sorted(k.pipelines) == ["K", "Q", "V"]
