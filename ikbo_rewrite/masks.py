@@ -6,7 +6,6 @@ Anything else is not proven a prefix mask and the attention is left as it is."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 import torch

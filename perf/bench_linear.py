@@ -308,9 +308,7 @@ def parse_args(argv=None):
     harness.add_common_args(ap)
     harness.add_timing_args(ap)
     args = ap.parse_args(argv)
-    names = [p.name for p in providers()]
-    if args.providers and set(args.providers) - set(names):
-        ap.error(f"unknown provider(s) {sorted(set(args.providers) - set(names))}; choose from {names}")
+    harness.check_provider_names(ap, args.providers, [p.name for p in providers()])
     return args
 
 

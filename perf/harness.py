@@ -839,6 +839,13 @@ SUFFIX = {"interleaved": "", "sustained": "_sustained"}  # of a mode's row field
 SUSTAINED_FIELDS = ["W", "MHz"]  # printed on sustained lines
 
 
+def check_provider_names(parser: argparse.ArgumentParser, chosen: Optional[Sequence], names: Sequence) -> None:
+    """``--providers``: every name chosen must be one of ``names`` (a parser error otherwise)."""
+    unknown = sorted(set(chosen or ()) - set(names))
+    if unknown:
+        parser.error(f"unknown provider(s) {unknown}; choose from {list(names)}")
+
+
 def add_timing_args(parser: argparse.ArgumentParser, default: str = "interleaved") -> None:
     parser.add_argument("--timing", choices=TIMINGS, default=default,
                         help="interleaved: providers in turns, one call each per round; sustained: each "

@@ -145,3 +145,14 @@ def devices_made_current(monkeypatch):
         return current
 
     return patch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _ieee_fp32_matmul():
+    """The fp32 references must not run on TF32 (CUDA matmuls; a no-op on the CPU)."""
+    import torch
+
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous

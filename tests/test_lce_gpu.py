@@ -21,14 +21,6 @@ DEVICE = "cuda"
 F16, BF16 = torch.float16, torch.bfloat16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _ieee_fp32_matmul():
-    """The fp32 reference must not run on TF32."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
-
 
 def make_inputs(B, ratio, M, N, K_user, K_cand, dtype, idx_dtype=torch.int32, shuffle=False, seed=0):
     """Fresh random operands on the GPU, by name; ``ratio`` candidates per user (U = ceil(B / ratio))

@@ -20,14 +20,6 @@ F16, BF16 = torch.float16, torch.bfloat16
 UNIT_ROUNDOFF = {F16: 2.0**-11, BF16: 2.0**-8}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _ieee_fp32_matmul():
-    """The fp32 reference must not run on TF32."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
-
 
 def make_inputs(B, U, N, K_user, K_cand, dtype, *, bias=True, idx_dtype=torch.int32, shuffle=True, seed=0):
     """Fresh random operands; idx gives each user about B / U candidates (every user at least one

@@ -16,14 +16,6 @@ OP_NAMES = list(OPS)
 OPTION_IDS = [f"{o}-{options_id(p)}" for o, p in OP_OPTIONS]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _ieee_fp32_matmul():
-    """The fp32 references must not run on TF32."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
-
 
 @pytest.fixture(params=OP_NAMES)
 def op(request):
