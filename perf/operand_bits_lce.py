@@ -10,9 +10,10 @@ takes a different time on other data. Each variant draws the inputs as perf/benc
   fp16/N    the same values rounded to N mantissa bits, still fp16: the same kernels and
             instructions, fewer bits to toggle (fp16/7 has bf16's precision)
   bf16      bf16 operands
-Every provider of every variant is checked against its own fp32 reference, then all of them
-are timed in turns in one loop (one call of each per round), so that they share the GPU's
-clock and temperature. Columns: ms, TFLOP/s, speedup over the same variant's torch providers
+Every provider of every variant is checked against its own fp32 reference, then timed
+(--timing): interleaved (default), all of them in turns in one loop (one call of each per
+round), so that they share the GPU's clock and temperature; sustained, each alone back to back
+at the power limit (fields *_sustained, with W and MHz); or both. Columns: ms, TFLOP/s, speedup over the same variant's torch providers
 (x_*), and ms over the same provider's ms on the first variant (vs_first).
 """
 from __future__ import annotations
@@ -32,7 +33,8 @@ from perf import bench_lce, harness  # noqa: E402
 
 NAME = "operand_bits_lce"
 PROVIDERS = ["torch materialize+bmm", "torch decomposition", "ikbo fused"]
-COLUMNS = ["variant", "provider", "status", "rel_err", "ms", "tflops", "x_mat_bmm", "x_decomp", "vs_first"]
+COLUMNS = ["variant", "provider", "status", "rel_err"]
+TIMED_COLUMNS = ["ms", "tflops", "x_mat_bmm", "x_decomp", "vs_first"]  # per timing mode
 FP16_MANTISSA = 10
 
 
@@ -78,6 +80,7 @@ def parse_args(argv=None):
     ap.add_argument("--ratio", type=int, default=bench_lce.PUBLISHED["ratio"])
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
     harness.add_common_args(ap)
+    harness.add_timing_args(ap)
     args = ap.parse_args(argv)
     try:
         args.parsed = [parse_variant(v) for v in args.variants]
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
     ceilings = harness.ceilings_tflops(sorted({v.partition("/")[0] for v in args.variants}))
     provs = [pr for pr in bench_lce.providers() if pr.name in PROVIDERS]
     start = time.perf_counter()
-    rows, fns, rotations, flops = [], {}, 1, 0
+    rows, to_time, rotations, flops = [], {}, 1, 0
     for text, (dtype, bits) in zip(args.variants, args.parsed):
         p = bench_lce.make_problem(args.B, args.ratio, dtype)
         inp = variant_inputs(p, bits, torch.Generator(device=bench_lce.DEVICE).manual_seed(args.seed))
@@ -112,29 +115,29 @@ def main(argv=None) -> int:
             rows.append(row)
             if row["provider"] in timed:
                 fn = timed[row["provider"]][1]
-                fns[(text, row["provider"])] = lambda i, fn=fn, sets=sets: fn(sets[i % len(sets)])
+                to_time[(text, row["provider"])] = (row, lambda i, fn=fn, sets=sets: fn(sets[i % len(sets)]))
     # Every function takes the round's index and picks its own variant's input copy with it.
-    times = harness.bench_interleaved(fns, warmup=args.warmup, rep=args.rep, rotate=list(range(rotations)))
+    harness.time_checked(to_time, rows, rotate=list(range(rotations)), device=bench_lce.DEVICE,
+                         **harness.timing_options(args))
     by = {(r["variant"], r["provider"]): r for r in rows}
-    for key, ms in times.items():
-        if isinstance(ms, BaseException):
-            harness.record_failure(by[key], ms, rows, bench_lce.DEVICE)
-        else:
-            by[key].update(ms=ms, tflops=harness.tflops(flops, ms))
     first = args.variants[0]
-    for (text, name), row in by.items():
-        if row.get("ms") is None:
-            continue
-        for peer, col in bench_lce.SPEEDUP_COLUMNS.items():  # the peers this script runs
-            if by.get((text, peer), {}).get("ms"):
-                row[col] = by[(text, peer)]["ms"] / row["ms"]
-        if by.get((first, name), {}).get("ms"):
-            row["vs_first"] = row["ms"] / by[(first, name)]["ms"]
+    for suffix in harness.mode_suffixes(args.timing):
+        ms = "ms" + suffix
+        for (text, name), row in by.items():
+            if row.get(ms) is None:
+                continue
+            row["tflops" + suffix] = harness.tflops(flops, row[ms])
+            for peer, col in bench_lce.SPEEDUP_COLUMNS.items():  # the peers this script runs
+                if by.get((text, peer), {}).get(ms):
+                    row[col + suffix] = by[(text, peer)][ms] / row[ms]
+            if by.get((first, name), {}).get(ms):
+                row["vs_first" + suffix] = row[ms] / by[(first, name)][ms]
     harness.print_rows(f"{NAME}: B={args.B} ratio={args.ratio}, operands by variant "
-                       f"(x_* against the same variant's torch providers)", rows, COLUMNS)
+                       f"(x_* against the same variant's torch providers)", rows, COLUMNS, TIMED_COLUMNS,
+                       args.timing)
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv), "environment": env,
                "ceiling_tflops": ceilings, "variants": args.variants,
-               "settings": {"warmup": args.warmup, "rep": args.rep, "tol": args.tol},
+               "settings": {**harness.timing_settings(args), "tol": args.tol},
                "seconds": time.perf_counter() - start, "rows": rows}
     print(f"results: {harness.write_results(NAME, payload, args.out_dir)}", flush=True)
     return 0

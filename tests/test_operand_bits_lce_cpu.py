@@ -79,3 +79,19 @@ def test_main_dry_run(monkeypatch, tmp_path, capsys, cpu_timing, lce_benchmark_o
     assert all(r["vs_first"] == 1.0 for r in rows if r["variant"] == "fp16")
     assert data["ceiling_tflops"] == {"bf16": 700.0, "fp16": 700.0}
     assert "operand_bits_lce: B=20 ratio=3" in capsys.readouterr().out
+
+
+def test_main_sustained_beside_interleaved(monkeypatch, tmp_path, cpu_timing, lce_benchmark_on_cpu):
+    monkeypatch.setattr(harness, "l2_bytes", lambda: 2**20)
+    monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
+    argv = ["--B", "12", "--ratio", "4", "--variants", "fp16", "bf16", "--warmup", "1", "--rep", "2",
+            "--timing", "both", "--sustained-warmup-s", "0.01", "--sustained-s", "0.02", "--out-dir", str(tmp_path)]
+    assert ob.main(argv) == 0
+    data = json.loads((tmp_path / "operand_bits_lce-latest.json").read_text())
+    assert data["settings"]["timing"] == "both"
+    by = {(r["variant"], r["provider"]): r for r in data["rows"]}
+    for (variant, provider), r in by.items():
+        assert r["status"] == "ok" and r["ms"] > 0 and r["ms_sustained"] > 0, r
+        assert r["x_decomp_sustained"] == pytest.approx(by[(variant, "torch decomposition")]["ms_sustained"]
+                                                        / r["ms_sustained"])
+        assert r["vs_first_sustained"] == pytest.approx(r["ms_sustained"] / by[("fp16", provider)]["ms_sustained"])
