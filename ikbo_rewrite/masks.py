@@ -173,7 +173,7 @@ def prefix_lengths(ctx: Context, mask: Node, key_len) -> tuple[Optional[Lengths]
     v = tensor_val(lengths)
     if v is None or v.dim() != 1 or v.dtype not in (torch.int32, torch.int64):
         return None, "the mask's lengths are not a 1-D int32/int64 tensor"
-    if not _mask_dims_ok(mask):
+    if not _mask_dims_ok(ctx, mask):
         return None, "the mask varies along heads or queries"
     return Lengths(lengths, w.bc, w.gathers), ""
 
@@ -189,10 +189,19 @@ def _right_pad(n) -> bool:
     return False
 
 
-def _mask_dims_ok(mask: Node) -> bool:
-    """The mask's own rank-4 shape (before SDPA expands it) is 1 along heads and queries."""
+def _mask_dims_ok(ctx: Context, mask: Node) -> bool:
+    """The mask's own rank-4 shape (before SDPA expands it) is 1 along heads and queries. A
+    gather along dim 0 is crossed: the expand may have been hoisted before it."""
     n = mask
-    while is_op(n, aten.expand, *_SAME) or (is_op(n, aten.slice) and _right_pad(n.args[0])):
-        n = n.args[0] if not is_op(n, aten.slice) else n.args[0].args[0]
+    while True:
+        bc = ctx.broadcast(n)
+        if bc is not None:
+            n = bc.source
+        elif is_op(n, aten.expand, *_SAME):
+            n = n.args[0]
+        elif is_op(n, aten.slice) and _right_pad(n.args[0]):
+            n = n.args[0].args[0]
+        else:
+            break
     s = (1,) * (4 - ndim(n)) + shape(n)
     return is_one(s[1]) and is_one(s[2])

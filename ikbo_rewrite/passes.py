@@ -1,10 +1,11 @@
 """The pass: find the broadcasts, hoist row-wise work before them, rewrite what the IKBO ops
-compute, undo hoists that do not pay, and report what is left."""
+compute, undo hoists that do not pay, collapse the view chains after the new ops, and report
+what is left."""
 from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from . import attention, hoist, lce, linear
+from . import attention, hoist, lce, linear, views
 from .context import Context
 from .fx_utils import aten, is_op, shape
 from .report import Left, Report
@@ -59,6 +60,7 @@ def run(gm: GraphModule, *, is_inference: bool = True) -> Report:
     linear.rewrite_linear(ctx)
     attention.rewrite_attention(ctx)
     hoist.undo_unpaid(ctx)
+    views.collapse_view_chains(ctx)
     _dead_code(ctx, used_constants)
     _report_left(ctx)
     ctx.graph.lint()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch.fx import Graph, GraphModule, Node
 
 import ikbo_rewrite
 
@@ -47,3 +48,37 @@ def has(module, name: str) -> bool:
 
 def bf16(*tensors):
     return [t.bfloat16() if t.is_floating_point() else t for t in tensors]
+
+
+class FakeCudaGraph:
+    """An ATen graph of CUDA tensors built node by node on a machine without a GPU (fake
+    tensors), to give the pass the graphs Inductor makes on the GPU. ``op`` computes a node's
+    value under the fake mode, or takes ``val`` where an op's fake kernel needs a real device."""
+
+    def __init__(self):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.mode = FakeTensorMode()
+        self.graph = Graph()
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        with self.mode:
+            return torch.empty(shape, dtype=dtype, device="cuda")
+
+    def input(self, name: str, shape, dtype) -> Node:
+        n = self.graph.placeholder(name)
+        n.meta["val"] = self.empty(shape, dtype)
+        return n
+
+    def op(self, target, *args, val=None) -> Node:
+        n = self.graph.call_function(target, args)
+        if val is None:
+            fake = torch.fx.node.map_aggregate(args, lambda a: a.meta["val"] if isinstance(a, Node) else a)
+            with self.mode:
+                val = target(*fake)
+        n.meta["val"] = val
+        return n
+
+    def module(self, out: Node) -> GraphModule:
+        self.graph.output(out)
+        return GraphModule(torch.nn.Module(), self.graph)

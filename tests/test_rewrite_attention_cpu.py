@@ -3,6 +3,7 @@ key-padding prefix mask becomes ``kv_lengths``; what the op would compute otherw
 from __future__ import annotations
 
 import math
+import operator
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ikbo_rewrite
-from rewrite_helpers import check_close, exported, has
+from rewrite_helpers import FakeCudaGraph, check_close, exported, has
 
 H, L, S_Q = 2, 7, 3
 
@@ -151,3 +152,56 @@ def test_hand_written_attention_through_compile():
         out = compiled(*args)
     assert "attention" in compiled.report.kinds(), str(compiled.report)
     check_close(out, model, args)
+
+
+def _cuda_target_attention(kernel: str, fill: float, L: int = 13, B: int = 8, U: int = 3, H: int = 2, D: int = 64):
+    """The post-grad graph Inductor makes on the GPU for DIN's attention (one query per candidate,
+    K/V and a key-padding mask gathered from the users): SDPA's cuDNN kernel takes the bool mask
+    as a bias of ``fill``, its efficient kernel that bias expanded over heads, padded to a multiple
+    of 16 keys and sliced back."""
+    aten, bf = torch.ops.aten, torch.bfloat16
+    f = FakeCudaGraph()
+    q0, ku, vu = f.input("q", (B, 1, H * D), bf), f.input("k_user", (U, L, H * D), bf), f.input("v_user", (U, L, H * D), bf)
+    lengths, idx = f.input("lengths", (U,), torch.int64), f.input("idx", (B,), torch.int64)
+
+    def heads(x, rows, seq):
+        return f.op(aten.permute.default, f.op(aten.reshape.default, x, [rows, seq, H, D]), [0, 2, 1, 3])
+
+    q = heads(q0, B, 1)
+    k, v = heads(f.op(aten.index.Tensor, ku, [idx]), B, L), heads(f.op(aten.index.Tensor, vu, [idx]), B, L)
+    j = f.op(aten.unsqueeze.default, f.op(torch.ops.prims.iota.default, L, val=f.empty((L,), torch.int64)), 0)
+    keep = f.op(aten.lt.Tensor, j, f.op(aten.unsqueeze.default, lengths, 1))  # [U, L]
+    keep = f.op(aten.unsqueeze.default, f.op(aten.unsqueeze.default, f.op(aten.index.Tensor, keep, [idx]), 1), 2)
+    zero = f.op(aten.full.default, [], 0.0, val=f.empty((), bf))
+    drop = f.op(aten.full.default, [], fill, val=f.empty((), bf))
+    bias = f.op(aten.where.self, keep, zero, drop, val=f.empty((B, 1, 1, L), bf))
+    if kernel == "cudnn":
+        att = f.op(aten._scaled_dot_product_cudnn_attention.default, q, k, v, bias, False)
+    else:
+        bias = f.op(aten.expand.default, bias, [B, H, 1, L])
+        padded = f.op(aten.constant_pad_nd.default, bias, [0, 16 - L % 16])
+        bias = f.op(aten.slice.Tensor, padded, -1, 0, L)
+        att = f.op(aten._scaled_dot_product_efficient_attention.default, q, k, v, bias, False)
+    o = f.op(aten.permute.default, f.op(operator.getitem, att, 0), [0, 2, 1, 3])
+    return f.module(f.op(aten.reshape.default, o, [B, H * D]))
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "efficient"])
+@pytest.mark.parametrize("fill", [-65536.0, float("-inf")])  # bf16's -65504, and -inf
+def test_cuda_sdpa_kernels_with_a_mask_bias_become_ikbo_attention(kernel, fill):
+    gm = _cuda_target_attention(kernel, fill)
+    report = ikbo_rewrite.rewrite(gm)
+    assert report.kinds().count("attention") == 1 and report.left == [], str(report)
+    assert "kv_lengths from the key-padding mask" in str(report)
+    assert not has(gm, "scaled_dot_product")
+    (att,) = [n for n in gm.graph.nodes if "ikbo_fa.attention" in str(n.target)]
+    kv_lengths = att.args[4]
+    assert kv_lengths.op == "placeholder" and kv_lengths.target == "lengths", kv_lengths  # per user, no gather
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "efficient"])
+def test_cuda_sdpa_kernels_with_a_soft_bias_stay(kernel):
+    gm = _cuda_target_attention(kernel, -1000.0)
+    report = ikbo_rewrite.rewrite(gm)
+    assert "attention" not in report.kinds() and has(gm, "scaled_dot_product")
+    assert any("not provably a key-padding prefix mask" in r for left in report.left for r in left.reasons), str(report)
