@@ -1,5 +1,5 @@
-"""The contract both ops share (README, "Common to both ops"), written once and run on each op
-without a GPU.
+"""The contract the ops share (docs/ops.md, "Common to every op"), written once and run on
+each op without a GPU.
 
 Paths: "cpu" is the op on CPU tensors (it runs the reference), "kernel" the op's GPU path with
 its kernels emulated on CPU tensors (tests/lce_emulation.py, tests/attention_emulation.py: the
