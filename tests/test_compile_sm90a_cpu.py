@@ -1,4 +1,4 @@
-"""Every shipped kernel configuration of both ops compiles for sm_90a without a GPU, once each:
+"""Every shipped kernel configuration of the ops compiles for sm_90a without a GPU, once each:
 its PTX holds the instructions the kernels are built on, ptxas spills nothing, and ptxas neither
 serializes a wgmma nor inserts fences or waits the code lacks (a silent slowdown otherwise)."""
 import pytest
@@ -15,7 +15,8 @@ PTX_INSTRUCTIONS = ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier", "setm
 # An attention configuration the op compiles at run time for an S_q of no power of two (not shipped).
 ODD_ATTENTION = AttentionConfig(torch.float16, 64, 100, "q", True, True)
 
-CONFIGS = ([("lce", ikbo_gemm.compile_config, cfg) for cfg in ikbo_gemm.SHIPPED_CONFIGS]
+CONFIGS = ([("linear" if isinstance(cfg, ikbo_gemm.LinearConfig) else "lce", ikbo_gemm.compile_config, cfg)
+            for cfg in ikbo_gemm.SHIPPED_CONFIGS]
            + [("attention", ikbo_fa.compile_config, cfg) for cfg in ikbo_fa.SHIPPED_CONFIGS + (ODD_ATTENTION,)])
 
 
@@ -32,5 +33,7 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
     assert ".target sm_90a" in kernel.ptx, f"{op} {cfg}: not compiled for sm_90a"
     for instruction in PTX_INSTRUCTIONS:
         assert instruction in kernel.ptx, f"{op} {cfg}: no {instruction} in the PTX"
+    if op == "linear" and cfg.phase == "cand":
+        assert "cp.async.bulk.tensor.2d.global.shared" in kernel.ptx, f"{op} {cfg}: no TMA store of the output"
     assert kernel.spill_bytes == 0, kernel.ptxas_log
     assert kernel.wgmma_notes == [], kernel.ptxas_log
