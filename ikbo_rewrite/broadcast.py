@@ -24,11 +24,10 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from .fx_utils import Builder, aten, is_constant, is_one, is_op, ndim, norm_dim, same, shape, tensor_val
+from .fx_utils import Builder, RESHAPES, aten, is_constant, is_one, is_op, ndim, norm_dim, same, shape, tensor_val
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 _PASS_THROUGH = (aten.clone, aten.alias, aten.contiguous)
-_RESHAPES = (aten.view, aten.reshape, aten._unsafe_view)
 
 
 @dataclasses.dataclass
@@ -62,7 +61,7 @@ def _strip(n: Node, targets) -> Node:
 def _gather_index(index: Node, out_shape) -> Optional[Node]:
     """The 1-D index behind ``gather``'s index when it only varies along dim 0."""
     n = _strip(index, (aten.expand, *_PASS_THROUGH))
-    while is_op(n, aten.unsqueeze, *_RESHAPES) and ndim(n.args[0]) is not None:
+    while is_op(n, aten.unsqueeze, *RESHAPES) and ndim(n.args[0]) is not None:
         inner = n.args[0]
         if is_op(n, aten.unsqueeze) and norm_dim(n.args[1], ndim(n)) == 0:
             return None
@@ -77,7 +76,7 @@ def _gather_index(index: Node, out_shape) -> Optional[Node]:
 def _expand_groups(n: Node) -> Optional[tuple]:
     """(source, ("interleave" | "tile", r, U)) for reshape(expand(unsqueeze(src))) merging
     the expanded dim into dim 0."""
-    if not is_op(n, *_RESHAPES):
+    if not is_op(n, *RESHAPES):
         return None
     e = _strip(n.args[0], _PASS_THROUGH)
     if not is_op(e, aten.expand):

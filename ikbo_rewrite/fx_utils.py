@@ -13,6 +13,11 @@ from torch.fx import Graph, GraphModule, Node
 aten = torch.ops.aten
 
 
+# Ops that give their input's values in another shape, and ops that give them as they are.
+RESHAPES = (aten.view, aten.reshape, aten._unsafe_view)
+SAME = (aten.clone, aten.alias, aten.contiguous, aten.detach)
+
+
 def val(n) -> Any:
     """The fake value of a node (a tensor, a SymInt, a tuple ...); a non-node is its own value."""
     return n.meta.get("val") if isinstance(n, Node) else n

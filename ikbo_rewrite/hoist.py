@@ -20,10 +20,9 @@ from torch.fx import Node
 
 from .broadcast import Broadcast, index_node
 from .context import Context, HoistStep
-from .fx_utils import Builder, aten, is_one, is_op, ndim, norm_dim, replace, same, shape, tensor_val
+from .fx_utils import Builder, RESHAPES, aten, is_one, is_op, ndim, norm_dim, replace, same, shape, tensor_val
 
 _VIEWS_KEEPING_ROWS = (aten.clone, aten.alias, aten.contiguous, aten.detach)
-_RESHAPES = (aten.view, aten.reshape, aten._unsafe_view)
 _REDUCTIONS = (aten.sum, aten.mean, aten.amax, aten.amin)
 _SOFTMAX = (aten._softmax, aten._log_softmax, aten.softmax, aten.log_softmax)
 _CONVERSIONS = (torch.ops.prims.convert_element_type, aten._to_copy)
@@ -97,7 +96,7 @@ def _plan(ctx: Context, n: Node, bc: Broadcast) -> Optional[_Plan]:
         return _Plan("view", *_sub(args, kwargs, swaps))
     if is_op(n, aten.flatten) and norm_dim(args[1] if len(args) > 1 else 0, rank) >= 1:
         return _Plan("view", *_sub(args, kwargs, swaps))
-    if is_op(n, *_RESHAPES, aten.expand) and out is not None and same(out.shape[0], shape(g)[0]):
+    if is_op(n, *RESHAPES, aten.expand) and out is not None and same(out.shape[0], shape(g)[0]):
         sizes = list(args[1])
         if is_op(n, aten.expand):
             if out.dim() != rank:  # new leading dims: the batch is no longer dim 0
@@ -191,7 +190,7 @@ def _record(ctx: Context, step: HoistStep) -> None:
 def _merged_rows(view: Node, bc: Broadcast) -> Optional[int]:
     """j when ``view`` reshapes the broadcast's dims 0..j (j >= 1) into its dim 0 and keeps the rest."""
     s_in, s_out = shape(bc.node), shape(view)
-    if not is_op(view, *_RESHAPES) or s_out is None or len(s_out) < 1:
+    if not is_op(view, *RESHAPES) or s_out is None or len(s_out) < 1:
         return None
     for j in range(1, len(s_in)):
         rest_in, rest_out = s_in[j + 1:], s_out[1:]
@@ -210,7 +209,7 @@ def _row_chain(start: Node, view: Node, bc: Broadcast, j: int) -> Optional[list]
     s_in = shape(bc.node)
     while True:
         prev = chain[-1] if chain else view
-        if is_op(n, *_RESHAPES) and chain and ndim(n) >= j + 1:
+        if is_op(n, *RESHAPES) and chain and ndim(n) >= j + 1:
             if all(same(a, c) for a, c in zip(shape(n)[: j + 1], s_in[: j + 1])):
                 return chain + [n]
         ok = (is_op(n, aten.mm) and n.args[0] is prev) or (

@@ -7,12 +7,10 @@ from typing import Optional
 
 from torch.fx import Node
 
-from .fx_utils import aten, is_one, is_op, norm_dim, same, shape
+from .fx_utils import RESHAPES, SAME, aten, is_one, is_op, norm_dim, same, shape
 
 Axes = list  # [tuple of labels] per dimension; () is a dimension of size 1
 
-_SAME = (aten.clone, aten.alias, aten.contiguous, aten.detach)
-_RESHAPES = (aten.view, aten.reshape, aten._unsafe_view)
 
 
 def regroup(axes: Axes, sizes: dict, out_shape) -> Optional[Axes]:
@@ -37,7 +35,7 @@ def regroup(axes: Axes, sizes: dict, out_shape) -> Optional[Axes]:
 def step(n: Node, axes: Axes, sizes: dict) -> Optional[Axes]:
     """The axes of view ``n`` of a tensor with ``axes`` (its first argument), or None."""
     rank = len(axes)
-    if is_op(n, *_SAME):
+    if is_op(n, *SAME):
         return list(axes)
     if is_op(n, aten.permute):
         return [axes[norm_dim(d, rank)] for d in n.args[1]]
@@ -52,7 +50,7 @@ def step(n: Node, axes: Axes, sizes: dict) -> Optional[Axes]:
         out = list(axes)
         out.insert(norm_dim(n.args[1], rank + 1), ())
         return out
-    if is_op(n, *_RESHAPES, aten.flatten, aten.squeeze):
+    if is_op(n, *RESHAPES, aten.flatten, aten.squeeze):
         return regroup(axes, sizes, shape(n))
     return None
 

@@ -1,7 +1,8 @@
 """Key-padding masks that are prefix masks: ``keep[r, j] = j < lengths[r]``, however the
 model and SDPA's own decomposition spell it (a bool mask; ``where(keep, 0, -inf)``;
-``masked_fill(0, ~keep, -inf)``; -65504 for -inf, as CUDA SDPA's cuDNN kernel takes it; ``~(j >= lengths)``; unsqueezed, expanded, padded to an
-aligned width and sliced back; gathered to the candidates before or after the comparison).
+``masked_fill(0, ~keep, -inf)``; -65504 for -inf, as CUDA SDPA's cuDNN kernel takes it;
+``~(j >= lengths)``; unsqueezed, expanded, padded to an aligned width and sliced back; gathered
+to the candidates before or after the comparison).
 Anything else is not proven a prefix mask and the attention is left as it is."""
 from __future__ import annotations
 
@@ -12,10 +13,8 @@ import torch
 from torch.fx import Node
 
 from .context import Context
-from .fx_utils import aten, get_attr_value, is_one, is_op, ndim, norm_dim, same, shape, tensor_val, val
+from .fx_utils import RESHAPES, SAME, aten, get_attr_value, is_one, is_op, ndim, norm_dim, same, shape, tensor_val, val
 
-_SAME = (aten.clone, aten.alias, aten.contiguous, aten.detach)
-_RESHAPES = (aten.view, aten.reshape, aten._unsafe_view)
 _ARANGES = (aten.arange, torch.ops.prims.iota)
 
 
@@ -71,9 +70,9 @@ class _Walk:
             if before is not None and after is not None and before.is_floating_point() and after.is_floating_point():
                 return n.args[0]
             return None
-        if is_op(n, *_SAME, aten.expand, aten.unsqueeze, aten.squeeze, *_RESHAPES):
+        if is_op(n, *SAME, aten.expand, aten.unsqueeze, aten.squeeze, *RESHAPES):
             inner = n.args[0]
-            if is_op(n, *_RESHAPES) and [shape(n)[i] for i in _non_one(n)] != [shape(inner)[i] for i in _non_one(inner)]:
+            if is_op(n, *RESHAPES) and [shape(n)[i] for i in _non_one(n)] != [shape(inner)[i] for i in _non_one(inner)]:
                 return None
             return inner
         if is_op(n, aten.slice) and norm_dim(n.args[1], ndim(n)) == ndim(n) - 1:
@@ -197,7 +196,7 @@ def _mask_dims_ok(ctx: Context, mask: Node) -> bool:
         bc = ctx.broadcast(n)
         if bc is not None:
             n = bc.source
-        elif is_op(n, aten.expand, *_SAME):
+        elif is_op(n, aten.expand, *SAME):
             n = n.args[0]
         elif is_op(n, aten.slice) and _right_pad(n.args[0]):
             n = n.args[0].args[0]

@@ -20,17 +20,16 @@ import torch
 from torch.fx import Node
 
 from .context import Context
-from .fx_utils import Builder, aten, is_op, norm_dim, same, shape
+from .fx_utils import Builder, RESHAPES, SAME, aten, is_op, norm_dim, same, shape
 
-_RESHAPES = (aten.view, aten.reshape, aten._unsafe_view)
-_COPIES = (aten.clone, aten.alias, aten.contiguous)
-_IKBO_OPS = ("ikbo_gemm.lce", "ikbo_gemm.linear", "ikbo_fa.attention")
+# The ops the rewrites insert (registered when ikbo_gemm and ikbo_fa are imported).
+_IKBO_OPS = (torch.ops.ikbo_gemm.lce, torch.ops.ikbo_gemm.linear, torch.ops.ikbo_fa.attention)
 
 
 def _step(n: Node) -> Optional[tuple]:
-    """The chain step ``n`` is: ("reshape", shape), ("permute", dims), ("copy",) or None."""
-    if is_op(n, *_RESHAPES, aten.flatten):
-        return ("reshape", shape(n))
+    """The chain step ``n`` is: ("reshape", None), ("permute", dims), ("copy", None) or None."""
+    if is_op(n, *RESHAPES, aten.flatten):
+        return ("reshape", None)
     if is_op(n, aten.permute):
         return ("permute", tuple(norm_dim(d, len(shape(n))) for d in n.args[1]))
     if is_op(n, aten.transpose):
@@ -41,8 +40,8 @@ def _step(n: Node) -> Optional[tuple]:
         return ("permute", tuple(dims))
     if is_op(n, aten.t) and len(shape(n)) == 2:
         return ("permute", (1, 0))
-    if is_op(n, *_COPIES):
-        return ("copy",)
+    if is_op(n, *SAME):
+        return ("copy", None)
     return None
 
 
@@ -87,7 +86,7 @@ def _simplify(steps: list, start_shape) -> list:
 def _sizes_of(end: Node) -> Optional[list]:
     """A shape argument for a reshape to ``end``'s shape that does not read ``end``: its own
     where it is a reshape, else its sizes where they are ints."""
-    if is_op(end, *_RESHAPES):
+    if is_op(end, *RESHAPES):
         return list(end.args[1])
     s = shape(end)
     return list(s) if all(isinstance(x, int) for x in s) else None
@@ -97,7 +96,7 @@ def _roots(ctx: Context) -> list:
     """The tensors the IKBO ops return (attention's output through its getitem)."""
     roots = []
     for n in ctx.graph.nodes:
-        if n.op != "call_function" or not any(str(n.target).startswith(t) for t in _IKBO_OPS):
+        if not is_op(n, *_IKBO_OPS):
             continue
         if isinstance(n.meta.get("val"), torch.Tensor):
             roots.append(n)
@@ -115,11 +114,7 @@ def collapse_view_chains(ctx: Context) -> None:
         end = nodes[-1]
         if any(u.op == "output" for u in end.users):
             continue
-        steps = []
-        for n in nodes:
-            kind, *arg = _step(n)
-            steps.append((kind, arg[0] if kind == "permute" else None, shape(n)))
-        left = _simplify(steps, shape(root))
+        left = _simplify([(*_step(n), shape(n)) for n in nodes], shape(root))
         if len(left) >= len(nodes) or any(k != "reshape" for k, _, _ in left):
             continue
         if not left:

@@ -11,18 +11,20 @@ Versions of each model (bf16, inference, candidates sorted by user):
   hand       torch.compile of the model written by hand with the IKBO ops (same weights)
 
 Measured per version: the output's relative error against eager, then latency per request.
-``--timing interleaved`` (the default) times each version in turns (one call of each per
+``--timing interleaved`` (the default) times the versions in turns (one call of each per
 round) in two ways: "ms", plain calls (host overhead included), and "graph_ms", replays of a
-CUDA graph captured by hand around one call (torch.cuda.graph; the compiled versions use the default mode, not "reduce-overhead", so
-that one capture method serves all four; a version that cannot be captured shows "-"); peak
-``--timing sustained`` runs each version's plain calls alone, back to back at the power limit
-("ms_sustained", with the power and SM clock seen); ``both`` does the two. Then peak
-memory ("peak_mib": torch.cuda.max_memory_allocated during one call, minus what was allocated
-before it, so inputs and weights are not counted); first-call time ("first_s": the first
-synchronized call, compile included, with Inductor's FX graph cache and the kernels' disk
-cache off). Per model and shape: the rewrite's latency against the hand-written version's
-and against torch.compile's (from graph_ms where captured; ``_sustained`` from ms_sustained), and every broadcast the rewrite left that the hand-written
-version removes (the hand-written versions remove them all), with the pass's reason.
+CUDA graph captured by hand around one call (torch.cuda.graph; the compiled versions use the
+default mode, not "reduce-overhead", so that one capture method serves all four; a version
+that cannot be captured shows "-"). ``--timing sustained`` runs each version's plain calls
+alone, back to back at the power limit ("ms_sustained", with the power and SM clock seen);
+``both`` does the two. Then peak memory ("peak_mib": torch.cuda.max_memory_allocated during
+one call, minus what was allocated before it, so inputs and weights are not counted) and
+first-call time ("first_s": the first synchronized call, compile included, with Inductor's FX
+graph cache and the kernels' disk cache off). Per model and shape: the rewrite's latency
+against the hand-written version's and against torch.compile's (from graph_ms where captured;
+the ``_sustained`` ratios from ms_sustained), and every broadcast the rewrite left that the
+hand-written version removes (the hand-written versions remove them all), with the pass's
+reason.
 
 Results: a table per shape, JSON under perf/results/ (``bench_models-<stamp>.json`` and
 ``-latest``), and a PNG of graph_ms per version where matplotlib is installed.
@@ -283,7 +285,8 @@ def main(argv=None) -> int:
         harness.note_lost_context(NAME, payload, e)
     payload["seconds"] = time.perf_counter() - start
     if payload["summaries"]:
-        print("\nsummary (interleaved latency = CUDA graph replay where captured; _sustained = plain calls back to back)")
+        print("\nsummary (interleaved latency = CUDA graph replay where captured; "
+              "_sustained = plain calls back to back)")
         harness.print_table(payload["summaries"], ["model", "B", "ratio", "U"] + [
             k for k in SUMMARY_FIELDS if any(k in s for s in payload["summaries"])])
     path = harness.write_results(NAME, payload, args.out_dir, stamp)

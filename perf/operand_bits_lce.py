@@ -13,8 +13,9 @@ takes a different time on other data. Each variant draws the inputs as perf/benc
 Every provider of every variant is checked against its own fp32 reference, then timed
 (--timing): interleaved (default), all of them in turns in one loop (one call of each per
 round), so that they share the GPU's clock and temperature; sustained, each alone back to back
-at the power limit (fields *_sustained, with W and MHz); or both. Columns: ms, TFLOP/s, speedup over the same variant's torch providers
-(x_*), and ms over the same provider's ms on the first variant (vs_first).
+at the power limit (fields *_sustained, with W and MHz); or both. Columns: ms, TFLOP/s, speedup
+over the same variant's torch providers (x_*), and ms over the same provider's ms on the first
+variant (vs_first), each per timing mode.
 """
 from __future__ import annotations
 

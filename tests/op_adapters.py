@@ -47,7 +47,36 @@ def has_odd_size1_stride(t: torch.Tensor) -> bool:
     return False
 
 
-class LceAdapter:
+def poisoned(case: Case) -> torch.Tensor:
+    """An output buffer of the case's result, all NaN."""
+    return torch.full(case.out_shape, float("nan"), dtype=case.dtype, device=case.device)
+
+
+def with_odd_size1_strides(op, case: Case) -> tuple[Case, torch.Tensor]:
+    """The case with every floating input, and a poisoned out, given unit strides on their
+    size-1 dims: still contiguous to torch, but not the dense strides."""
+    odd = case
+    for name, t in case.inputs.items():
+        if t.dtype.is_floating_point:
+            odd = op.with_input(odd, name, size1_unit_strides(t))
+    assert all(t.is_contiguous() for t in odd.inputs.values())
+    assert any(has_odd_size1_stride(t) for t in odd.inputs.values())
+    out = size1_unit_strides(poisoned(case))
+    assert out.is_contiguous() and has_odd_size1_stride(out)
+    return odd, out
+
+
+class _Adapter:
+    """What both adapters do alike; ``op`` and ``reference`` are the subclass's."""
+
+    def call(self, case: Case, **kw):
+        return self.op(**case.args, **kw)
+
+    def expected(self, case: Case, **kw):
+        return self.reference(**case.args, **kw)
+
+
+class LceAdapter(_Adapter):
     name = "lce"
     module = importlib.import_module("ikbo_gemm.lce")
     package = "ikbo_gemm"
@@ -88,12 +117,6 @@ class LceAdapter:
         """The batch that idx looks up made empty."""
         return self.with_input(case, "e_user", case.args["e_user"][:0])
 
-    def call(self, case: Case, **kw):
-        return self.op(**case.args, **kw)
-
-    def expected(self, case: Case, **kw):
-        return self.reference(**case.args, **kw)
-
     @staticmethod
     def output(result):
         return result
@@ -126,7 +149,7 @@ class LceAdapter:
         assert_matches_reference(out, case.args)
 
 
-class AttentionAdapter:
+class AttentionAdapter(_Adapter):
     name = "attention"
     module = importlib.import_module("ikbo_fa.attention")
     package = "ikbo_fa"
@@ -180,12 +203,6 @@ class AttentionAdapter:
         if args.get("kv_lengths") is not None:
             args["kv_lengths"] = args["kv_lengths"][:0]
         return self._case(args)
-
-    def call(self, case: Case, **kw):
-        return self.op(**case.args, **kw)
-
-    def expected(self, case: Case, **kw):
-        return self.reference(**case.args, **kw)
 
     @staticmethod
     def output(result):

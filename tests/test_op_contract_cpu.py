@@ -13,7 +13,7 @@ import torch
 
 from cute_kernels.compile import KernelCache
 from cute_kernels.plans import PlanCache
-from op_adapters import OP_OPTIONS, OPS, has_odd_size1_stride, options_id, size1_unit_strides
+from op_adapters import OP_OPTIONS, OPS, options_id, poisoned, with_odd_size1_strides
 from tiny_kernel import compile_tiny
 
 OP_NAMES = list(OPS)
@@ -33,10 +33,6 @@ def _call(op, path, case, **kw):
     return op.expected(case, **kw) if path == "reference" else op.call(case, **kw)
 
 
-def _poisoned(case):
-    return torch.full(case.out_shape, float("nan"), dtype=case.dtype, device=case.device)
-
-
 def _assert_close(op, got, expected):
     torch.testing.assert_close(got, expected, equal_nan=True, **op.tolerance)
 
@@ -50,14 +46,7 @@ def test_size1_dims_with_any_stride(op, monkeypatch):
     emulation checks them), and stores into out itself."""
     emulation = op.emulate(monkeypatch)
     plain = op.size1_case(1)
-    odd = plain
-    for name, t in plain.inputs.items():
-        if t.dtype.is_floating_point:
-            odd = op.with_input(odd, name, size1_unit_strides(t))
-    assert all(t.is_contiguous() for t in odd.inputs.values())
-    assert any(has_odd_size1_stride(t) for t in odd.inputs.values())
-    out = size1_unit_strides(_poisoned(plain))
-    assert out.is_contiguous() and has_odd_size1_stride(out)
+    odd, out = with_odd_size1_strides(op, plain)
     assert op.output(op.call(odd, out=out)) is out
     assert op.stored_to(emulation) == out.data_ptr()  # a view of out, no copy
     _assert_close(op, out, op.expected(plain))
@@ -306,7 +295,7 @@ def test_out_of_range_index_gives_nan_without_validation(op, path, idx_dtype, mo
     idx = case.args["idx"].clone()
     for b, v in bad.items():
         idx[b] = v
-    out = _poisoned(case)
+    out = poisoned(case)
     assert op.output(_call(op, path, op.with_input(case, "idx", idx), out=out, validate=False)) is out
     good = [b for b in range(case.out_shape[0]) if b not in bad]
     assert torch.isnan(out[list(bad)]).all()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cute_kernels.compile import kernel_cache
-from op_adapters import OP_OPTIONS, OPS, has_odd_size1_stride, options_id, size1_unit_strides
+from op_adapters import OP_OPTIONS, OPS, options_id, poisoned, with_odd_size1_strides
 
 pytestmark = pytest.mark.gpu
 
@@ -20,10 +20,6 @@ OPTION_IDS = [f"{o}-{options_id(p)}" for o, p in OP_OPTIONS]
 @pytest.fixture(params=OP_NAMES)
 def op(request):
     return OPS[request.param]
-
-
-def _poisoned(case):
-    return torch.full(case.out_shape, float("nan"), dtype=case.dtype, device=DEVICE)
 
 
 def test_out_at_any_alignment(op):
@@ -42,14 +38,7 @@ def test_size1_dims_with_any_stride(op):
     strides they take, and the result is that of the dense layout."""
     plain = op.size1_case(12, device=DEVICE)
     expected = op.output(op.call(plain))
-    odd = plain
-    for name, t in plain.inputs.items():
-        if t.dtype.is_floating_point:
-            odd = op.with_input(odd, name, size1_unit_strides(t))
-    assert all(t.is_contiguous() for t in odd.inputs.values())
-    assert any(has_odd_size1_stride(t) for t in odd.inputs.values())
-    out = size1_unit_strides(_poisoned(plain))
-    assert out.is_contiguous() and has_odd_size1_stride(out)
+    odd, out = with_odd_size1_strides(op, plain)
     assert op.output(op.call(odd, out=out)) is out
     op.check_gpu_result(out, plain)
     assert torch.equal(out, expected)
@@ -73,7 +62,7 @@ def test_inputs_that_require_grad(op):
     gradient."""
     case = op.case(9, device=DEVICE)
     x = case.inputs[op.grad_input].requires_grad_(True)
-    out = _poisoned(case)
+    out = poisoned(case)
     got = op.output(op.call(case, out=out))
     assert got is out and got.requires_grad
     with pytest.raises(RuntimeError, match=f"{op.op_name} has no backward.*{op.reference_name}"):
@@ -89,7 +78,7 @@ def test_cuda_graph_capture(op_name, options):
     gives the new inputs' result (for lce, the ready flags are reset inside the graph)."""
     op = OPS[op_name]
     static = op.case(0, device=DEVICE)
-    out = _poisoned(static)
+    out = poisoned(static)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -116,7 +105,7 @@ def test_validation_inside_a_graph_capture(op, monkeypatch):
     validate=True raises a clear error, and eager calls stay validated."""
     monkeypatch.setenv("IKBO_VALIDATE", "1")
     case = op.case(4, device=DEVICE)
-    out = _poisoned(case)
+    out = poisoned(case)
     op.call(case, out=out)  # eager and validated; compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -143,7 +132,7 @@ def test_kernels_loaded_from_the_disk_cache(op, tmp_path, monkeypatch):
     for _ in range(2):  # compiled, then loaded as a fresh process would
         kernel_cache.clear()
         op.module._plans.clear()
-        out = _poisoned(case)
+        out = poisoned(case)
         op.call(case, out=out)
         torch.cuda.synchronize()
         runs.append((out, [kernel.loaded for kernel in kernel_cache.values()]))

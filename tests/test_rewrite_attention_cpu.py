@@ -161,7 +161,8 @@ def _cuda_target_attention(kernel: str, fill: float, L: int = 13, B: int = 8, U:
     of 16 keys and sliced back."""
     aten, bf = torch.ops.aten, torch.bfloat16
     f = FakeCudaGraph()
-    q0, ku, vu = f.input("q", (B, 1, H * D), bf), f.input("k_user", (U, L, H * D), bf), f.input("v_user", (U, L, H * D), bf)
+    q0 = f.input("q", (B, 1, H * D), bf)
+    ku, vu = f.input("k_user", (U, L, H * D), bf), f.input("v_user", (U, L, H * D), bf)
     lengths, idx = f.input("lengths", (U,), torch.int64), f.input("idx", (B,), torch.int64)
 
     def heads(x, rows, seq):
