@@ -17,6 +17,15 @@ broadcast, B for Q broadcast): only the first ``kv_lengths[r]`` keys of row r
 take part. A length of 0 gives output 0 and log-sum-exp -inf. With
 validation on, lengths outside [0, L] raise; with it off they are clamped.
 
+Jagged histories: with ``kv_offsets`` [R + 1] (int32 or int64; R the K/V
+batch), k and v are [total_L, H_kv, D] (or kv [total_L, 2, H_kv, D]) and row
+r's keys are rows kv_offsets[r] : kv_offsets[r + 1], as FA varlen's
+``cu_seqlens_k`` and FBGEMM's jagged tensors lay them out; nothing is padded.
+``max_kv_len`` (optional) bounds every row's length (keys past it are not
+read). With validation on, offsets that do not start at 0, decrease or end past
+total_L raise, naming the first bad position; with it off they are clamped
+into k and v (``attention_reference`` says how).
+
 ``scale`` defaults to 1/sqrt(D); any finite value is accepted whose product with
 log2(e) fits in float32 (ValueError past it, and for inf or NaN). The kernel needs scale > 0, so a
 scale <= 0 runs it on -q (or on zeros for 0) with |scale| (or 1): the same scores,
@@ -51,7 +60,7 @@ from cute_kernels.compile import kernel_cache
 from cute_kernels.interop import copy_back, forward_only, into_out, library_op, store_target, tma_ready
 from cute_kernels.plans import PlanCache, on_gpu, plan_key
 
-from .checks import F32_MIN_NORMAL, LOG2E, check_ranges, check_scale, kv_arg, kv_list, resolve_problem
+from .checks import F32_MIN_NORMAL, LOG2E, check_offsets, check_ranges, check_scale, kv_arg, kv_list, resolve_problem
 from .config import compile_config, kernel_config, row_packing
 from .reference import evaluate
 from .worklist import kv_worklist, max_tiles_per_head
@@ -74,6 +83,9 @@ class _Plan:
     copy_q: bool  # strides TMA cannot use (checked once; the base alignment is checked per call)
     copy_k: bool
     copy_v: bool
+    pair_dim: int  # the k / v dimension of packed kv
+    offsets_int32: bool  # kv_offsets is a contiguous int32 vector (the kernel clamps its values)
+    total_kv: int  # key rows of jagged k / v
     idx_contiguous: bool
     idx_int32: bool
     kvl_int32: bool  # kv_lengths is a contiguous int32 vector (usable as is once range-checked)
@@ -83,8 +95,7 @@ class _Plan:
     device: torch.device
     n_users: int  # U: the batch that idx indexes
     kv_len: int  # L
-    cands_per_tile: int
-    chunks: int
+    rows_per_cand: int  # KV: query rows of a candidate in its user's run (S_q)
     n_ctas: int
     default_scale: float
     # int32 work buffers, carved from one allocation: work list or idx copy, then the
@@ -105,6 +116,8 @@ def attention(
     *,
     scale: Optional[float] = None,
     kv_lengths: Optional[torch.Tensor] = None,
+    kv_offsets: Optional[torch.Tensor] = None,
+    max_kv_len: Optional[int] = None,
     broadcast: Optional[str] = None,
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
@@ -133,25 +146,29 @@ def attention(
     """
     if torch.compiler.is_compiling():
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
-        o, lse = torch.ops.ikbo_fa.attention(q, kv_list(kv), idx, scale, kv_lengths, broadcast, return_lse, validate)
+        o, lse = torch.ops.ikbo_fa.attention(q, kv_list(kv), idx, scale, kv_lengths, broadcast, return_lse, validate,
+                                             kv_offsets, max_kv_len)
         return into_out(out, (o, lse) if return_lse else o)
     if isinstance(out, torch.Tensor):
         k_v = kv_list(kv)
         names = ("q", "kv") if len(k_v) == 1 else ("q", "k", "v")
-        checks.check_out_target("out", out, (*names, "idx", "kv_lengths"), (q, *k_v, idx, kv_lengths))
-    if not on_gpu(q) or (isinstance(idx, torch.Tensor) and idx.shape[0] == 0):
-        # The reference, on what the kernel takes; on the GPU only for an empty batch (nothing to launch).
-        p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, broadcast=broadcast, out=out,
-                            validate=validate, op="attention")
+        checks.check_out_target("out", out, (*names, "idx", "kv_lengths", "kv_offsets"),
+                                (q, *k_v, idx, kv_lengths, kv_offsets))
+    if not on_gpu(q) or (isinstance(idx, torch.Tensor) and idx.shape[0] == 0) or _no_keys(kv, kv_offsets):
+        # The reference, on what the kernel takes; on the GPU only for an empty batch or jagged
+        # K/V without a key (nothing to launch, no TMA box to describe).
+        p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
+                            max_kv_len=max_kv_len, broadcast=broadcast, out=out, validate=validate, op="attention")
         require_sm90(p.q.device, "attention")
         return evaluate(p, return_lse, out)
     try:
-        key = plan_key(q, kv, idx, kv_lengths, out, broadcast, bool(return_lse), scale is None)
+        key = plan_key(q, kv, idx, kv_lengths, kv_offsets, max_kv_len, out, broadcast, bool(return_lse),
+                       scale is None)
         plan = _plans.get(key)
     except TypeError:
         key = plan = None  # unhashable options: the full checks raise
     if plan is None:
-        plan = _make_plan(q, kv, idx, scale, kv_lengths, broadcast, return_lse, out)
+        plan = _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out)
         if key is not None:
             _plans.keep(key, plan)
     scale = plan.default_scale if scale is None else check_scale(scale)
@@ -169,21 +186,35 @@ def attention(
     if validated:
         side = "the batch of k and v" if plan.direction == "kv" else "the batch of q"
         check_ranges(idx, kv_lengths, plan.n_users, side, plan.kv_len)
+        if kv_offsets is not None:
+            check_offsets(kv_offsets, plan.total_kv, max_kv_len)
 
-    k, v = kv.unbind(2) if plan.packed else kv
+    k, v = kv.unbind(plan.pair_dim) if plan.packed else kv
+    if kv_offsets is not None:  # the kernel reads jagged K/V as one packed batch row
+        k, v = k.unsqueeze(0), v.unsqueeze(0)
     with on_device(plan.device):
         return forward_only(
             "ikbo_fa.attention",
             "ikbo_fa.attention_reference",
-            lambda q, k, v, out: _run(plan, q, k, v, idx, kv_lengths, scale, validated, return_lse, out),
+            lambda q, k, v, out: _run(plan, q, k, v, idx, kv_lengths, kv_offsets, scale, validated, return_lse,
+                                      out),
             (q, k, v),
             out,
         )
 
 
-def _attention_shapes(q, kv, idx, scale=None, kv_lengths=None, broadcast=None, return_lse=False, validate=None):
-    p = resolve_problem(q, kv_arg(kv), idx, scale=scale, kv_lengths=kv_lengths,
-                        broadcast=broadcast, out=None, validate=False, op="attention")
+def _no_keys(kv, kv_offsets) -> bool:
+    """Jagged K/V of no key rows at all (every output row is 0)."""
+    if kv_offsets is None:
+        return False
+    k = kv_list(kv)[:1]
+    return bool(k) and isinstance(k[0], torch.Tensor) and k[0].dim() >= 1 and k[0].shape[0] == 0
+
+
+def _attention_shapes(q, kv, idx, scale=None, kv_lengths=None, broadcast=None, return_lse=False, validate=None,
+                      kv_offsets=None, max_kv_len=None):
+    p = resolve_problem(q, kv_arg(kv), idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
+                        max_kv_len=max_kv_len, broadcast=broadcast, out=None, validate=False, op="attention")
     lse_shape = (p.batch, p.heads, p.s_q) if return_lse else (0,)
     return q.new_empty((p.batch, p.s_q, p.heads, p.head_dim)), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -198,16 +229,19 @@ def _attention_op(
     broadcast: Optional[str] = None,
     return_lse: bool = False,
     validate: Optional[bool] = None,
+    kv_offsets: Optional[torch.Tensor] = None,
+    max_kv_len: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.ikbo_fa.attention``: what torch.compile traces a call of :func:`attention` as.
     ``kv`` is [packed kv] or [k, v]; without ``return_lse`` the second result is empty."""
-    res = attention(q, kv_arg(kv), idx, scale=scale, kv_lengths=kv_lengths,
-                    broadcast=broadcast, return_lse=return_lse, validate=validate)
+    res = attention(q, kv_arg(kv), idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
+                    max_kv_len=max_kv_len, broadcast=broadcast, return_lse=return_lse, validate=validate)
     return res if return_lse else (res, q.new_empty((0,), dtype=torch.float32))
 
 
-def _run(plan: _Plan, q, k, v, idx, kv_lengths, scale: float, validated: bool, return_lse: bool, out):
-    """Launch the plan's kernels on checked inputs (k, v unpacked; scale > 0)."""
+def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, validated: bool, return_lse: bool, out):
+    """Launch the plan's kernels on checked inputs (k, v unpacked, jagged ones as one batch row;
+    scale > 0)."""
     q = tma_ready(q, not plan.copy_q)
     k = tma_ready(k, not plan.copy_k)
     v = tma_ready(v, not plan.copy_v)
@@ -223,14 +257,14 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, scale: float, validated: bool, r
     if n:
         buf = torch.empty(n, dtype=torch.int32, device=device)
         bufs = buf.split_with_sizes(sizes) if len(sizes) > 1 else (buf,)
-    cand_start = tile_start = None
+    cand_start = tile_start = grouped = None
     if plan.direction == "kv":
         idx_k = idx if plan.idx_contiguous else idx.contiguous()
         if plan.worklist is not None:
-            cand, cand_start, tile_start = bufs[0], bufs[1], bufs[2]
-            plan.worklist(idx_k, cand, cand_start, tile_start, plan.n_users, plan.cands_per_tile, plan.chunks)
+            cand, cand_start, tile_start, grouped = bufs[0], bufs[1], bufs[2], bufs[3]
+            plan.worklist(idx_k, cand, cand_start, tile_start, grouped, plan.n_users, plan.rows_per_cand)
         else:
-            cand, cand_start, tile_start = kv_worklist(idx_k, plan.n_users, plan.cands_per_tile, plan.chunks)
+            cand, cand_start, tile_start, grouped = kv_worklist(idx_k, plan.n_users, plan.rows_per_cand)
     elif plan.idx_int32 and plan.idx_contiguous:
         cand = idx  # the kernel writes NaN for entries outside [0, U)
     else:
@@ -238,6 +272,11 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, scale: float, validated: bool, r
         # out-of-range entries become -1 (or U) first, so the kernel writes NaN for them.
         cand = bufs[0]
         cand.copy_(idx if validated or plan.idx_int32 else idx.clamp(-1, plan.n_users))
+    offsets = kv_offsets
+    if kv_offsets is not None and not plan.offsets_int32:
+        # int32 for the kernel; unvalidated int64 offsets first clamped into k / v, as the kernel
+        # clamps int32 ones.
+        offsets = (kv_offsets if validated else kv_offsets.clamp(0, plan.total_kv)).to(torch.int32).contiguous()
     kvl = kv_lengths
     if convert_kvl:
         kvl = bufs[-1]
@@ -247,7 +286,12 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, scale: float, validated: bool, r
             torch.clamp(kv_lengths, 0, plan.kv_len, out=kvl)
         else:
             kvl.copy_(kv_lengths.clamp(0, plan.kv_len))
-    plan.kernel(q, k, v, target, lse, cand, cand_start, tile_start, kvl, scale * LOG2E, scale, plan.n_ctas)
+    # A tile of a grouped idx is consecutive rows of q and out where their batch stride is
+    # S_q rows (one row per candidate: any stride); the kernel then moves it in two boxes.
+    s_q = plan.out_shape[1]
+    q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and target.stride(0) == s_q * target.stride(1))
+    plan.kernel(q, k, v, target, lse, cand, cand_start, tile_start, kvl, grouped, offsets, scale * LOG2E, scale,
+                plan.n_ctas, int(q_flat), plan.kv_len)
     copy_back(out, target)
     return (out, lse) if return_lse else out
 
@@ -276,27 +320,29 @@ def _worklist_fits(num_users: int) -> bool:
     return fits(num_users)
 
 
-def _make_plan(q, kv, idx, scale, kv_lengths, broadcast, return_lse, out) -> _Plan:
+def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out) -> _Plan:
     """Check every argument (the first call with a signature) and build its launch plan."""
-    p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, broadcast=broadcast,
-                        out=out, validate=False, op="attention")
+    p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
+                        max_kv_len=max_kv_len, broadcast=broadcast, out=out, validate=False, op="attention")
     device = p.q.device
     require_sm90(device, "attention")
-    cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse)
-    _, slots_per_wg, chunks = row_packing(p.s_q)
+    if p.batch * p.s_q >= 2**31 or p.total_kv >= 2**31:
+        raise ValueError(f"attention indexes query rows (B * S_q = {p.batch * p.s_q}) and key rows "
+                         f"({p.total_kv}) with int32: each must stay below 2**31")
+    cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
+                        jagged=p.jagged)
+    _, _, chunks = row_packing(p.s_q)
     n_users = p.broadcast_batch
     idx_contiguous = p.idx.is_contiguous()
     idx_int32 = p.idx.dtype == torch.int32
     worklist = None
     sizes = []
     if p.direction == "kv":
-        per_tile = 2 * slots_per_wg if p.s_q <= 64 else 1
-        bound = max_tiles_per_head(p.batch, n_users, per_tile, chunks)
+        bound = max_tiles_per_head(p.batch, n_users, p.s_q)
         if _WORKLIST_KERNEL and _worklist_fits(n_users):
             worklist = _worklist_kernel(p.idx.dtype)
-            sizes += [p.batch, n_users + 2, n_users + 2]  # order, cand_start, tile_start
+            sizes += [p.batch, n_users + 2, n_users + 2, 1]  # order, cand_start, tile_start, grouped
     else:
-        per_tile = 1
         bound = p.batch * chunks
         if not (idx_int32 and idx_contiguous):
             sizes.append(p.batch)  # int32 copy of idx
@@ -310,6 +356,9 @@ def _make_plan(q, kv, idx, scale, kv_lengths, broadcast, return_lse, out) -> _Pl
         copy_q=not _tma_ok(p.q),
         copy_k=not _tma_ok(p.k),
         copy_v=not _tma_ok(p.v),
+        pair_dim=1 if p.jagged else 2,
+        offsets_int32=p.jagged and p.kv_offsets.dtype == torch.int32 and p.kv_offsets.is_contiguous(),
+        total_kv=p.total_kv,
         idx_contiguous=idx_contiguous,
         idx_int32=idx_int32,
         kvl_int32=kvl_int32,
@@ -319,8 +368,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, broadcast, return_lse, out) -> _Pl
         device=device,
         n_users=n_users,
         kv_len=p.kv_len,
-        cands_per_tile=per_tile,
-        chunks=chunks,
+        rows_per_cand=p.s_q,
         n_ctas=max(1, min(sm_count(device), bound * p.heads)),
         default_scale=1.0 / math.sqrt(p.head_dim),
         buf_sizes=tuple(sizes),

@@ -4,6 +4,10 @@ shape and the expected layout, and works out the broadcast direction.
     KV broadcast: q [B, S_q, H, D], k / v [U, L, H_kv, D] (or kv [U, L, 2, H_kv, D])
     Q broadcast:  q [U, S_q, H, D], k / v [B, L, H_kv, D]
     idx [B] (int32 or int64), kv_lengths [k/v batch], out [B, S_q, H, D]
+
+Jagged K/V (``kv_offsets``): k / v [total_L, H_kv, D] (or kv [total_L, 2, H_kv, D]) and
+kv_offsets [R + 1], R being the k/v batch (U for KV broadcast, B for Q broadcast): row r's keys
+are k[kv_offsets[r] : kv_offsets[r + 1]].
 """
 from __future__ import annotations
 
@@ -32,19 +36,28 @@ class Problem:
     """A validated call: tensors as the kernel sees them plus the sizes."""
 
     q: torch.Tensor
-    k: torch.Tensor  # [kv_batch, L, H_kv, D] (a view into packed kv when packed)
+    # Padded: [kv_batch, L, H_kv, D]; jagged: [total_kv, H_kv, D] (views into packed kv when packed).
+    k: torch.Tensor
     v: torch.Tensor
     idx: torch.Tensor
     kv_lengths: Optional[torch.Tensor]
     direction: str  # "kv": K/V broadcast (looked up by idx); "q": Q broadcast
     batch: int  # B = len(idx) = output batch
-    kv_batch: int
+    kv_batch: int  # K/V rows: k.shape[0] padded, R = len(kv_offsets) - 1 jagged
     s_q: int
     heads: int
     kv_heads: int
     head_dim: int
+    # Upper bound of every row's length: L padded; jagged, max_kv_len where given, else total_kv
+    # (a bound known without reading the offsets back).
     kv_len: int
+    total_kv: int  # key rows k holds: kv_batch * L padded, total_L = k.shape[0] jagged
     scale: float
+    kv_offsets: Optional[torch.Tensor] = None  # [R + 1] int32 / int64 (as given); None: padded
+
+    @property
+    def jagged(self) -> bool:
+        return self.kv_offsets is not None
 
     @property
     def broadcast_batch(self) -> int:
@@ -67,48 +80,101 @@ def kv_arg(tensors: list):
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
 
-def split_kv(kv, dtypes=REFERENCE_DTYPES):
-    """(k, v) from a (k, v) pair or one packed [batch, L, 2, H_kv, D] tensor (checked)."""
-    if isinstance(kv, torch.Tensor):
-        checks.check_tensor("kv", kv, ndim=5, dtypes=dtypes, layout="[batch, L, 2, H_kv, D]", empty_batch=True)
-        if kv.shape[2] != 2:
+def _check_kv_tensor(name: str, t, dtypes, *, packed: bool, jagged: bool) -> None:
+    """One of kv's tensors has the layout that kv_offsets asks for (jagged) or not (padded);
+    the other layout's rank gets a message that names both."""
+    two = "2, " if packed else ""
+    padded_layout, jagged_layout = f"[batch, L, {two}H_kv, D]", f"[total_L, {two}H_kv, D]"
+    ndim = (3 if jagged else 4) + packed
+    if isinstance(t, torch.Tensor) and t.dim() == (ndim + 1 if jagged else ndim - 1):
+        if jagged:
             raise ValueError(
-                f"kv packed as one tensor must have shape [batch, L, 2, H_kv, D], got dimension 2 = {kv.shape[2]}"
+                f"{name} has shape {checks._shape(t)}, the padded layout {padded_layout}: with kv_offsets "
+                f"{name} must be jagged {jagged_layout} (row r's keys at kv_offsets[r] : kv_offsets[r + 1])"
             )
-        return kv[:, :, 0], kv[:, :, 1]
+        raise ValueError(
+            f"{name} must have {ndim} dimensions {padded_layout}, got shape {checks._shape(t)}; the jagged "
+            f"layout {jagged_layout} needs kv_offsets [R + 1]"
+        )
+    checks.check_tensor(name, t, ndim=ndim, dtypes=dtypes, layout=jagged_layout if jagged else padded_layout,
+                        empty_batch=True)
+
+
+def split_kv(kv, dtypes=REFERENCE_DTYPES, *, jagged: bool = False):
+    """(k, v) from a (k, v) pair or one packed tensor (checked): padded [batch, L, 2, H_kv, D],
+    or with ``jagged`` (kv_offsets given) [total_L, 2, H_kv, D]."""
+    if isinstance(kv, torch.Tensor):
+        _check_kv_tensor("kv", kv, dtypes, packed=True, jagged=jagged)
+        pair_dim = 1 if jagged else 2
+        if kv.shape[pair_dim] != 2:
+            layout = "[total_L, 2, H_kv, D]" if jagged else "[batch, L, 2, H_kv, D]"
+            raise ValueError(
+                f"kv packed as one tensor must have shape {layout}, got dimension {pair_dim} = {kv.shape[pair_dim]}"
+            )
+        return kv.select(pair_dim, 0), kv.select(pair_dim, 1)
     if isinstance(kv, (tuple, list)) and len(kv) == 2:
         k, v = kv
-        checks.check_tensor("k", k, ndim=4, dtypes=dtypes, layout="[batch, L, H_kv, D]", empty_batch=True)
-        checks.check_tensor("v", v, ndim=4, dtypes=dtypes, layout="[batch, L, H_kv, D]", empty_batch=True)
+        _check_kv_tensor("k", k, dtypes, packed=False, jagged=jagged)
+        _check_kv_tensor("v", v, dtypes, packed=False, jagged=jagged)
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
         return k, v
     raise TypeError(
-        "kv must be a (k, v) pair of [batch, L, H_kv, D] tensors or one packed [batch, L, 2, H_kv, D] tensor, "
-        f"got {type(kv).__name__}"
+        "kv must be a (k, v) pair of [batch, L, H_kv, D] tensors or one packed [batch, L, 2, H_kv, D] tensor "
+        f"(jagged with kv_offsets: [total_L, H_kv, D] and [total_L, 2, H_kv, D]), got {type(kv).__name__}"
     )
 
 
-def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, op: str) -> Problem:
+def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, op: str,
+                    kv_offsets=None, max_kv_len=None) -> Problem:
     """Check every argument (errors name it) and work out the broadcast direction.
 
     ``op`` is "attention" (the op: on every device only what the sm_90 kernel takes, fp16 / bf16
-    and D in SUPPORTED_HEAD_DIMS) or "attention_reference" (also float32 and any D)."""
+    and D in SUPPORTED_HEAD_DIMS) or "attention_reference" (also float32 and any D).
+    ``kv_offsets`` makes k / v jagged (see the module docstring); ``max_kv_len`` bounds its rows."""
     dtypes = OP_DTYPES if op == "attention" else REFERENCE_DTYPES
+    jagged = kv_offsets is not None
+    if jagged and kv_lengths is not None:
+        raise ValueError(
+            "kv_lengths and kv_offsets were both given: pass kv_lengths with padded k/v [batch, L, H_kv, D], "
+            "or kv_offsets with jagged k/v [total_L, H_kv, D], not both"
+        )
+    max_kv_len = check_max_kv_len(max_kv_len)
+    if max_kv_len is not None and not jagged:
+        raise ValueError(
+            f"max_kv_len = {max_kv_len} bounds the rows of jagged k/v: pass it with kv_offsets (padded k/v "
+            "[batch, L, H_kv, D] take kv_lengths)"
+        )
     checks.check_tensor("q", q, ndim=4, dtypes=dtypes, layout="[batch, S_q, H, D]", empty_batch=True)
-    k, v = split_kv(kv, dtypes)
+    k, v = split_kv(kv, dtypes, jagged=jagged)
     checks.check_same_dtype(["q", "k", "v"], [q, k, v])
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"idx must be a torch.Tensor [B] of int32 or int64, got {type(idx).__name__}")
     checks.check_tensor("idx", idx, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[B]", empty_batch=True)
+    if jagged:
+        checks.check_tensor("kv_offsets", kv_offsets, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[R + 1]")
+        if kv_offsets.shape[0] < 2:
+            raise ValueError(
+                f"kv_offsets has shape {checks._shape(kv_offsets)}: expected [R + 1] with R >= 1 rows "
+                "(row r's keys at kv_offsets[r] : kv_offsets[r + 1])"
+            )
     tensors, names = [q, k, v, idx], ["q", "k", "v", "idx"]
-    if kv_lengths is not None:
-        tensors.append(kv_lengths)
-        names.append("kv_lengths")
+    for name, t in (("kv_lengths", kv_lengths), ("kv_offsets", kv_offsets)):
+        if t is not None:
+            tensors.append(t)
+            names.append(name)
     checks.check_same_device(names, tensors)
 
     n_q, s_q, heads, head_dim = q.shape
-    kv_batch, kv_len, kv_heads, kv_dim = k.shape
+    if jagged:
+        total_kv, kv_heads, kv_dim = k.shape
+        kv_batch = kv_offsets.shape[0] - 1
+        kv_len = total_kv if max_kv_len is None else max_kv_len
+        kv_desc = f"k/v (R = len(kv_offsets) - 1 = {kv_batch} rows)"
+    else:
+        kv_batch, kv_len, kv_heads, kv_dim = k.shape
+        total_kv = kv_batch * kv_len
+        kv_desc = f"k/v (batch {kv_batch})"
     if kv_dim != head_dim:
         raise ValueError(f"k/v head dimension {kv_dim} differs from q's {head_dim}: q [.., D], k/v [.., D]")
     if op == "attention" and head_dim not in SUPPORTED_HEAD_DIMS:
@@ -135,15 +201,17 @@ def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, 
             )
         else:
             raise ValueError(
-                f"idx has length {batch} but neither q (batch {n_q}) nor k/v (batch {kv_batch}) has that batch: "
+                f"idx has length {batch} but neither q (batch {n_q}) nor {kv_desc} has that batch: "
                 "one side must be per candidate (batch = len(idx))"
             )
     else:
         direction = broadcast
         per_candidate = ("q", n_q) if direction == "kv" else ("k/v", kv_batch)
         if per_candidate[1] != batch:
+            rows = " (R = len(kv_offsets) - 1)" if jagged and direction == "q" else ""
             raise ValueError(
-                f"broadcast={direction!r} needs {per_candidate[0]} batch = len(idx) = {batch}, got {per_candidate[1]}"
+                f"broadcast={direction!r} needs {per_candidate[0]} batch = len(idx) = {batch}, got "
+                f"{per_candidate[1]}{rows}"
             )
     looked_up = ("k/v", kv_batch) if direction == "kv" else ("q", n_q)
     if looked_up[1] == 0:
@@ -158,9 +226,11 @@ def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, 
 
     p = Problem(q=q, k=k, v=v, idx=idx, kv_lengths=kv_lengths, direction=direction, batch=batch,
                 kv_batch=kv_batch, s_q=s_q, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                kv_len=kv_len, scale=float(scale))
+                kv_len=kv_len, total_kv=total_kv, scale=float(scale), kv_offsets=kv_offsets)
     if checks.validation_enabled(validate):
         check_ranges(idx, kv_lengths, p.broadcast_batch, p.broadcast_side, kv_len)
+        if jagged:
+            check_offsets(kv_offsets, total_kv, max_kv_len)
     return p
 
 
@@ -169,6 +239,57 @@ def check_ranges(idx, kv_lengths, n_users: int, side: str, kv_len: int) -> None:
     checks.check_index_range("idx", idx, n_users, "U", side)
     if kv_lengths is not None:
         checks.check_index_range("kv_lengths", kv_lengths, kv_len + 1, "L + 1", "one more than the keys per row")
+
+
+def check_offsets(kv_offsets: torch.Tensor, total_kv: int, max_kv_len: Optional[int] = None) -> None:
+    """kv_offsets starts at 0, never decreases and ends at most at total_L (``total_kv``, k's
+    first dimension); with ``max_kv_len``, no row has more keys. Raises at the first bad position:
+    ValueError for the order and the row lengths, IndexError for an offset past the keys (as
+    check_index_range does). Synchronizes with the device."""
+    off = kv_offsets.long()
+    bad = torch.zeros_like(off, dtype=torch.bool)
+    bad[0] = off[0] != 0
+    bad[1:] = (off[1:] < off[:-1]) | (off[1:] > total_kv)
+    if bool(bad.any()):
+        pos = int(torch.nonzero(bad)[0, 0])
+        value = int(off[pos])
+        if pos == 0:
+            raise ValueError(
+                f"kv_offsets[0] = {value}: kv_offsets must start at 0 (row r's keys are "
+                "k[kv_offsets[r] : kv_offsets[r + 1]])"
+            )
+        before = int(off[pos - 1])
+        if value < before:
+            raise ValueError(
+                f"kv_offsets[{pos}] = {value} is less than kv_offsets[{pos - 1}] = {before}: kv_offsets must "
+                "not decrease"
+            )
+        raise IndexError(
+            f"kv_offsets[{pos}] = {value} is out of range: offsets must lie in [0, total_L] = [0, {total_kv}], "
+            "total_L being the keys k / v hold (their first dimension)"
+        )
+    if max_kv_len is not None:
+        lengths = off[1:] - off[:-1]
+        long_rows = lengths > max_kv_len
+        if bool(long_rows.any()):
+            r = int(torch.nonzero(long_rows)[0, 0])
+            raise ValueError(
+                f"row {r} of kv_offsets has {int(lengths[r])} keys (kv_offsets[{r + 1}] - kv_offsets[{r}] = "
+                f"{int(off[r + 1])} - {int(off[r])}), more than max_kv_len = {max_kv_len}"
+            )
+
+
+def check_max_kv_len(max_kv_len) -> Optional[int]:
+    """``max_kv_len`` as an int: None, or an integer >= 0 (TypeError for what is no integer,
+    bools included; ValueError below 0)."""
+    if max_kv_len is None:
+        return None
+    if not isinstance(max_kv_len, numbers.Integral) or isinstance(max_kv_len, bool):
+        raise TypeError(f"max_kv_len must be an int or None, got {type(max_kv_len).__name__} {max_kv_len!r}")
+    value = int(max_kv_len)
+    if value < 0:
+        raise ValueError(f"max_kv_len must be >= 0 (an upper bound of every row's keys), got {value}")
+    return value
 
 
 def check_scale(scale) -> float:

@@ -6,6 +6,7 @@ A configuration is everything that changes the generated code; a problem picks i
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -26,6 +27,8 @@ class AttentionConfig:
     # Issue S of block j before P V of block j-1, the two consumer warpgroups taking turns
     # (False: one block at a time, no turns; a diagnostic configuration, never picked by the op).
     overlap: bool = True
+    # K/V rows packed as [total_L, H_kv, D], row r's keys at kv_offsets[r] : kv_offsets[r + 1].
+    jagged: bool = False
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -36,15 +39,24 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.s_q must be an int >= 1, got {self.s_q!r}")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"AttentionConfig.direction must be 'kv' or 'q', got {self.direction!r}")
+        if self.jagged and self.has_kv_lengths:
+            raise ValueError("AttentionConfig: jagged (kv_offsets) and has_kv_lengths exclude each other")
 
     def __str__(self) -> str:
-        flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-lse", self.return_lse),
-                                          ("-serial", not self.overlap)) if on)
+        flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-jagged", self.jagged),
+                                          ("-lse", self.return_lse), ("-serial", not self.overlap)) if on)
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
+def box_rows(s_q: int) -> int:
+    """KV broadcast packs a user's query rows densely (candidate after candidate, S_q rows
+    each) and moves them in TMA boxes of this many rows: it divides S_q, so a box never spans
+    two candidates, and 64, so a box never spans two consumer warpgroups or two tiles."""
+    return math.gcd(s_q, 64)
+
+
 def row_packing(s_q: int):
-    """Rows of the 128-row CTA tile given to each candidate.
+    """Q broadcast: rows of the 128-row CTA tile given to each candidate (one per tile).
 
     Returns (slot_rows R, slots per consumer warpgroup, 128-row chunks per candidate).
     S_q <= 64: candidates share a warpgroup's 64 rows in slots of R = next power of two >= S_q
@@ -57,9 +69,9 @@ def row_packing(s_q: int):
 
 
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
-                  return_lse: bool) -> AttentionConfig:
+                  return_lse: bool, jagged: bool = False) -> AttentionConfig:
     """The configuration the op compiles for a problem."""
-    return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse)
+    return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse, jagged=jagged)
 
 
 SHIPPED_CONFIGS = tuple(
@@ -70,6 +82,13 @@ SHIPPED_CONFIGS = tuple(
         AttentionConfig(torch.bfloat16, 128, 128, "kv", False, False),
         AttentionConfig(torch.bfloat16, 128, 64, "q", False, False),
         AttentionConfig(torch.bfloat16, 128, 64, "kv", True, True, overlap=False),
+        # dense packing: one row per candidate, an odd S_q, and a candidate over two tiles
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True),
+        AttentionConfig(torch.float16, 64, 17, "kv", False, False),
+        AttentionConfig(torch.bfloat16, 128, 100, "kv", True, False),
+        # jagged histories, both directions
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True),
+        AttentionConfig(torch.bfloat16, 128, 64, "q", False, True, jagged=True),
     ]
 )
 
@@ -95,7 +114,9 @@ def compile_config(cfg: AttentionConfig, *, keep_ptx: bool = False, ptxas_report
     starts = fake_tensor(Int32, (None,), align=4) if cfg.direction == "kv" else None
     tiles = fake_tensor(Int32, (None,), align=4) if cfg.direction == "kv" else None
     kv_len = fake_tensor(Int32, (None,), align=4) if cfg.has_kv_lengths else None
+    grouped = fake_tensor(Int32, (1,), align=4) if cfg.direction == "kv" else None
+    offsets = fake_tensor(Int32, (None,), align=4) if cfg.jagged else None
     kernel = IkboAttentionFwdSm90(cfg)
-    return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len,
-                          Float32(1.0), Float32(1.0), Int32(1), fake_stream(),
+    return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len, grouped, offsets,
+                          Float32(1.0), Float32(1.0), Int32(1), Int32(0), Int32(0), fake_stream(),
                           keep_ptx=keep_ptx, ptxas_report=ptxas_report)

@@ -25,7 +25,7 @@ from cute_kernels.warp_specialized import (
     pipelines_init_wait,
 )
 
-from .config import AttentionConfig, row_packing
+from .config import AttentionConfig, box_rows, row_packing
 from .softmax import OnlineSoftmax
 
 
@@ -47,7 +47,9 @@ class Schedule:
     n_kv_batch: Int32
     n_heads: Int32
     n_kv_heads: Int32
-    kv_len: Int32
+    kv_len: Int32  # keys per K/V row (jagged: total_L, the rows of the packed K/V)
+    max_keys: Int32  # jagged: the longest history a row may have (the op's max_kv_len)
+    q_flat: cutlass.Boolean  # q and out hold a user's query rows at one stride (checked by the op)
 
     def group(self):
         """Query heads per K/V head."""
@@ -57,30 +59,42 @@ class Schedule:
 @dataclasses.dataclass(frozen=True)
 class TileInfo:
     """What the producer looked up for one tile; written to shared memory with the tile's Q
-    (``store``) and read back by the consumers (``load``), so they never search the work list."""
+    (``store``) and read back by the consumers (``load``), so they never search the work list.
+
+    KV broadcast: the tile is rows ``row0 : row0 + 128`` of its user's run of query rows
+    (candidate ``order[first + i]`` holds rows i * S_q : (i + 1) * S_q of the run)."""
 
     head: Int32
-    kv_coord: Int32  # K/V batch row (a user, or a candidate for Q broadcast)
-    first: Int32  # first candidate position in the work list (KV), or the candidate (Q)
-    n_valid: Int32  # candidates in the tile's slots (KV, S_q <= 64)
-    chunk: Int32  # 128-row chunk of the candidate (S_q > 64)
-    q_coord: Int32  # query batch row of the first slot
+    kv_coord: Int32  # K/V batch row (a user, or a candidate for Q broadcast); jagged: its offsets entry
+    first: Int32  # KV: work-list position of the user's first candidate; Q: the candidate
+    n_valid: Int32  # KV: rows of the tile that hold a query row (1 to 128)
+    chunk: Int32  # Q: 128-row chunk of the candidate (S_q > 64)
+    q_coord: Int32  # KV: row of q (as [B * S_q] rows) of the tile's first row; Q: query batch row
+    row0: Int32  # KV: the tile's first row in its user's run
+    flat: cutlass.Boolean  # KV: the tile's rows are consecutive rows of q and out (idx grouped)
     invalid: cutlass.Boolean  # out-of-range index: the tile writes NaN
     n_keys: Int32
+    kv_base: Int32  # jagged: the row's first key in the packed K/V
 
-    FIELDS = 8  # Int32 words in shared memory
+    FIELDS = 11  # Int32 words in shared memory
+    KV_BASE = 10  # the word of kv_base
 
     @cute.jit
     def store(self, sMeta, stage: Int32):
-        words = (self.head, self.kv_coord, self.first, self.n_valid, self.chunk, self.q_coord,
-                 Int32(1) if self.invalid else Int32(0), self.n_keys)
+        words = (self.head, self.kv_coord, self.first, self.n_valid, self.chunk, self.q_coord, self.row0,
+                 Int32(1) if self.flat else Int32(0), Int32(1) if self.invalid else Int32(0), self.n_keys,
+                 self.kv_base)
         for i in cutlass.range_constexpr(TileInfo.FIELDS):
             sMeta[i, stage] = words[i]
 
     @staticmethod
-    def load(sMeta, stage: Int32) -> "TileInfo":
+    def load(sMeta, stage: Int32, dense: bool) -> "TileInfo":
+        """The fields the consumers keep through the main loop: those of the configuration (the
+        others are constants, registers the consumers, at their limit, keep free); kv_base is
+        read from shared memory where it is needed (``KV_BASE``)."""
         m = [sMeta[i, stage] for i in range(TileInfo.FIELDS)]
-        return TileInfo(m[0], m[1], m[2], m[3], m[4], m[5], m[6] != 0, m[7])
+        row0, flat = (m[6], m[7] != 0) if dense else (Int32(0), False)
+        return TileInfo(m[0], m[1], m[2], m[3], m[4], m[5], row0, flat, m[8] != 0, m[9], Int32(0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +135,7 @@ class IkboAttentionFwdSm90:
         of block j is issued before the P V of block j-1 and the softmax of j runs while that
         P V is in flight, the two warpgroups taking turns on the tensor cores (PingPong); rows
         whose max jumped are recomputed exactly; epilogue: O / row sum into the warpgroup's 64
-        rows of sO (stmatrix), one TMA store per stored slot.
+        rows of sO (stmatrix), one TMA store per stored slot (or one for all 64 rows).
 
     Pipelines (PipelineTmaAsync; checked in ``__init__``):
 
@@ -162,12 +176,20 @@ class IkboAttentionFwdSm90:
     (griddepcontrol.wait) before touching global memory.
 
     Tiles and order: a tile is (head, group, tile-in-group). KV broadcast: groups are users
-    plus a last group of candidates whose index is out of range (written as NaN); a user's
-    candidates, grouped on the device (worklist.py), fill the slots of its tiles so each K/V
-    block in shared memory serves all of them; a user's last tile may have empty slots (they
-    load a copy of a valid Q and are never stored). Q broadcast: a group is one candidate (Q
-    at idx[b], K/V at b). Tiles run head-slowest, then user, then tile within the user,
-    strided by the persistent grid, so CTAs running together share a user's K/V through L2.
+    plus a last group of candidates whose index is out of range (written as NaN). A user's
+    candidates, grouped on the device (worklist.py), put their query rows in one dense run
+    (S_q rows each, any S_q), cut into 128-row tiles, so each K/V block in shared memory serves
+    all of them; a candidate may span two tiles, and only a user's last tile has rows past the
+    run (they load a copy of a stored box and are never stored). A tile moves in slots of
+    R = gcd(S_q, 64) rows (one TMA box each, looked up per slot); where idx is grouped already
+    (the work list's ``grouped``) and q and out hold a user's rows at one stride, a tile's rows
+    are consecutive rows of q and out and move as two 64-row boxes, a partly filled
+    warpgroup's rows still by slots. Q broadcast: a group is one candidate (Q at idx[b], K/V at
+    b), in slots of ``row_packing``. Jagged K/V (``jagged``): row r's keys start at
+    kv_offsets[r] of one packed batch row; the keys past its end (the next row's) are masked
+    and their V rows zeroed, as with kv_lengths. Tiles run head-slowest, then user, then tile
+    within the user, strided by the persistent grid, so CTAs running together share a user's
+    K/V through L2.
     """
 
     TILE_M = 128
@@ -185,9 +207,19 @@ class IkboAttentionFwdSm90:
         self.head_dim = cfg.head_dim
         self.s_q = cfg.s_q
         self.tile_m, self.tile_n = self.TILE_M, self.TILE_N
-        self.slot_rows, self.slots_per_wg, self.chunks = row_packing(cfg.s_q)
+        # KV broadcast packs a user's query rows densely and moves them in boxes ("slots") of
+        # box_rows rows; Q broadcast gives each candidate one tile (slots of row_packing).
+        self.dense = cfg.direction == "kv"
+        if self.dense:
+            self.slot_rows, self.chunks = box_rows(cfg.s_q), 1
+            self.slots_per_wg = 64 // self.slot_rows
+        else:
+            self.slot_rows, self.slots_per_wg, self.chunks = row_packing(cfg.s_q)
         self.slots = 2 * self.slots_per_wg
-        self.cands_per_tile = self.slots if cfg.direction == "kv" and cfg.s_q <= 64 else 1
+        # Small boxes: a tile whose rows are consecutive rows of q (idx grouped) moves each
+        # warpgroup's 64 rows in one box instead.
+        self.flat_path = self.dense and self.slot_rows < 64
+        self.tail_masked = cfg.has_kv_lengths or cfg.jagged  # keys past a row's end are read
         self.num_threads = self.REGISTERS.threads
         self.ping_pong = PingPong(int(FwdBarrier.GEMM_TURN))
         check_barriers("IkboAttentionFwdSm90", FwdBarrier, {"EPILOGUE": 2, "GEMM_TURN": 2})
@@ -222,12 +254,24 @@ class IkboAttentionFwdSm90:
         mCandStart: cute.Tensor | None,  # kv: [U + 2] first candidate of each group
         mTileStart: cute.Tensor | None,  # kv: [U + 2] first tile of each group
         mKvLen: cute.Tensor | None,  # [Bkv] int32, clamped to [0, L]
+        mGrouped: cute.Tensor | None,  # kv: [1] int32, 1 where the work list's order is 0, 1, ...
+        mKvOffsets: cute.Tensor | None,  # jagged: [Bkv + 1] int32 (k, v as [1, total_L, H_kv, D])
         scale_log2: Float32,
         scale: Float32,
         n_ctas: Int32,
+        q_flat: Int32,  # kv: 1 where q's and out's batch stride is S_q times their row stride
+        max_keys: Int32,  # jagged: keys past this many in a row are not read
         stream,
     ):
         d, r = self.head_dim, self.slot_rows
+        # (rows, D, head) views of q and out as B * S_q rows, for the one-box path (used only
+        # where q_flat says the strides allow it).
+        mQf = mOf = None
+        if const_expr(self.flat_path):
+            mQf, mOf = [cute.make_tensor(t.iterator, cute.make_layout(
+                (t.shape[0] * self.s_q, t.shape[3], t.shape[2]),
+                stride=(t.stride[0] if const_expr(self.s_q == 1) else t.stride[1], t.stride[3], t.stride[2])))
+                for t in (mQ, mO)]
         # (rows, D, head, batch) views: TMA boxes are (rows, D) at a (head, batch) coordinate.
         mQ, mO, mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
                           for t in (mQ, mO, mK, mV)]
@@ -255,6 +299,13 @@ class IkboAttentionFwdSm90:
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, d), 1)
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, slot_layout, (r, d))
+        tma_atom_Qf = tma_Qf = tma_atom_Of = tma_Of = None
+        if const_expr(self.flat_path):
+            half_layout = cute.composition(sO_layout, cute.make_layout((64, d), stride=(1, self.tile_m)))
+            tma_atom_Qf, tma_Qf = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mQf, half_layout, (64, d))
+            tma_atom_Of, tma_Of = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mOf, half_layout, (64, d))
 
         @cute.struct
         class SharedStorage:
@@ -271,9 +322,11 @@ class IkboAttentionFwdSm90:
 
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
-            mLSE, mCand, mCandStart, mTileStart, mKvLen, mK, mV,
-            mQ.shape[3], mK.shape[3], mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
-            scale_log2, scale,
+            tma_atom_Qf, tma_Qf, tma_atom_Of, tma_Of,
+            mLSE, mCand, mCandStart, mTileStart, mKvLen, mGrouped, mKvOffsets, mK, mV,
+            mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
+            mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
+            q_flat, max_keys, scale_log2, scale,
             tiled_mma_qk, tiled_mma_pv, sQ_layout, sO_layout, slot_layout, sK_layout, sV_layout,
         ).launch(grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  use_pdl=True)
@@ -290,11 +343,17 @@ class IkboAttentionFwdSm90:
         mV: cute.Tensor,
         tma_atom_O: cute.CopyAtom,
         mO: cute.Tensor,
+        tma_atom_Qf: cute.CopyAtom | None,
+        mQf: cute.Tensor | None,
+        tma_atom_Of: cute.CopyAtom | None,
+        mOf: cute.Tensor | None,
         mLSE: cute.Tensor | None,
         mCand: cute.Tensor,
         mCandStart: cute.Tensor | None,
         mTileStart: cute.Tensor | None,
         mKvLen: cute.Tensor | None,
+        mGrouped: cute.Tensor | None,
+        mKvOffsets: cute.Tensor | None,
         mKg: cute.Tensor,  # (L, D, H_kv, batch) view of K in global memory, for exact_rows
         mVg: cute.Tensor,  # ... and of V
         n_q_batch: Int32,
@@ -303,6 +362,8 @@ class IkboAttentionFwdSm90:
         n_kv_heads: Int32,
         kv_len: Int32,
         n_out: Int32,
+        q_flat: Int32,
+        max_keys: Int32,
         scale_log2: Float32,
         scale: Float32,
         tiled_mma_qk: cute.TiledMma,
@@ -318,6 +379,9 @@ class IkboAttentionFwdSm90:
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.flat_path):
+                for atom in (tma_atom_Qf, tma_atom_Of):
+                    cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -344,29 +408,33 @@ class IkboAttentionFwdSm90:
             tiles_per_head = mTileStart[n_kv_batch + 1]
         else:
             tiles_per_head = n_out * self.chunks
+        flat = False
+        if const_expr(self.flat_path):
+            flat = q_flat != 0 and mGrouped[0] != 0
         sched = Schedule(tiles_per_head * n_heads, tiles_per_head, n_q_batch, n_kv_batch, n_heads, n_kv_heads,
-                         kv_len)
+                         kv_len, max_keys, flat)
 
         if warp_idx < 4:
             self.REGISTERS.enter_producer()
             if warp_idx == 0:
-                self.producer(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
-                              pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, sched)
+                self.producer(tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
+                              pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, sched)
         else:
             self.REGISTERS.enter_consumer()
-            self.consumer(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sVt, sO, sMeta,
-                          pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, sched, scale_log2, tidx - 128)
+            self.consumer(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
+                          sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, sched, scale_log2, tidx - 128)
 
     # ------------------------------------------------------------ work list
     @cute.jit
-    def tile_info(self, t: Int32, mCand, mCandStart, mTileStart, mKvLen, sched: Schedule) -> TileInfo:
+    def tile_info(self, t: Int32, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, sched: Schedule) -> TileInfo:
         """Tile t -> its TileInfo (a binary search over the groups' first tiles for KV broadcast)."""
         h = t // sched.tiles_per_head
         rem = t - h * sched.tiles_per_head
         first = Int32(0)
-        n_valid = Int32(1)
+        n_valid = Int32(self.tile_m)
         chunk = Int32(0)
         q_coord = Int32(0)
+        row0 = Int32(0)
         kv_coord = Int32(0)
         invalid = False
         if const_expr(self.cfg.direction == "kv"):
@@ -380,18 +448,15 @@ class IkboAttentionFwdSm90:
                     lo = mid
                 else:
                     hi = mid
-            j = rem - mTileStart[lo]
-            if const_expr(self.chunks == 1):
-                first = mCandStart[lo] + j * self.cands_per_tile
-                n_valid = cutlass.min(mCandStart[lo + 1] - first, self.cands_per_tile)
-            else:
-                first = mCandStart[lo] + j // self.chunks
-                chunk = j - (j // self.chunks) * self.chunks
+            # The group's query rows are one run; this is its tile j.
+            first = mCandStart[lo]
+            row0 = (rem - mTileStart[lo]) * self.tile_m
+            n_valid = cutlass.min((mCandStart[lo + 1] - first) * self.s_q - row0, self.tile_m)
+            q_coord = first * self.s_q + row0
             invalid = lo == sched.n_kv_batch
             kv_coord = lo
             if invalid:
                 kv_coord = Int32(0)
-            q_coord = mCand[first]
         else:
             b = rem // self.chunks
             chunk = rem - b * self.chunks
@@ -402,51 +467,67 @@ class IkboAttentionFwdSm90:
             if invalid:
                 q_coord = Int32(0)
         n_keys = sched.kv_len
+        kv_base = Int32(0)
         if const_expr(self.cfg.has_kv_lengths):
             n_keys = mKvLen[kv_coord]
+        if const_expr(self.cfg.jagged):
+            # Clamped, so that offsets the op did not validate never lead outside K/V.
+            kv_base = cutlass.min(cutlass.max(mKvOffsets[kv_coord], 0), sched.kv_len)
+            end = cutlass.min(cutlass.max(mKvOffsets[kv_coord + 1], kv_base), sched.kv_len)
+            n_keys = cutlass.min(end - kv_base, sched.max_keys)
         if invalid:
             n_keys = Int32(0)
-        return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, invalid, n_keys)
+        return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, row0, sched.q_flat, invalid, n_keys, kv_base)
 
     @cute.jit
     def slot_info(self, s, info: TileInfo, mCand):
-        """Slot s of a tile -> (stored?, query batch coord, output batch coord, row block)."""
+        """Slot s of a tile -> (stored?, query batch coord, output batch coord, row block).
+
+        KV broadcast: slot s holds rows s * R : (s + 1) * R of the tile (R = box_rows), part of
+        one candidate; a slot past the tile's rows is not stored (it loads the last stored one
+        again, so a Q stage always takes the same bytes). Q broadcast: one candidate."""
         valid = True
         row_block = Int32(0)
         q_b = info.q_coord
         out_b = info.first
-        if const_expr(self.s_q > 64):
+        if const_expr(self.dense):
+            r = self.slot_rows
+            valid = s * r < info.n_valid
+            row = info.row0 + cutlass.min(s, (info.n_valid - 1) // r) * r
+            c = row // self.s_q
+            q_b = mCand[info.first + c]
+            out_b = q_b
+            row_block = (row - c * self.s_q) // r
+        elif const_expr(self.s_q > 64):
             row_block = info.chunk * 2 + s
             valid = row_block * 64 < self.s_q
-            if const_expr(self.cfg.direction == "kv"):
-                out_b = info.q_coord
-        elif const_expr(self.cfg.direction == "kv"):
-            valid = s < info.n_valid
-            pos = info.first
-            if valid:
-                pos = info.first + s
-            q_b = mCand[pos]
-            out_b = q_b
         else:
             valid = s == 0
         return valid, q_b, out_b, row_block
 
     # ------------------------------------------------------------- producer
     @cute.jit
-    def producer(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
-                 pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, sched: Schedule):
+    def producer(self, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
+                 pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, sched: Schedule):
         """Warp 0: per tile its TileInfo and Q slots, then K/V blocks last to first."""
         group = sched.group()
-        d, r = self.head_dim, self.slot_rows
+        d = self.head_dim
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.Q_STAGES)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.KV_STAGES)
         walk = strided_tiles(Int32(0))
         t = walk.first
         while t < sched.total_tiles:
-            info = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, sched)
+            info = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, sched)
             h_kv = info.head // group
-            gK = cute.local_tile(mK[None, None, h_kv, info.kv_coord], (self.tile_n, d), (None, 0))
-            gV = cute.local_tile(mV[None, None, h_kv, info.kv_coord], (self.tile_n, d), (None, 0))
+            if const_expr(self.cfg.jagged):
+                # One packed batch row; the row's keys start at kv_base.
+                gK = cute.local_tile(cute.domain_offset((info.kv_base, 0), mK[None, None, h_kv, 0]),
+                                     (self.tile_n, d), (None, 0))
+                gV = cute.local_tile(cute.domain_offset((info.kv_base, 0), mV[None, None, h_kv, 0]),
+                                     (self.tile_n, d), (None, 0))
+            else:
+                gK = cute.local_tile(mK[None, None, h_kv, info.kv_coord], (self.tile_n, d), (None, 0))
+                gV = cute.local_tile(mV[None, None, h_kv, info.kv_coord], (self.tile_n, d), (None, 0))
             tKsK, tKgK = cpasync.tma_partition(
                 tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
             tVsV, tVgV = cpasync.tma_partition(
@@ -460,13 +541,13 @@ class IkboAttentionFwdSm90:
             pipeline.PipelineAsync.producer_acquire(pipe_q, q_state)
             info.store(sMeta, q_state.index)
             pipe_q.producer_acquire(q_state, try_acquire_token=True)
-            for s in cutlass.range_constexpr(self.slots):
-                valid, q_b, out_b, row_block = self.slot_info(s, info, mCand)
-                gQ = cute.local_tile(mQ[None, None, info.head, q_b], (r, d), (row_block, 0))
-                sQ_s = cute.local_tile(sQ[None, None, q_state.index], (r, d), (s, 0))
-                tQsQ, tQgQ = cpasync.tma_partition(
-                    tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ_s, 0, 2), cute.group_modes(gQ, 0, 2))
-                cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            if const_expr(self.flat_path):
+                if info.flat:
+                    self.load_q_halves(tma_atom_Qf, mQf, sQ, pipe_q, q_state, info)
+                else:
+                    self.load_q_slots(tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
+            else:
+                self.load_q_slots(tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
             q_state.advance()
             # Blocks last to first (the consumers' order); block j's K and V share a stage.
             # K runs one block ahead of V (K(j-1) is issued before V(j)): the consumers
@@ -493,10 +574,46 @@ class IkboAttentionFwdSm90:
                 kv_state.advance()
             t += walk.stride
 
+    @cute.jit
+    def load_q_slots(self, tma_atom_Q, mQ, sQ, pipe_q, q_state, info: TileInfo, mCand):
+        """The tile's Q, one (R, D) box per slot, each from its candidate's rows. Unrolled where
+        slots are few; a loop where there are dozens (unrolled, their lookups would not fit the
+        producer's registers)."""
+        if const_expr(self.slots <= 16):
+            for s in cutlass.range_constexpr(self.slots):
+                self.load_q_slot(s, tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
+        else:
+            for s in cutlass.range(self.slots, unroll=1):
+                self.load_q_slot(s, tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
+
+    @cute.jit
+    def load_q_slot(self, s, tma_atom_Q, mQ, sQ, pipe_q, q_state, info: TileInfo, mCand):
+        d, r = self.head_dim, self.slot_rows
+        valid, q_b, out_b, row_block = self.slot_info(s, info, mCand)
+        gQ = cute.local_tile(mQ[None, None, info.head, q_b], (r, d), (row_block, 0))
+        sQ_s = cute.local_tile(sQ[None, None, q_state.index], (r, d), (s, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ_s, 0, 2), cute.group_modes(gQ, 0, 2))
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+
+    @cute.jit
+    def load_q_halves(self, tma_atom_Qf, mQf, sQ, pipe_q, q_state, info: TileInfo):
+        """The tile's Q as two (64, D) boxes of consecutive rows of q (rows past the user's run,
+        or past q, load too and are never stored: the stage takes the same bytes as by slots)."""
+        d = self.head_dim
+        for half in cutlass.range_constexpr(2):
+            gQ = cute.local_tile(cute.domain_offset((info.q_coord + half * 64, 0), mQf[None, None, info.head]),
+                                 (64, d), (0, 0))
+            sQ_h = cute.local_tile(sQ[None, None, q_state.index], (64, d), (half, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Qf, 0, cute.make_layout(1), cute.group_modes(sQ_h, 0, 2), cute.group_modes(gQ, 0, 2))
+            cute.copy(tma_atom_Qf, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+
     # ------------------------------------------------------------ consumers
     @cute.jit
-    def consumer(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sVt, sO, sMeta,
-                 pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, sched: Schedule, scale_log2: Float32, tidx: Int32):
+    def consumer(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
+                 sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, sched: Schedule, scale_log2: Float32,
+                 tidx: Int32):
         """Consumer warpgroups: per tile the main loop over its key blocks, then the epilogue."""
         d, n = self.head_dim, self.tile_n
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -534,7 +651,7 @@ class IkboAttentionFwdSm90:
             # consumers' path); its info arrives with the tile's Q and stays in registers for
             # the epilogue.
             pipe_q.consumer_wait(q_state)
-            info = TileInfo.load(sMeta, q_state.index)
+            info = TileInfo.load(sMeta, q_state.index, self.dense)
             n_blocks = (info.n_keys + n - 1) // n
             acc_O.fill(0.0)
             softmax.reset()
@@ -549,12 +666,18 @@ class IkboAttentionFwdSm90:
                                                     scale_log2, tidx)
             if const_expr(self.cfg.overlap):
                 if softmax.any_row_to_redo():
-                    softmax.exact_rows(sQ, q_state.index, mKg, mVg, st.tOcO_mn, self.head_dim, info.n_keys,
-                                       info.head // sched.group(), info.kv_coord, scale_log2, tidx)
+                    if const_expr(self.cfg.jagged):  # one packed batch row; the keys from kv_base on
+                        key0 = sMeta[TileInfo.KV_BASE, q_state.index]
+                        softmax.exact_rows(sQ, q_state.index, cute.domain_offset((key0, 0, 0, 0), mKg),
+                                           cute.domain_offset((key0, 0, 0, 0), mVg), st.tOcO_mn, self.head_dim,
+                                           info.n_keys, info.head // sched.group(), Int32(0), scale_log2, tidx)
+                    else:
+                        softmax.exact_rows(sQ, q_state.index, mKg, mVg, st.tOcO_mn, self.head_dim, info.n_keys,
+                                           info.head // sched.group(), info.kv_coord, scale_log2, tidx)
             pipe_q.consumer_release(q_state)
             q_state.advance()
-            self.epilogue(st, info, tiled_mma_pv, tidx, tma_atom_O, mO, mLSE, sO, mCand, scale_log2, wg,
-                          warp_in_wg)
+            self.epilogue(st, info, tiled_mma_pv, tidx, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sO, mCand,
+                          scale_log2, wg, warp_in_wg)
             t += walk.stride
         if warp_in_wg == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -610,7 +733,7 @@ class IkboAttentionFwdSm90:
     def first_block(self, st: ConsumerState, kv_state, q_stage: Int32, n_cols: Int32, scale_log2: Float32,
                     tidx: Int32):
         """S of the tile's first block (its last keys), masked past ``n_cols``, softmax, P in registers;
-        with kv_lengths, the V rows past ``n_cols`` are zeroed too."""
+        with kv_lengths or jagged K/V, the V rows past ``n_cols`` are zeroed too."""
         st.pipe_k.consumer_wait(kv_state)
         acc_S = self.gemm_qk(st, q_stage, kv_state.index)
         warpgroup.wait_group(0)
@@ -620,7 +743,7 @@ class IkboAttentionFwdSm90:
         if const_expr(self.cfg.overlap):
             st.softmax.mark_rows_without_max()
         self.convert_p(st, acc_S)
-        if const_expr(self.cfg.has_kv_lengths):
+        if const_expr(self.tail_masked):
             st.pipe_v.consumer_wait(kv_state)
             self.zero_v_tail(st, kv_state.index, n_cols, tidx)
 
@@ -654,9 +777,10 @@ class IkboAttentionFwdSm90:
     @cute.jit
     def zero_v_tail(self, st: ConsumerState, stage: Int32, n_cols: Int32, tidx: Int32):
         """Zero V rows at or past the valid length in this stage, so padding that is not
-        finite (keys kept out of the softmax by kv_lengths) cannot turn 0 * V into NaN.
+        finite (keys kept out of the softmax by kv_lengths, or the next row's keys of jagged K/V)
+        cannot turn 0 * V into NaN.
         Both consumer warpgroups take part and meet at a barrier before P V reads V."""
-        if const_expr(self.cfg.has_kv_lengths):
+        if const_expr(self.tail_masked):
             if n_cols < self.tile_n:
                 sV_s = st.sV[None, None, stage]
                 n_elem = (self.tile_n - n_cols) * self.head_dim
@@ -666,10 +790,11 @@ class IkboAttentionFwdSm90:
                 bar_sync(FwdBarrier.V_TAIL, self.CONSUMER_THREADS)
 
     @cute.jit
-    def epilogue(self, st: ConsumerState, info: TileInfo, tiled_mma_pv, tidx: Int32, tma_atom_O, mO, mLSE, sO,
-                 mCand, scale_log2: Float32, wg: Int32, warp_in_wg: Int32):
-        """O / row_sum (and the lse) to sO, then one TMA store per stored slot of this warpgroup.
-        No keys: O = 0, lse = -inf. Out-of-range index: NaN."""
+    def epilogue(self, st: ConsumerState, info: TileInfo, tiled_mma_pv, tidx: Int32, tma_atom_O, mO, tma_atom_Of,
+                 mOf, mLSE, sO, mCand, scale_log2: Float32, wg: Int32, warp_in_wg: Int32):
+        """O / row_sum (and the lse) to sO, then one TMA store per stored slot of this warpgroup
+        (or, for a flat tile whose 64 rows here are all stored, one box). No keys: O = 0,
+        lse = -inf. Out-of-range index: NaN."""
         d, r = self.head_dim, self.slot_rows
         n_rows = cute.size(st.acc_O_mn, mode=[0])
         lse = st.softmax.finish(info.invalid, scale_log2)
@@ -692,22 +817,51 @@ class IkboAttentionFwdSm90:
             if tOcO_mn[0, 0][1] == 0:
                 for m in cutlass.range_constexpr(n_rows):
                     row = tOcO_mn[m, 0][0]
-                    s = row // r
-                    valid, q_b, out_b, row_block = self.slot_info(s, info, mCand)
-                    q_row = row_block * r + (row - s * r)
-                    if valid and q_row < self.s_q:
-                        mLSE[out_b, info.head, q_row] = lse[m]
+                    if const_expr(self.dense):
+                        if row < info.n_valid:
+                            c = (info.row0 + row) // self.s_q
+                            mLSE[mCand[info.first + c], info.head, info.row0 + row - c * self.s_q] = lse[m]
+                    else:
+                        s = row // r
+                        valid, q_b, out_b, row_block = self.slot_info(s, info, mCand)
+                        q_row = row_block * r + (row - s * r)
+                        if valid and q_row < self.s_q:
+                            mLSE[out_b, info.head, q_row] = lse[m]
 
         cute.arch.fence_view_async_shared()
         bar_sync(bar, 128)
         if warp_in_wg == 0:
-            for i in cutlass.range_constexpr(self.slots_per_wg):
-                s = wg * self.slots_per_wg + i
-                valid, q_b, out_b, row_block = self.slot_info(s, info, mCand)
-                if valid:
-                    gO = cute.local_tile(mO[None, None, info.head, out_b], (r, d), (row_block, 0))
-                    sO_s = cute.local_tile(sO, (r, d), (s, 0))
-                    tOsO_s, tOgO = cpasync.tma_partition(
-                        tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO_s, 0, 2), cute.group_modes(gO, 0, 2))
-                    cute.copy(tma_atom_O, tOsO_s, tOgO)
+            if const_expr(self.flat_path):
+                if info.flat and info.n_valid >= (wg + 1) * 64:
+                    gO = cute.local_tile(cute.domain_offset((info.q_coord + wg * 64, 0), mOf[None, None, info.head]),
+                                         (64, d), (0, 0))
+                    sO_h = cute.local_tile(sO, (64, d), (wg, 0))
+                    tOsO_h, tOgO = cpasync.tma_partition(
+                        tma_atom_Of, 0, cute.make_layout(1), cute.group_modes(sO_h, 0, 2), cute.group_modes(gO, 0, 2))
+                    cute.copy(tma_atom_Of, tOsO_h, tOgO)
+                else:
+                    self.store_o_slots(info, tma_atom_O, mO, sO, mCand, wg)
+            else:
+                self.store_o_slots(info, tma_atom_O, mO, sO, mCand, wg)
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def store_o_slots(self, info: TileInfo, tma_atom_O, mO, sO, mCand, wg: Int32):
+        """One TMA store per stored slot of warpgroup wg's rows of sO (a loop as in load_q_slots)."""
+        if const_expr(self.slots_per_wg <= 8):
+            for i in cutlass.range_constexpr(self.slots_per_wg):
+                self.store_o_slot(wg * self.slots_per_wg + i, info, tma_atom_O, mO, sO, mCand)
+        else:
+            for i in cutlass.range(self.slots_per_wg, unroll=1):
+                self.store_o_slot(wg * self.slots_per_wg + i, info, tma_atom_O, mO, sO, mCand)
+
+    @cute.jit
+    def store_o_slot(self, s, info: TileInfo, tma_atom_O, mO, sO, mCand):
+        d, r = self.head_dim, self.slot_rows
+        valid, q_b, out_b, row_block = self.slot_info(s, info, mCand)
+        if valid:
+            gO = cute.local_tile(mO[None, None, info.head, out_b], (r, d), (row_block, 0))
+            sO_s = cute.local_tile(sO, (r, d), (s, 0))
+            tOsO_s, tOgO = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO_s, 0, 2), cute.group_modes(gO, 0, 2))
+            cute.copy(tma_atom_O, tOsO_s, tOgO)

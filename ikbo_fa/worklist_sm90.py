@@ -2,8 +2,9 @@
 
 Produces exactly what :func:`ikbo_fa.worklist.kv_worklist` produces (the
 torch reference), except that the order of candidates within a user is not
-fixed: ``order`` [B], ``cand_start`` [U + 2] and ``tile_start`` [U + 2]
-(int32), with the out-of-range indices in group U.
+fixed unless idx is grouped already: ``order`` [B], ``cand_start`` [U + 2],
+``tile_start`` [U + 2] and ``grouped`` [1] (int32), with the out-of-range
+indices in group U.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from cutlass import Int32, Uint32, const_expr
 
 from cute_kernels.compile import compile_kernel, kernel_cache
 from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
+
+from .worklist import TILE_ROWS
 
 FULL_MASK = 0xFFFFFFFF
 
@@ -29,14 +32,17 @@ class KvWorklistSm90:
       2. histogram: each thread reads ``UNROLL`` indices at a stride of 1024
          (loads in flight together); lanes of a warp with the same group are
          matched (match.any) and their lowest lane adds the group's count with
-         one shared-memory atomic;
+         one shared-memory atomic; a thread that sees a group key below the one
+         before it marks idx as not grouped (one shared flag);
       3. scan: each thread sums a contiguous run of groups (candidates, and
          tiles as in ``kv_worklist``); a CTA-wide exclusive scan of the two
          sums (warp shuffles, then one warp over the 32 warp totals) gives each
          run's offsets; the run is walked again writing cand_start /
          tile_start and resetting each counter to its group's first position;
-      4. scatter: as in 2, the lowest lane claims consecutive slots for its
-         peers with one atomic; the peers write their candidate indices to
+      4. scatter: idx grouped already: ``order`` is 0, 1, ..., B - 1 (the stable
+         order, which lets the attention kernel load a tile's query rows in one
+         box). Otherwise, as in 2, the lowest lane claims consecutive slots for
+         its peers with one atomic; the peers write their candidate indices to
          ``order`` in lane order. Warps claim in whatever order their atomics
          land, so the order within a user can change from run to run (the
          attention result does not depend on it).
@@ -60,23 +66,24 @@ class KvWorklistSm90:
         mOrder: cute.Tensor,  # [B] int32
         mCandStart: cute.Tensor,  # [U + 2] int32
         mTileStart: cute.Tensor,  # [U + 2] int32
+        mGrouped: cute.Tensor,  # [1] int32
         n_users: Int32,
-        cands_per_tile: Int32,
-        chunks: Int32,
+        rows_per_cand: Int32,
         stream,
     ):
         @cute.struct
         class SharedStorage:
             hist: cute.struct.Align[cute.struct.MemRange[Int32, self.CAPACITY], 16]
             scan: cute.struct.MemRange[Int32, 64]
+            descents: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
-        self.kernel(mIdx, mOrder, mCandStart, mTileStart, n_users, cands_per_tile, chunks).launch(
+        self.kernel(mIdx, mOrder, mCandStart, mTileStart, mGrouped, n_users, rows_per_cand).launch(
             grid=[1, 1, 1], block=[self.NUM_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mIdx: cute.Tensor, mOrder: cute.Tensor, mCandStart: cute.Tensor, mTileStart: cute.Tensor,
-               n_users: Int32, cands_per_tile: Int32, chunks: Int32):
+               mGrouped: cute.Tensor, n_users: Int32, rows_per_cand: Int32):
         # The attention kernel that follows is launched with programmatic dependent launch:
         # let it start its prologue now (it waits for this grid to finish before reading).
         cute.arch.griddepcontrol_launch_dependents()
@@ -88,14 +95,17 @@ class KvWorklistSm90:
         storage = smem.allocate(self.shared_storage)
         sHist = storage.hist.get_tensor(cute.make_layout(self.CAPACITY))
         sScan = storage.scan.get_tensor(cute.make_layout(64))
+        sDescents = storage.descents.get_tensor(cute.make_layout(1))
         n_cand = Int32(mIdx.shape[0])
         n_groups = n_users + 1
 
         for g in cutlass.range(tidx, n_groups, nt):
             sHist[g] = Int32(0)
+        if tidx == 0:
+            sDescents[0] = Int32(0)
         cute.arch.sync_threads()
 
-        self.sweep(mIdx, mOrder, sHist, n_cand, n_users, tidx, lane, scatter=False)
+        self.sweep(mIdx, mOrder, sHist, sDescents, n_cand, n_users, tidx, lane, scatter=False)
         cute.arch.sync_threads()
 
         # Contiguous run of groups per thread.
@@ -107,7 +117,7 @@ class KvWorklistSm90:
         for g in cutlass.range(lo, hi, 1):
             c = sHist[g]
             c_sum += c
-            t_sum += _tiles(c, cands_per_tile, chunks)
+            t_sum += _tiles(c, rows_per_cand)
         c_inc = _warp_inclusive_sum(c_sum, lane)
         t_inc = _warp_inclusive_sum(t_sum, lane)
         if lane == 31:
@@ -130,17 +140,26 @@ class KvWorklistSm90:
             mTileStart[g] = t_off
             sHist[g] = c_off
             c_off += c
-            t_off += _tiles(c, cands_per_tile, chunks)
+            t_off += _tiles(c, rows_per_cand)
         if tidx == nt - 1:
             mCandStart[n_groups] = c_off
             mTileStart[n_groups] = t_off
+        grouped = sDescents[0] == 0  # written before the barriers above, read after
+        if tidx == 0:
+            mGrouped[0] = Int32(1) if grouped else Int32(0)
         cute.arch.sync_threads()
 
-        self.sweep(mIdx, mOrder, sHist, n_cand, n_users, tidx, lane, scatter=True)
+        if grouped:
+            for i in cutlass.range(tidx, n_cand, nt):
+                mOrder[i] = i
+        else:
+            self.sweep(mIdx, mOrder, sHist, sDescents, n_cand, n_users, tidx, lane, scatter=True)
 
     @cute.jit
-    def sweep(self, mIdx, mOrder, sHist, n_cand: Int32, n_users: Int32, tidx, lane, scatter: cutlass.Constexpr):
-        """Histogram (scatter=False) or scatter pass over all indices."""
+    def sweep(self, mIdx, mOrder, sHist, sDescents, n_cand: Int32, n_users: Int32, tidx, lane,
+              scatter: cutlass.Constexpr):
+        """Histogram (scatter=False; it also flags a key below its predecessor's) or scatter pass
+        over all indices."""
         nt = self.NUM_THREADS
         step = nt * self.UNROLL
         below = cute.arch.lanemask_lt()
@@ -150,10 +169,11 @@ class KvWorklistSm90:
                 i = base + j * nt + tidx
                 key = Int32(-1)  # lanes past the end: a group of their own, never counted
                 if i < n_cand:
-                    v = mIdx[i]
-                    key = n_users
-                    if v >= 0 and v < n_users:
-                        key = Int32(v)
+                    key = _group_key(mIdx[i], n_users)
+                    if const_expr(not scatter):
+                        if i > 0:
+                            if key < _group_key(mIdx[i - 1], n_users):
+                                sDescents[0] = Int32(1)
                 keys[j] = key
             for j in cutlass.range_constexpr(self.UNROLL):
                 key = keys[j]
@@ -175,12 +195,18 @@ class KvWorklistSm90:
 
 
 @cute.jit
-def _tiles(count: Int32, cands_per_tile: Int32, chunks: Int32) -> Int32:
-    """Tiles of a group: candidates share tiles, or (chunks > 1) each spans ``chunks`` tiles."""
-    tiles = (count + cands_per_tile - 1) // cands_per_tile
-    if chunks > 1:
-        tiles = count * chunks
-    return tiles
+def _group_key(v, n_users: Int32) -> Int32:
+    """A candidate's group: its user, or U for an index out of range."""
+    key = n_users
+    if v >= 0 and v < n_users:
+        key = Int32(v)
+    return key
+
+
+@cute.jit
+def _tiles(count: Int32, rows_per_cand: Int32) -> Int32:
+    """Tiles of a group: its candidates' query rows, one run cut into TILE_ROWS-row tiles."""
+    return (count * rows_per_cand + TILE_ROWS - 1) // TILE_ROWS
 
 
 @cute.jit
@@ -200,7 +226,7 @@ def compile_worklist(idx_dtype, keep_ptx: bool = False, ptxas_report: bool = Fal
         fake_tensor(Int32, (None,), align=4),
         fake_tensor(Int32, (None,), align=4),
         fake_tensor(Int32, (None,), align=4),
-        Int32(1),
+        fake_tensor(Int32, (1,), align=4),
         Int32(1),
         Int32(1),
         fake_stream(),
@@ -216,21 +242,21 @@ def fits(num_users: int) -> bool:
 def worklist_kernel(idx_dtype):
     """The compiled kernel for ``idx_dtype`` (torch.int32 or torch.int64), compiled at first use.
 
-    Call: ``fn(idx, order, cand_start, tile_start, num_users, cands_per_tile, chunks_per_cand)``
-    with contiguous int32 outputs of B, U + 2 and U + 2 entries, on the current stream.
+    Call: ``fn(idx, order, cand_start, tile_start, grouped, num_users, rows_per_cand)`` with
+    contiguous int32 outputs of B, U + 2, U + 2 and 1 entries, on the current stream.
     """
     return kernel_cache.get(
         ("ikbo_fa.worklist_sm90", idx_dtype), lambda: compile_worklist(idx_dtype), package="ikbo_fa"
     )
 
 
-def kv_worklist_sm90(idx, num_users: int, cands_per_tile: int, chunks_per_cand: int):
+def kv_worklist_sm90(idx, num_users: int, rows_per_cand: int):
     """One-launch equivalent of :func:`ikbo_fa.worklist.kv_worklist` (idx contiguous, on an sm_90 GPU);
-    -> (order, cand_start, tile_start) views of one int32 buffer."""
+    -> (order, cand_start, tile_start, grouped) views of one int32 buffer."""
     if not fits(num_users):
         raise ValueError(f"{num_users} users exceed the work-list kernel's {KvWorklistSm90.CAPACITY - 1}")
     b = idx.shape[0]
-    buf = torch.empty(b + 2 * (num_users + 2), dtype=torch.int32, device=idx.device)
-    order, cand_start, tile_start = buf.split([b, num_users + 2, num_users + 2])
-    worklist_kernel(idx.dtype).fn(idx, order, cand_start, tile_start, num_users, cands_per_tile, chunks_per_cand)
-    return order, cand_start, tile_start
+    buf = torch.empty(b + 2 * (num_users + 2) + 1, dtype=torch.int32, device=idx.device)
+    order, cand_start, tile_start, grouped = buf.split([b, num_users + 2, num_users + 2, 1])
+    worklist_kernel(idx.dtype).fn(idx, order, cand_start, tile_start, grouped, num_users, rows_per_cand)
+    return order, cand_start, tile_start, grouped

@@ -766,18 +766,22 @@ def time_checked(timed: dict, rows: list, *, warmup: int, rep: int, rotate: Opti
 
     ``timed``: name -> (row, fn(x)). interleaved: in turns (``bench_interleaved``), the row's
     "ms". sustained: each alone, one after another (``sustained`` for ``seconds`` after
-    ``warm_s``), the row's "ms_sustained", "W", "MHz", "power_capped" and "mJ". both: the two,
-    interleaved first. A provider whose call fails gets its row marked by ``record_failure`` and
-    is left out. Returns the providers timed in every mode asked for."""
+    ``warm_s``), the row's "ms_sustained", "W", "MHz", "power_capped" and "mJ". graph: replays
+    of one CUDA graph per provider holding a call per input set, in turns
+    (``bench_graph_interleaved``), the row's "ms_graph"; a provider that cannot be captured
+    gets a note instead. both: interleaved, then sustained; all: the three. A provider whose
+    call fails gets its row marked by ``record_failure`` and is left out. Returns the providers
+    timed in every mode asked for."""
     done = dict(timed)
-    if timing in ("interleaved", "both"):
+    modes = timing_modes(timing)
+    if "interleaved" in modes:
         times = bench_interleaved({n: fn for n, (_, fn) in done.items()}, warmup=warmup, rep=rep, rotate=rotate)
         for name, ms in times.items():
             if isinstance(ms, BaseException):
                 record_failure(done.pop(name)[0], ms, rows, device)
             else:
                 done[name][0]["ms"] = ms
-    if timing in ("sustained", "both"):
+    if "sustained" in modes:
         for name, (row, fn) in list(done.items()):
             try:
                 r = sustained(fn, seconds, warm_s=warm_s, rotate=rotate, device=device)
@@ -785,6 +789,15 @@ def time_checked(timed: dict, rows: list, *, warmup: int, rep: int, rotate: Opti
                 record_failure(done.pop(name)[0], e, rows, device)
                 continue
             row.update(ms_sustained=r["ms"], W=r["W"], MHz=r["MHz"], power_capped=r["power_capped"], mJ=r["mJ"])
+    if "graph" in modes:
+        times = bench_graph_interleaved({n: fn for n, (_, fn) in done.items()}, warmup=warmup, rep=rep,
+                                        rotate=rotate)
+        for name, ms in times.items():
+            row = done[name][0]
+            if ms is None:
+                row["note"] = "; ".join(filter(None, [row.get("note"), "could not be captured in a CUDA graph"]))
+            else:
+                row["ms_graph"] = ms
     return done
 
 
@@ -834,8 +847,8 @@ def reset_compiled() -> None:
 
 # --------------------------------------------------------------------------- timing modes
 
-TIMINGS = ("interleaved", "sustained", "both")
-SUFFIX = {"interleaved": "", "sustained": "_sustained"}  # of a mode's row fields
+TIMINGS = ("interleaved", "sustained", "graph", "both", "all")
+SUFFIX = {"interleaved": "", "sustained": "_sustained", "graph": "_graph"}  # of a mode's row fields
 SUSTAINED_FIELDS = ["W", "MHz"]  # printed on sustained lines
 
 
@@ -848,8 +861,10 @@ def check_provider_names(parser: argparse.ArgumentParser, chosen: Optional[Seque
 
 def add_timing_args(parser: argparse.ArgumentParser, default: str = "interleaved") -> None:
     parser.add_argument("--timing", choices=TIMINGS, default=default,
-                        help="interleaved: providers in turns, one call each per round; sustained: each "
-                             "alone, back to back, at the power limit; both (default: %(default)s)")
+                        help="interleaved: providers in turns, one call each per round (host time "
+                             "included where it exceeds the GPU's); sustained: each alone, back to back, at "
+                             "the power limit; graph: replays of a CUDA graph of each, in turns (no host "
+                             "time); both: interleaved and sustained; all: the three (default: %(default)s)")
     parser.add_argument("--sustained-warmup-s", type=float, default=2.0,
                         help="sustained: seconds back to back before timing (default: %(default)s)")
     parser.add_argument("--sustained-s", type=float, default=1.0,
@@ -857,11 +872,11 @@ def add_timing_args(parser: argparse.ArgumentParser, default: str = "interleaved
 
 
 def timing_modes(timing: str) -> list:
-    return ["interleaved", "sustained"] if timing == "both" else [timing]
+    return {"both": ["interleaved", "sustained"], "all": ["interleaved", "sustained", "graph"]}.get(timing, [timing])
 
 
 def mode_suffixes(timing: str) -> list:
-    """Suffixes of the row fields of each mode ``timing`` measures ("" and "_sustained")."""
+    """Suffixes of the row fields of each mode ``timing`` measures ("", "_sustained", "_graph")."""
     return [SUFFIX[m] for m in timing_modes(timing)]
 
 
@@ -883,8 +898,8 @@ def mode_lines(rows: list, columns: list, timed_columns: list, timing: str) -> t
     Sustained lines carry W and MHz, and then a "timing" column names each line's mode."""
     modes = timing_modes(timing)
     cols = list(columns) + list(timed_columns)
-    if "sustained" in modes:
-        cols = list(columns) + ["timing"] + list(timed_columns) + SUSTAINED_FIELDS
+    if len(modes) > 1 or "sustained" in modes:
+        cols = list(columns) + ["timing"] + list(timed_columns) + (SUSTAINED_FIELDS if "sustained" in modes else [])
     lines = []
     for r in rows:
         for k, mode in enumerate(modes):

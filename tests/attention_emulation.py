@@ -9,7 +9,7 @@ import torch
 
 from cute_kernels.plans import PlanCache
 from ikbo_fa.checks import LOG2E
-from ikbo_fa.reference import naive_attention
+from ikbo_fa.reference import jagged_rows, naive_attention
 from ikbo_fa.worklist import kv_worklist
 
 attention_mod = importlib.import_module("ikbo_fa.attention")  # the module, not the function
@@ -27,22 +27,29 @@ class EmulatedKernels:
         self.builds = []
         self.hooks = []
 
-    def worklist(self, idx, order, cand_start, tile_start, n_users, per_tile, chunks):
+    def worklist(self, idx, order, cand_start, tile_start, grouped, n_users, rows_per_cand):
         for hook in self.hooks:
             hook("worklist")
         self.worklist_calls += 1
-        for t, n in ((order, idx.shape[0]), (cand_start, n_users + 2), (tile_start, n_users + 2)):
+        for t, n in ((order, idx.shape[0]), (cand_start, n_users + 2), (tile_start, n_users + 2), (grouped, 1)):
             assert t.dtype == torch.int32 and t.is_contiguous() and t.shape == (n,)
         assert idx.is_contiguous()
-        ref = kv_worklist(idx, n_users, per_tile, chunks)
-        for t, r in zip((order, cand_start, tile_start), ref):
+        ref = kv_worklist(idx, n_users, rows_per_cand)
+        for t, r in zip((order, cand_start, tile_start, grouped), ref):
             t.copy_(r)
 
-    def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, scale_log2, scale, n_ctas):
+    def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, grouped, offsets, scale_log2, scale,
+            n_ctas, q_flat, max_keys):
         for hook in self.hooks:
             hook("fwd")
-        self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k, out=out))
+        self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k, out=out,
+                                   grouped=grouped, q_flat=q_flat, offsets=offsets, max_keys=max_keys))
         assert scale_log2 == pytest.approx(scale * LOG2E)
+        assert q_flat in (0, 1)
+        if q_flat and q.shape[1] > 1:  # the one-box path reads q and out as B * S_q rows
+            assert q.stride(0) == q.shape[1] * q.stride(1) and out.stride(0) == out.shape[1] * out.stride(1)
+        if grouped is not None:
+            assert grouped.shape == (1,) and (int(grouped) == 0 or cand.tolist() == list(range(len(cand))))
         assert scale > 0  # the kernel's running max assumes it
         assert cand.dtype == torch.int32 and cand.is_contiguous() and 1 <= n_ctas <= 132
         # What the TMA descriptors need (the launcher checks no stride of a size-1 dim).
@@ -50,12 +57,16 @@ class EmulatedKernels:
             assert t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]), t.stride()
             assert t.data_ptr() % 16 == 0
         L = k.shape[1]
+        rows = None
+        if offsets is not None:  # jagged: one packed batch row, int32 offsets the kernel clamps
+            assert k.shape[0] == 1 and offsets.dtype == torch.int32 and offsets.is_contiguous()
+            rows = jagged_rows(offsets, L, max_keys)
         if kvl is not None:
             assert kvl.dtype == torch.int32 and kvl.is_contiguous()
             assert ((kvl >= 0) & (kvl <= L)).all()
         B = out.shape[0]
         if cand_start is not None:  # KV broadcast: groups of the work list
-            U = k.shape[0]
+            U = k.shape[0] if rows is None else offsets.shape[0] - 1
             assert cand_start.shape == (U + 2,) and tile_start.shape == (U + 2,)
             assert sorted(cand.tolist()) == list(range(B)) and int(cand_start[-1]) == B
             runs = [(cand[cand_start[u]:cand_start[u + 1]].long(), u) for u in range(U + 1)]
@@ -65,7 +76,7 @@ class EmulatedKernels:
             if len(members) == 0:
                 continue
             if cand_start is not None:
-                bad = r == k.shape[0]
+                bad = r == U
                 qs = q[members]
                 ks, vs = (k[:1], v[:1]) if bad else (k[r:r + 1], v[r:r + 1])
             else:
@@ -74,9 +85,13 @@ class EmulatedKernels:
                 qs = q[0:1] if bad else q[c:c + 1]
                 ks, vs = k[r:r + 1], v[r:r + 1]
             n = len(members)
+            lengths = None if kvl is None else kvl[r if not bad else 0].expand(n)
+            if rows is not None:
+                start, length = (int(t[0 if bad else r]) for t in rows)
+                ks, vs = k[:, start:start + max(length, 1)], v[:, start:start + max(length, 1)]
+                lengths = torch.full((n,), length)
             ks = ks.expand(n, *ks.shape[1:])
             vs = vs.expand(n, *vs.shape[1:])
-            lengths = None if kvl is None else kvl[r if not bad else 0].expand(n)
             o, l = naive_attention(qs.float(), ks.float(), vs.float(), scale, lengths)
             if bad:
                 o.fill_(float("nan"))

@@ -37,3 +37,45 @@ def materialize(q, k, v, idx, direction, lengths):
     if direction == "kv":
         return q, k[idx], v[idx], (None if lengths is None else lengths[idx])
     return q[idx], k, v, lengths
+
+
+def random_jagged_problem(seed, direction, B, U, S_q, H, H_kv, D, lengths, dtype, *, packed=False,
+                          offsets_dtype=torch.int32, device="cpu"):
+    """q, kv (packed [total_L, 2, H_kv, D] or (k, v) [total_L, H_kv, D]), k, v, idx (int64, every
+    user used, in random order), kv_offsets [R + 1] of ``offsets_dtype``.
+
+    ``lengths`` gives each K/V row's keys: R = U entries for direction "kv", B for "q"."""
+    n_q, n_kv = (B, U) if direction == "kv" else (U, B)
+    lengths = [int(n) for n in lengths]
+    assert len(lengths) == n_kv, (len(lengths), n_kv)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, U, (B,), generator=g)
+    idx[torch.randperm(B, generator=g)[: min(B, U)]] = torch.arange(min(B, U))  # every user appears
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    total = int(offsets[-1])
+    q = torch.randn(n_q, S_q, H, D, generator=g).to(dtype=dtype, device=device)
+    if packed:
+        kv = torch.randn(total, 2, H_kv, D, generator=g).to(dtype=dtype, device=device)
+        k, v = kv[:, 0], kv[:, 1]
+    else:
+        k = torch.randn(total, H_kv, D, generator=g).to(dtype=dtype, device=device)
+        v = torch.randn(total, H_kv, D, generator=g).to(dtype=dtype, device=device)
+        kv = (k, v)
+    return q, kv, k, v, idx.to(device), offsets.to(dtype=offsets_dtype, device=device)
+
+
+def jagged_to_padded(k, v, kv_offsets, fill=float("nan")):
+    """Jagged k, v [total_L, H_kv, D] with (valid) kv_offsets [R + 1] as the padded layout:
+    k, v [R, L, H_kv, D] (L the longest row, at least 1) with every key past a row's length set
+    to ``fill`` (NaN: a result that is finite read none of it), and kv_lengths [R] (int64)."""
+    off = kv_offsets.long().cpu()
+    lengths = off[1:] - off[:-1]
+    assert int(off[0]) == 0 and bool((lengths >= 0).all()) and int(off[-1]) <= k.shape[0]
+    R, L = len(lengths), max(1, int(lengths.max()))
+    k_pad = k.new_full((R, L, *k.shape[1:]), fill)
+    v_pad = v.new_full((R, L, *v.shape[1:]), fill)
+    for r in range(R):
+        a, b = int(off[r]), int(off[r + 1])
+        k_pad[r, : b - a] = k[a:b]
+        v_pad[r, : b - a] = v[a:b]
+    return k_pad, v_pad, lengths.to(k.device)

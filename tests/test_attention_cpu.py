@@ -351,4 +351,34 @@ def test_gpu_path_large_sq_chunks(emulated):
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
     plan = next(iter(attention_mod._plans.values()))
-    assert plan.chunks == 2 and plan.cands_per_tile == 1 and plan.config.s_q == 130
+    assert plan.rows_per_cand == 130 and plan.config.s_q == 130
+
+
+@pytest.mark.parametrize("direction", ["kv", "q"])
+@pytest.mark.parametrize("offsets_dtype, packed, validate", [(torch.int32, False, True), (torch.int64, True, False)])
+def test_gpu_path_jagged(emulated, direction, offsets_dtype, packed, validate):
+    """Jagged K/V reach the kernel as one packed batch row with int32 offsets and the length hint."""
+    from attention_inputs import random_jagged_problem
+
+    B, U = 11, 4
+    lengths = [0, 5, 1, 9] if direction == "kv" else [3, 0, 7, 1, 2, 9, 4, 1, 1, 5, 6]
+    q, kv, k, v, idx, offsets = random_jagged_problem(41, direction, B, U, 3, 2, 1, 64, lengths, torch.bfloat16,
+                                                      packed=packed, offsets_dtype=offsets_dtype)
+    out, lse = ikbo_fa.attention(q, kv, idx, kv_offsets=offsets, max_kv_len=9, return_lse=True, validate=validate)
+    ref, ref_lse = attention_reference(q, kv, idx, kv_offsets=offsets, return_lse=True)
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+    call = emulated.fwd_calls[-1]
+    assert call["k"].shape == (1, sum(lengths), 1, 64) and call["max_keys"] == 9
+    assert call["offsets"].dtype == torch.int32
+    if offsets_dtype == torch.int32:
+        assert call["offsets"] is offsets  # used as given: the kernel clamps
+
+
+def test_gpu_path_jagged_without_keys(emulated):
+    """Jagged K/V with no key row at all: no launch, outputs 0 and log-sum-exp -inf."""
+    q = torch.randn(3, 2, 2, 64).bfloat16()
+    k = torch.empty(0, 1, 64, dtype=torch.bfloat16)
+    out, lse = ikbo_fa.attention(q, (k, k), torch.tensor([0, 1, 0]), kv_offsets=torch.tensor([0, 0, 0]),
+                                 return_lse=True)
+    assert not emulated.fwd_calls and (out == 0).all() and torch.isneginf(lse).all()

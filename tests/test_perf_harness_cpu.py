@@ -139,6 +139,32 @@ def test_time_checked_in_each_timing_mode(monkeypatch):
     assert all("ms_sustained" not in r for r in rows)
 
 
+def test_time_checked_graph_mode(monkeypatch):
+    """graph: CUDA-graph replays in turns into "ms_graph"; a provider that cannot be captured is
+    noted, not dropped. all: the three modes."""
+    calls = []
+
+    def fake_graphs(fns, **k):
+        calls.append(sorted(fns))
+        return {name: (None if name == "b" else 0.5) for name in fns}
+
+    monkeypatch.setattr(harness, "bench_graph_interleaved", fake_graphs)
+    monkeypatch.setattr(harness, "bench_interleaved", lambda fns, **k: {n: 1.0 for n in fns})
+    monkeypatch.setattr(harness, "sustained", lambda fn, seconds, **k: {"ms": 2.0, "W": 1.0, "MHz": 1.0,
+                                                                        "power_capped": False, "mJ": 1.0})
+    for timing, fields in (("graph", {"ms_graph"}), ("all", {"ms", "ms_sustained", "ms_graph"})):
+        rows = [{"provider": n, "status": "ok"} for n in "ab"]
+        timed = {r["provider"]: (r, lambda x: None) for r in rows}
+        done = harness.time_checked(timed, rows, warmup=1, rep=1, device="cpu", timing=timing)
+        assert set(done) == {"a", "b"} and fields <= set(rows[0])
+        assert "ms_graph" not in rows[1] and "CUDA graph" in rows[1]["note"]
+    assert calls == [["a", "b"], ["a", "b"]]
+    assert harness.timing_modes("all") == ["interleaved", "sustained", "graph"]
+    assert harness.mode_suffixes("graph") == ["_graph"]
+    lines, cols = harness.mode_lines([{"provider": "a", "ms": 1.0, "ms_graph": 0.5}], ["provider"], ["ms"], "graph")
+    assert cols == ["provider", "ms"] and lines == [{"provider": "a", "timing": "graph", "ms": 0.5}]
+
+
 def test_mode_lines():
     rows = [{"provider": "a", "status": "ok", "ms": 1.0, "x": 2.0, "ms_sustained": 1.5, "x_sustained": 1.8,
              "W": 700.0, "MHz": 1400.0}]

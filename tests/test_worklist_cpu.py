@@ -12,37 +12,55 @@ from ikbo_fa.worklist import kv_worklist, max_tiles_per_head
 
 def test_worklist_groups_and_counts():
     idx = torch.tensor([2, 0, 5, 2, -3, 1, 2, 0, 2, 2])
-    order, cand_start, tile_start = kv_worklist(idx, 3, 2, 1)
-    assert order.dtype == cand_start.dtype == tile_start.dtype == torch.int32
+    order, cand_start, tile_start, grouped = kv_worklist(idx, 3, 64)
+    assert order.dtype == cand_start.dtype == tile_start.dtype == grouped.dtype == torch.int32
     assert cand_start.tolist() == [0, 2, 3, 8, 10]
     assert order.tolist() == [1, 7, 5, 0, 3, 6, 8, 9, 2, 4]
-    assert tile_start.tolist() == [0, 1, 2, 5, 6]
-    assert tile_start[-1] <= max_tiles_per_head(10, 3, 2, 1)
-    _, _, tile_start = kv_worklist(idx, 3, 1, 3)
-    assert tile_start.tolist() == [0, 6, 9, 24, 30]
+    # 64 rows per candidate: two candidates per 128-row tile
+    assert tile_start.tolist() == [0, 1, 2, 5, 6] and grouped.tolist() == [0]
+    assert tile_start[-1] <= max_tiles_per_head(10, 3, 64)
+    # 200 rows: a candidate spans tiles, and two candidates share the tile between them
+    _, _, tile_start, _ = kv_worklist(idx, 3, 200)
+    assert tile_start.tolist() == [0, 4, 6, 14, 18]
+
+
+def test_worklist_grouped_idx_keeps_its_order():
+    """Grouped idx (keys never decrease, out-of-range ones last): order is 0 .. B - 1 and flagged."""
+    idx = torch.tensor([0, 0, 1, 1, 1, 3, 3, 7, -1])  # U = 4: 7 and -1 out of range, in group 4
+    order, cand_start, tile_start, grouped = kv_worklist(idx, 4, 1)
+    assert grouped.tolist() == [1] and order.tolist() == list(range(9))
+    assert cand_start.tolist() == [0, 2, 5, 5, 7, 9]
+    assert tile_start.tolist() == [0, 1, 2, 2, 3, 4]
+    _, _, _, grouped = kv_worklist(torch.tensor([0, 1, 0]), 2, 1)
+    assert grouped.tolist() == [0]
+    _, _, _, grouped = kv_worklist(torch.tensor([-1, 0]), 2, 1)  # an out-of-range index before a user
+    assert grouped.tolist() == [0]
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 def test_worklist_out_of_range_and_edges(idx_dtype):
     big = 2**40 if idx_dtype == torch.int64 else 2**31 - 1
     idx = torch.tensor([3, -1, 0, 7, big, 3, -big, 3, 1], dtype=idx_dtype)  # U = 4: 7, big, -1, -big invalid
-    order, cand_start, tile_start = kv_worklist(idx, 4, 4, 1)
+    order, cand_start, tile_start, grouped = kv_worklist(idx, 4, 32)
     assert cand_start.tolist() == [0, 1, 2, 2, 5, 9]
     assert order.tolist() == [2, 8, 0, 5, 7, 1, 3, 4, 6]
-    assert tile_start.tolist() == [0, 1, 2, 2, 3, 4]
+    assert tile_start.tolist() == [0, 1, 2, 2, 3, 4] and grouped.tolist() == [0]
     # One user, one candidate.
-    order, cand_start, tile_start = kv_worklist(torch.tensor([0], dtype=idx_dtype), 1, 8, 1)
+    order, cand_start, tile_start, grouped = kv_worklist(torch.tensor([0], dtype=idx_dtype), 1, 1)
     assert order.tolist() == [0] and cand_start.tolist() == [0, 1, 1] and tile_start.tolist() == [0, 1, 1]
-    order, cand_start, tile_start = kv_worklist(torch.tensor([5], dtype=idx_dtype), 1, 1, 2)
+    assert grouped.tolist() == [1]
+    order, cand_start, tile_start, _ = kv_worklist(torch.tensor([5], dtype=idx_dtype), 1, 256)
     assert order.tolist() == [0] and cand_start.tolist() == [0, 0, 1] and tile_start.tolist() == [0, 0, 2]
 
 
-@pytest.mark.parametrize("U, B, per_tile, chunks", [(37, 500, 4, 1), (1, 300, 16, 1), (10_000, 1000, 2, 1),
-                                                    (5, 77, 1, 3)])
-def test_worklist_random_against_python(U, B, per_tile, chunks):
+@pytest.mark.parametrize("U, B, rows, sort", [(37, 500, 16, False), (1, 300, 8, False), (10_000, 1000, 64, False),
+                                             (5, 77, 300, False), (6, 1000, 1, True), (30, 2000, 17, True)])
+def test_worklist_random_against_python(U, B, rows, sort):
     g = torch.Generator().manual_seed(U + B)
     idx = torch.randint(-5, U + 5, (B,), generator=g)
-    order, cand_start, tile_start = kv_worklist(idx, U, per_tile, chunks)
+    if sort:
+        idx = torch.remainder(idx.clamp(-1, U), U + 1).sort().values
+    order, cand_start, tile_start, grouped = kv_worklist(idx, U, rows)
     groups = [[] for _ in range(U + 1)]  # the users' candidates in order, then the out-of-range ones
     for b, i in enumerate(idx.tolist()):
         groups[i if 0 <= i < U else U].append(b)
@@ -50,10 +68,11 @@ def test_worklist_random_against_python(U, B, per_tile, chunks):
     tiles = [0]
     for grp in groups:
         starts.append(starts[-1] + len(grp))
-        tiles.append(tiles[-1] + (len(grp) * chunks if chunks > 1 else -(-len(grp) // per_tile)))
+        tiles.append(tiles[-1] + -(-len(grp) * rows // 128))
     assert cand_start.tolist() == starts and tile_start.tolist() == tiles
     assert order.tolist() == [b for grp in groups for b in grp]
-    assert tile_start[-1] <= max_tiles_per_head(B, U, per_tile, chunks)
+    assert grouped.tolist() == [int(sort)]
+    assert tile_start[-1] <= max_tiles_per_head(B, U, rows)
 
 
 @pytest.mark.parametrize("kernel_flag, fits, uses_kernel", [(True, True, True), (False, True, False),

@@ -29,82 +29,92 @@ def _random_idx(B, U, dtype, seed, bad_fraction=0.05):
     return idx.to(dtype).cuda()
 
 
-def _check_against_reference(idx, U, per_tile, chunks):
+def _check_against_reference(idx, U, rows):
     B = idx.shape[0]
     kernel = worklist_kernel(idx.dtype).fn
-    buf = torch.full((B + 2 * (U + 2),), POISON, dtype=torch.int32, device="cuda")
-    order, cand_start, tile_start = buf.split_with_sizes([B, U + 2, U + 2])
-    kernel(idx, order, cand_start, tile_start, U, per_tile, chunks)
-    ref_order, ref_cand_start, ref_tile_start = kv_worklist(idx, U, per_tile, chunks)
+    buf = torch.full((B + 2 * (U + 2) + 1,), POISON, dtype=torch.int32, device="cuda")
+    order, cand_start, tile_start, grouped = buf.split_with_sizes([B, U + 2, U + 2, 1])
+    kernel(idx, order, cand_start, tile_start, grouped, U, rows)
+    ref_order, ref_cand_start, ref_tile_start, ref_grouped = kv_worklist(idx, U, rows)
     torch.testing.assert_close(cand_start, ref_cand_start, rtol=0, atol=0)
     torch.testing.assert_close(tile_start, ref_tile_start, rtol=0, atol=0)
+    torch.testing.assert_close(grouped, ref_grouped, rtol=0, atol=0)
+    if int(grouped):  # grouped idx: the stable order, exactly
+        torch.testing.assert_close(order, ref_order, rtol=0, atol=0)
     # order: a permutation of 0..B-1 whose group keys run like the reference's (any order within a group).
     assert torch.equal(torch.sort(order).values, torch.arange(B, dtype=torch.int32, device="cuda"))
     key = torch.where((idx >= 0) & (idx < U), idx, torch.full_like(idx, U))
     assert torch.equal(key[order.long()], key[ref_order.long()])
-    assert int(tile_start[-1]) <= max_tiles_per_head(B, U, per_tile, chunks)
+    assert int(tile_start[-1]) <= max_tiles_per_head(B, U, rows)
 
 
 CASES = [
-    # B, U, cands_per_tile, chunks
-    (1, 1, 16, 1),
-    (1, 7, 2, 1),
-    (5, 1, 1, 3),
-    (2048, 200, 16, 1),
-    (2048, 2048, 8, 1),
-    (3000, 1, 16, 1),  # every candidate in one group: the warp-aggregated atomics
-    (10_000, 1000, 4, 1),
-    (4097, 33, 1, 2),
-    (1000, 10, 4, 3),  # chunks > 1 ignores cands_per_tile, as in the reference
-    (100_000, KvWorklistSm90.CAPACITY - 1, 16, 1),  # the largest U in shared memory
-    (1_000_000, 50_000, 16, 1),
-    (1_000_003, 7, 2, 1),
+    # B, U, query rows per candidate
+    (1, 1, 8),
+    (1, 7, 64),
+    (5, 1, 384),
+    (2048, 200, 8),
+    (2048, 2048, 16),
+    (3000, 1, 8),  # every candidate in one group: the warp-aggregated atomics
+    (10_000, 1000, 1),
+    (4097, 33, 129),
+    (1000, 10, 17),
+    (100_000, KvWorklistSm90.CAPACITY - 1, 8),  # the largest U in shared memory
+    (1_000_000, 50_000, 8),
+    (1_000_003, 7, 64),
 ]
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_worklist_kernel_matches_reference(case, idx_dtype):
-    B, U, per_tile, chunks = case
+    B, U, rows = case
     idx = _random_idx(B, U, idx_dtype, seed=B + U)
-    _check_against_reference(idx, U, per_tile, chunks)
+    _check_against_reference(idx, U, rows)
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 def test_worklist_kernel_all_out_of_range_and_sorted(idx_dtype):
     U = 9
     idx = torch.tensor([-1, U, -5, U + 1] * 300, dtype=idx_dtype, device="cuda")
-    _check_against_reference(idx, U, 16, 1)
+    _check_against_reference(idx, U, 8)  # all in group U: grouped
     idx = torch.arange(0, 5000, device="cuda", dtype=idx_dtype) // 25  # sorted, U = 200
-    _check_against_reference(idx, 200, 8, 1)
+    _check_against_reference(idx, 200, 1)
+    big = torch.arange(0, 300_000, device="cuda", dtype=idx_dtype) // 7  # sorted, many sweeps
+    _check_against_reference(big, 300_000 // 7 + 1, 3)
+    big[150_001] = 0  # one descent, deep inside: not grouped
+    _check_against_reference(big, 300_000 // 7 + 1, 3)
 
 
 def test_worklist_kernel_wrapper_and_capacity():
     idx = _random_idx(777, 12, torch.int32, seed=3)
-    order, cand_start, tile_start = kv_worklist_sm90(idx, 12, 4, 1)
-    ref = kv_worklist(idx, 12, 4, 1)
+    order, cand_start, tile_start, grouped = kv_worklist_sm90(idx, 12, 32)
+    ref = kv_worklist(idx, 12, 32)
     torch.testing.assert_close(cand_start, ref[1], rtol=0, atol=0)
     torch.testing.assert_close(tile_start, ref[2], rtol=0, atol=0)
+    assert int(grouped) == 0
     assert fits(KvWorklistSm90.CAPACITY - 1) and not fits(KvWorklistSm90.CAPACITY)
     with pytest.raises(ValueError, match="users exceed"):
-        kv_worklist_sm90(idx, KvWorklistSm90.CAPACITY, 4, 1)
+        kv_worklist_sm90(idx, KvWorklistSm90.CAPACITY, 32)
 
 
 def test_worklist_kernel_is_graph_capturable():
     idx = _random_idx(4096, 100, torch.int64, seed=5)
-    kv_worklist_sm90(idx, 100, 16, 1)  # compile outside the capture
+    kv_worklist_sm90(idx, 100, 8)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        order, cand_start, tile_start = kv_worklist_sm90(idx, 100, 16, 1)
+        order, cand_start, tile_start, grouped = kv_worklist_sm90(idx, 100, 8)
     torch.cuda.current_stream().wait_stream(stream)
-    idx.copy_(_random_idx(4096, 100, torch.int64, seed=6))
-    graph.replay()
-    torch.cuda.synchronize()
-    ref = kv_worklist(idx, 100, 16, 1)
-    torch.testing.assert_close(cand_start, ref[1], rtol=0, atol=0)
-    torch.testing.assert_close(tile_start, ref[2], rtol=0, atol=0)
+    for new in (_random_idx(4096, 100, torch.int64, seed=6), torch.arange(4096, device="cuda") // 41):
+        idx.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = kv_worklist(idx, 100, 8)
+        torch.testing.assert_close(cand_start, ref[1], rtol=0, atol=0)
+        torch.testing.assert_close(tile_start, ref[2], rtol=0, atol=0)
+        torch.testing.assert_close(grouped, ref[3], rtol=0, atol=0)
 
 
 # Attention with the kernel's work list equals attention with the torch work list, bit for bit
