@@ -55,15 +55,34 @@ def step(n: Node, axes: Axes, sizes: dict) -> Optional[Axes]:
     return None
 
 
+def zero_pad_of_last(n: Node) -> bool:
+    """``n`` appends zeros to its input's last dim (``constant_pad_nd(t, [0, p])``, value 0):
+    Inductor's alignment padding of a matmul's reduction dim on the GPU. A contraction over
+    that dim is the same without the padded columns."""
+    if not is_op(n, aten.constant_pad_nd, aten.pad) or len(n.args) < 2:
+        return False
+    pad = list(n.args[1])
+    if is_op(n, aten.pad):  # F.pad before decomposition: pad(t, pad, mode, value)
+        mode = n.args[2] if len(n.args) > 2 else n.kwargs.get("mode", "constant")
+        value = n.args[3] if len(n.args) > 3 else n.kwargs.get("value", None)
+        if mode != "constant":
+            return False
+        value = 0 if value is None else value
+    else:
+        value = n.args[2] if len(n.args) > 2 else n.kwargs.get("value", 0)
+    return len(pad) == 2 and pad[0] == 0 and isinstance(pad[1], int) and pad[1] >= 0 and value == 0
+
+
 def follow(start: Node, axes: Axes, sizes: dict):
     """(node, axes, path) for every non-view user reached from ``start`` through views:
-    ``node`` reads the view whose axes are given, which is ``path[-1]`` (or ``start``)."""
+    ``node`` reads the view whose axes are given, which is ``path[-1]`` (or ``start``).
+    A zero padding of a last axis labelled "k" (the reduction of a linear) counts as a view."""
     out, work = [], [(start, axes, [])]
     while work:
         t, ax, path = work.pop()
         for u in t.users:
             if u.args and u.args[0] is t:
-                nxt = step(u, ax, sizes)
+                nxt = list(ax) if ax and ax[-1] == ("k",) and zero_pad_of_last(u) else step(u, ax, sizes)
                 if nxt is not None:
                     work.append((u, nxt, path + [u]))
                     continue
@@ -86,6 +105,8 @@ def weight_axes(w: Node):
     sizes = {"w0": shape(n)[0], "w1": shape(n)[1]}
     axes: Axes = [("w0",), ("w1",)]
     for c in reversed(chain):
+        if zero_pad_of_last(c) and len(axes) == 2:  # zero columns past the activation's (see follow)
+            continue
         if is_op(c, aten.expand):  # new leading dims, or size-1 dims, broadcast as a batch
             new, old = shape(c), shape(c.args[0])
             lead = len(new) - len(old)

@@ -5,6 +5,8 @@ the op's epilogue (a custom op is opaque to Inductor's fusion, so they would oth
 as kernels of their own). Enabled when ``torch.ops.ikbo_gemm.linear`` is registered."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.fx import Node
 
@@ -12,7 +14,7 @@ from .broadcast import index_node
 from .concat import check_dtypes, joined, split_concat, weight_columns
 from .context import Context
 from .contraction import read
-from .fx_utils import Builder, aten, is_op, ndim, replace, same, shape
+from .fx_utils import Builder, aten, get_attr_value, is_op, ndim, replace, same, shape
 from .layout import follow
 
 NOT_AVAILABLE = "linear: op not available (ikbo_gemm.linear is not registered)"
@@ -56,6 +58,17 @@ def _epilogue(res: Node, bias, n_out):
     return last, bias, act
 
 
+def _padded_columns(ctx: Context, con, split) -> Optional[str]:
+    """Where the concat reached the matmul zero-padded along K, the weight is wider than the
+    concat: its extra columns meet zeros, and leaving them out is exact if they are finite."""
+    w = get_attr_value(ctx.gm, con.weight.target)
+    w = w.t() if con.weight_k == "w0" else w
+    k = sum(size for _, size, _ in split.user + split.cand)
+    if w.shape[1] > k and not torch.isfinite(w[:, k:]).all():
+        return "the weight's columns past the zero-padded concat are not finite"
+    return None
+
+
 def rewrite_linear(ctx: Context) -> None:
     enabled = available()
     for cat in list(ctx.graph.nodes):
@@ -88,6 +101,10 @@ def _rewrite_one(ctx: Context, split, user: Node, act: Node, axes, enabled: bool
     bias = con.bias
     if bias is not None and not (ndim(bias) == 1 or (ndim(bias) == 2 and shape(bias)[0] == 1)):
         leave("linear: the bias varies per row")
+        return
+    why = _padded_columns(ctx, con, split)
+    if why:
+        leave(f"linear: {why}")
         return
     last, bias, activation = _epilogue(user, bias, n_out)
     b = Builder(ctx.graph, last)

@@ -69,3 +69,50 @@ def test_without_the_op_the_layer_is_left_and_reported():
     assert report.rewrites == [] and has(module, "aten.cat")
     assert "linear: op not available" in str(report)
     check_close(module(*args), model, args)
+
+
+class PaddedHead(nn.Module):
+    """The concat zero-padded along K before the matmul, as Inductor's GPU alignment padding
+    leaves it, against a weight with columns for the padding."""
+
+    def __init__(self, pad=3, extra=0.0):
+        super().__init__()
+        self.pad = pad
+        self.w = nn.Parameter(torch.randn(N_OUT, KU + KC + pad))
+        with torch.no_grad():
+            self.w[:, KU + KC:] = extra
+
+    def forward(self, user, cand, idx):
+        x = F.pad(torch.cat([user[idx], cand], dim=1), (0, self.pad))
+        return F.linear(x, self.w)
+
+
+@needs_op
+@pytest.mark.parametrize("extra", [0.0, 1.5])
+def test_a_zero_padded_concat_is_a_linear_over_it(extra):
+    model = PaddedHead(extra=extra).bfloat16().eval()
+    args = _inputs(seed=11)
+    module, report = exported(model, args)
+    assert report.kinds() == ["linear"] and report.left == [], str(report)
+    check_close(module(*args), model, args)
+
+
+@needs_op
+def test_padded_weight_columns_that_are_not_finite_are_left():
+    model = PaddedHead(extra=float("inf")).bfloat16().eval()
+    module, report = exported(model, _inputs(seed=12))
+    assert report.kinds() == [] and "not finite" in str(report), str(report)
+
+
+@needs_op
+def test_a_zero_padded_concat_after_decomposition():
+    """Through ikbo_rewrite.compile the padding reaches the pass as aten.constant_pad_nd."""
+    import ikbo_rewrite
+
+    model = PaddedHead().bfloat16().eval()
+    args = _inputs(B=40, U=2, seed=13)
+    with torch.no_grad():
+        fast = ikbo_rewrite.compile(model, dynamic=False)
+        out = fast(*args)
+    assert fast.report.kinds() == ["linear"], str(fast.report)
+    check_close(out, model, args)
