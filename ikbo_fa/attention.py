@@ -84,11 +84,10 @@ class _Plan:
     copy_k: bool
     copy_v: bool
     pair_dim: int  # the k / v dimension of packed kv
-    offsets_int32: bool  # kv_offsets is a contiguous int32 vector (the kernel clamps its values)
     total_kv: int  # key rows of jagged k / v
     idx_contiguous: bool
     idx_int32: bool
-    kvl_int32: bool  # kv_lengths is a contiguous int32 vector (usable as is once range-checked)
+    rows_int32: bool  # kv_lengths / kv_offsets is a contiguous int32 vector (usable as is once range-checked)
     out_shape: tuple
     lse_shape: tuple
     dtype: torch.dtype
@@ -98,12 +97,12 @@ class _Plan:
     rows_per_cand: int  # KV: query rows of a candidate in its user's run (S_q)
     n_ctas: int
     default_scale: float
-    # int32 work buffers, carved from one allocation: work list or idx copy, then the
-    # clamped kv_lengths (absent when the lengths are range-checked int32)
+    # int32 work buffers, carved from one allocation: work list or idx copy, then kv_lengths
+    # (clamped) or kv_offsets as int32 where the given vector cannot be used as it is
     buf_sizes: tuple
-    buf_sizes_kvl: tuple
+    buf_sizes_rows: tuple
     buf_len: int
-    buf_len_kvl: int
+    buf_len_rows: int
 
 
 _plans = PlanCache()
@@ -251,8 +250,11 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     target = store_target(out, plan.out_shape)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device) if return_lse else None
 
-    convert_kvl = kv_lengths is not None and not (validated and plan.kvl_int32)
-    sizes, n = (plan.buf_sizes_kvl, plan.buf_len_kvl) if convert_kvl else (plan.buf_sizes, plan.buf_len)
+    # The per-row vector of K/V (kv_lengths or kv_offsets) as the kernel takes it: contiguous
+    # int32, lengths clamped to [0, L] (the kernel clamps offsets itself).
+    rows = kv_lengths if kv_lengths is not None else kv_offsets
+    convert_rows = rows is not None and not (plan.rows_int32 and (validated or kv_offsets is not None))
+    sizes, n = (plan.buf_sizes_rows, plan.buf_len_rows) if convert_rows else (plan.buf_sizes, plan.buf_len)
     bufs = None
     if n:
         buf = torch.empty(n, dtype=torch.int32, device=device)
@@ -272,20 +274,17 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
         # out-of-range entries become -1 (or U) first, so the kernel writes NaN for them.
         cand = bufs[0]
         cand.copy_(idx if validated or plan.idx_int32 else idx.clamp(-1, plan.n_users))
-    offsets = kv_offsets
-    if kv_offsets is not None and not plan.offsets_int32:
-        # int32 for the kernel; unvalidated int64 offsets first clamped into k / v, as the kernel
-        # clamps int32 ones.
-        offsets = (kv_offsets if validated else kv_offsets.clamp(0, plan.total_kv)).to(torch.int32).contiguous()
-    kvl = kv_lengths
-    if convert_kvl:
-        kvl = bufs[-1]
+    if convert_rows:
+        bound = plan.kv_len if kv_lengths is not None else plan.total_kv
+        rows = bufs[-1]
+        src = kv_lengths if kv_lengths is not None else kv_offsets
         if validated:
-            kvl.copy_(kv_lengths)
-        elif plan.kvl_int32:
-            torch.clamp(kv_lengths, 0, plan.kv_len, out=kvl)
-        else:
-            kvl.copy_(kv_lengths.clamp(0, plan.kv_len))
+            rows.copy_(src)
+        elif plan.rows_int32:
+            torch.clamp(src, 0, bound, out=rows)
+        else:  # int64 values past int32 clamped before they convert
+            rows.copy_(src.clamp(0, bound))
+    kvl, offsets = (rows, None) if kv_lengths is not None else (None, rows)
     # A tile of a grouped idx is consecutive rows of q and out where their batch stride is
     # S_q rows (one row per candidate: any stride); the kernel then moves it in two boxes.
     s_q = plan.out_shape[1]
@@ -346,7 +345,9 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         bound = p.batch * chunks
         if not (idx_int32 and idx_contiguous):
             sizes.append(p.batch)  # int32 copy of idx
-    kvl_int32 = p.kv_lengths is not None and p.kv_lengths.dtype == torch.int32 and p.kv_lengths.is_contiguous()
+    rows = p.kv_lengths if p.kv_lengths is not None else p.kv_offsets
+    rows_int32 = rows is not None and rows.dtype == torch.int32 and rows.is_contiguous()
+    n_rows = p.kv_batch + 1 if p.jagged else p.kv_batch
     return _Plan(
         config=cfg,
         kernel=_fwd_kernel(cfg),
@@ -357,11 +358,10 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         copy_k=not _tma_ok(p.k),
         copy_v=not _tma_ok(p.v),
         pair_dim=1 if p.jagged else 2,
-        offsets_int32=p.jagged and p.kv_offsets.dtype == torch.int32 and p.kv_offsets.is_contiguous(),
         total_kv=p.total_kv,
         idx_contiguous=idx_contiguous,
         idx_int32=idx_int32,
-        kvl_int32=kvl_int32,
+        rows_int32=rows_int32,
         out_shape=(p.batch, p.s_q, p.heads, p.head_dim),
         lse_shape=(p.batch, p.heads, p.s_q),
         dtype=p.q.dtype,
@@ -372,7 +372,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         n_ctas=max(1, min(sm_count(device), bound * p.heads)),
         default_scale=1.0 / math.sqrt(p.head_dim),
         buf_sizes=tuple(sizes),
-        buf_sizes_kvl=(*sizes, p.kv_batch),
+        buf_sizes_rows=(*sizes, n_rows),
         buf_len=sum(sizes),
-        buf_len_kvl=sum(sizes) + p.kv_batch,
+        buf_len_rows=sum(sizes) + n_rows,
     )

@@ -79,3 +79,9 @@ def jagged_to_padded(k, v, kv_offsets, fill=float("nan")):
         k_pad[r, : b - a] = k[a:b]
         v_pad[r, : b - a] = v[a:b]
     return k_pad, v_pad, lengths.to(k.device)
+
+
+def assert_nan_rows_only(out, lse, bad):
+    """Rows ``bad`` (out-of-range indices) are NaN in out and lse; no other row is."""
+    assert out[bad].isnan().all() and lse[bad].isnan().all()
+    assert not out[~bad].isnan().any() and not lse[~bad].isnan().any()
