@@ -76,11 +76,26 @@ def check_dtypes(split: Split, weight: Node) -> Optional[str]:
     return None
 
 
-def weight_columns(ctx: Context, b: Builder, attr: Node, k_label: str, split: Split, name: str):
-    """(w_cand, w_user) [out, K_cand] / [out, K_user]: new constants from the weight's columns."""
+def padded_columns(ctx: Context, con, split: Split) -> Optional[str]:
+    """Where the concat reached the matmul zero-padded along K, the weight is wider than the
+    concat: its extra columns meet zeros, and leaving them out is exact if they are finite."""
+    w = get_attr_value(ctx.gm, con.weight.target)
+    w = w.t() if con.weight_k == "w0" else w
+    k = sum(size for _, size, _ in split.user + split.cand)
+    if w.shape[1] > k and not torch.isfinite(w[:, k:]).all():
+        return "the weight's columns past the zero-padded concat are not finite"
+    return None
+
+
+def weight_columns(ctx: Context, b: Builder, attr: Node, k_label: str, split: Split, name: str,
+                   rows: Optional[int] = None):
+    """(w_cand, w_user) [out, K_cand] / [out, K_user]: new constants from the weight's columns
+    (its first ``rows`` output rows where given)."""
     w = get_attr_value(ctx.gm, attr.target).detach()
     if k_label == "w0":
         w = w.t()
+    if rows is not None:
+        w = w[:rows]
     cols = lambda spans: torch.cat([w[:, o:o + k] for o, k, _ in spans], dim=1).contiguous()  # noqa: E731
     return b.constant(ctx.gm, f"_ikbo_{name}_w_cand", cols(split.cand)), \
         b.constant(ctx.gm, f"_ikbo_{name}_w_user", cols(split.user))

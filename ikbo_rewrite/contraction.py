@@ -7,7 +7,7 @@ from typing import Optional
 
 from torch.fx import Node
 
-from .fx_utils import aten, is_op, ndim
+from .fx_utils import aten, is_op, ndim, prefix_slice, shape
 from .layout import Axes, weight_axes
 
 
@@ -20,6 +20,28 @@ class Contraction:
     weight_k: str  # "w0" or "w1": the weight's reduced dimension
     bias: Optional[Node] = None  # added to the output (addmm, linear)
 
+    @property
+    def m_dim(self) -> int:
+        return self.out_axes.index(("m",))
+
+
+def kept_rows(con: Contraction) -> tuple[Node, Optional[int]]:
+    """(the node a rewrite replaces, how many of the weight's output rows it keeps, or None
+    for all). On the GPU Inductor pads a matmul's output width to an aligned one (pad_mm:
+    zero weight rows, frozen into one constant) and slices the result back. Where the
+    contraction's only user is that slice, the rewrite computes the kept rows alone, from the
+    weight's first rows, and replaces the slice: no wasted rows, and no strided result left
+    for a copy to make contiguous."""
+    n, rank = con.node, len(shape(con.node))
+    (s,) = n.users if len(n.users) == 1 else (None,)
+    cut = prefix_slice(s) if s is not None and s.args[0] is n else None
+    if cut is None or cut[0] != con.m_dim:
+        return n, None
+    full, keep = shape(n)[cut[0]], cut[1]
+    if not 0 < keep < full or (con.bias is not None and (cut[0] != rank - 1 or shape(con.bias)[-1] != full)):
+        return n, None  # (a bias that does not run along the last axis keeps the slice)
+    return s, keep
+
 
 def _weight(w, k_pos: int, m_pos: int):
     """(get_attr, its K label) when operand ``w`` is a constant whose operand axes
@@ -29,10 +51,10 @@ def _weight(w, k_pos: int, m_pos: int):
     found = weight_axes(w)
     if found is None:
         return None
-    attr, axes = found
+    attr, axes, padded = found
     k, m = axes[k_pos], axes[m_pos]
-    if len(k) != 1 or len(m) != 1 or {k[0], m[0]} != {"w0", "w1"}:
-        return None
+    if len(k) != 1 or len(m) != 1 or {k[0], m[0]} != {"w0", "w1"} or m[0] in padded:
+        return None  # (a padded output axis would change the result's width)
     if any(a not in ((), ("batch",)) for i, a in enumerate(axes) if i not in (k_pos % len(axes), m_pos % len(axes))):
         return None
     return attr, k[0]

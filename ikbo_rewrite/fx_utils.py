@@ -140,6 +140,21 @@ class Builder:
         return node
 
 
+def prefix_slice(s) -> Optional[tuple]:
+    """(dim, kept size) for ``aten.slice`` node ``s`` keeping a static prefix of one dim of its
+    input; None otherwise."""
+    if not is_op(s, aten.slice) or shape(s.args[0]) is None:
+        return None
+    args = (list(s.args[1:]) + [None] * 4)[:4]
+    dim, start, end, step = (s.kwargs.get(k, a) for k, a in zip(("dim", "start", "end", "step"), args))
+    rank = len(shape(s.args[0]))
+    dim = norm_dim(0 if dim is None else dim, rank)
+    full = shape(s.args[0])[dim]
+    if start not in (0, None) or step not in (1, None) or not isinstance(end, int) or not isinstance(full, int):
+        return None
+    return dim, max(0, min(end + full if end < 0 else end, full))
+
+
 def replace(old: Node, new: Node) -> None:
     """Every use of ``old`` reads ``new`` (``old`` is left for dead-code elimination)."""
     old.replace_all_uses_with(new, propagate_meta=False)

@@ -56,7 +56,8 @@ def step(n: Node, axes: Axes, sizes: dict) -> Optional[Axes]:
 
 
 def zero_pad_of_last(n: Node) -> bool:
-    """``n`` appends zeros to its input's last dim (``constant_pad_nd(t, [0, p])``, value 0):
+    """``n`` appends zeros to its input's last dim alone (``constant_pad_nd(t, [0, p])``, or
+    ``[0, p, 0, 0]``; value 0):
     Inductor's alignment padding of a matmul's reduction dim on the GPU. A contraction over
     that dim is the same without the padded columns."""
     if not is_op(n, aten.constant_pad_nd, aten.pad) or len(n.args) < 2:
@@ -70,7 +71,21 @@ def zero_pad_of_last(n: Node) -> bool:
         value = 0 if value is None else value
     else:
         value = n.args[2] if len(n.args) > 2 else n.kwargs.get("value", 0)
-    return len(pad) == 2 and pad[0] == 0 and isinstance(pad[1], int) and pad[1] >= 0 and value == 0
+    return (len(pad) >= 2 and pad[0] == 0 and isinstance(pad[1], int) and pad[1] >= 0
+            and all(p == 0 for p in pad[2:]) and value == 0)
+
+
+def zero_pad_rows(n: Node) -> tuple:
+    """(K columns, rows) of zeros ``n`` appends to a 2-D tensor, rows > 0
+    (``constant_pad_nd(t, [0, k, 0, rows])``, value 0: Inductor's alignment padding of a
+    matmul's activation on the GPU); (0, 0) otherwise."""
+    if not is_op(n, aten.constant_pad_nd) or len(n.args) < 2 or len(shape(n) or ()) != 2:
+        return 0, 0
+    pad = list(n.args[1])
+    value = n.args[2] if len(n.args) > 2 else n.kwargs.get("value", 0)
+    ok = (len(pad) == 4 and pad[0] == pad[2] == 0 and all(isinstance(p, int) for p in pad)
+          and pad[1] >= 0 and pad[3] > 0 and value == 0)
+    return (pad[1], pad[3]) if ok else (0, 0)
 
 
 def follow(start: Node, axes: Axes, sizes: dict):
@@ -91,8 +106,9 @@ def follow(start: Node, axes: Axes, sizes: dict):
 
 
 def weight_axes(w: Node):
-    """(get_attr node, axes over its labels ("w0", "w1")) for a constant 2-D weight seen
-    through views and a broadcast along a new leading dim; None otherwise."""
+    """(get_attr node, axes over its labels ("w0", "w1"), the labels of axes seen zero-padded)
+    for a constant 2-D weight seen through views, a broadcast along a new leading dim and
+    zero padding of its last axis; None otherwise."""
     chain = []
     n = w
     while n.op == "call_function":
@@ -104,8 +120,10 @@ def weight_axes(w: Node):
         return None
     sizes = {"w0": shape(n)[0], "w1": shape(n)[1]}
     axes: Axes = [("w0",), ("w1",)]
+    padded = set()
     for c in reversed(chain):
-        if zero_pad_of_last(c) and len(axes) == 2:  # zero columns past the activation's (see follow)
+        if zero_pad_of_last(c) and len(axes) == 2 and len(axes[-1]) == 1:
+            padded.add(axes[-1][0])  # zero columns past the activation's K (see follow) if that axis is K
             continue
         if is_op(c, aten.expand):  # new leading dims, or size-1 dims, broadcast as a batch
             new, old = shape(c), shape(c.args[0])
@@ -120,4 +138,4 @@ def weight_axes(w: Node):
             return None
         if axes is None:
             return None
-    return n, axes
+    return n, axes, padded

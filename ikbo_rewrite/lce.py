@@ -8,9 +8,9 @@ import torch
 from torch.fx import Node
 
 from .broadcast import index_node
-from .concat import check_dtypes, joined, split_concat, weight_columns
+from .concat import check_dtypes, joined, padded_columns, split_concat, weight_columns
 from .context import Context
-from .contraction import read
+from .contraction import kept_rows, read
 from .fx_utils import Builder, aten, replace, shape
 from .layout import follow
 
@@ -59,20 +59,23 @@ def _rewrite_one(ctx: Context, split, user: Node, act: Node, axes) -> None:
         for g in gathers:
             ctx.leave(g, f"lce: {user.name} does not reduce over the concat's K alone")
         return
-    why = check_dtypes(split, con.weight)
+    why = check_dtypes(split, con.weight) or padded_columns(ctx, con, split)
     if why:
         for g in gathers:
             ctx.leave(g, f"lce: {why}")
         return
-    b = Builder(ctx.graph, user)
-    w_cand, w_user = weight_columns(ctx, b, con.weight, con.weight_k, split, user.name)
+    target, rows = kept_rows(con)
+    b = Builder(ctx.graph, target)
+    w_cand, w_user = weight_columns(ctx, b, con.weight, con.weight_k, split, user.name, rows)
     e_user, e_cand = joined(b, split.user, 1), joined(b, split.cand, 1)
     out = b.call(torch.ops.ikbo_gemm.lce.default, w_cand, w_user, e_cand, e_user, index_node(split.broadcast, b),
                  None, "fused")
     res = _as_output(b, out, con.out_axes, user)
     if con.bias is not None:
-        res = b.call(aten.add.Tensor, res, con.bias)
-    replace(user, res)
+        bias = con.bias if rows is None else b.call(aten.slice.Tensor, con.bias, -1, 0, rows)
+        res = b.call(aten.add.Tensor, res, bias)
+    replace(target, res)
     ctx.absorbed.update(gathers)
-    ctx.report.add("lce", [split.cat, user], f"M {shape(out)[1]}, N {shape(out)[2]}, K_user "
+    ctx.report.add("lce", [split.cat, user] + ([target] if target is not user else []),
+                   f"M {shape(out)[1]}, N {shape(out)[2]}, K_user "
                    f"{sum(k for _, k, _ in split.user)}, K_cand {sum(k for _, k, _ in split.cand)}")

@@ -11,10 +11,10 @@ import torch
 from torch.fx import Node
 
 from .broadcast import index_node
-from .concat import check_dtypes, joined, split_concat, weight_columns
+from .concat import check_dtypes, joined, padded_columns, split_concat, weight_columns
 from .context import Context
-from .contraction import read
-from .fx_utils import Builder, aten, get_attr_value, is_op, ndim, replace, same, shape
+from .contraction import kept_rows, read
+from .fx_utils import Builder, aten, is_op, ndim, replace, same, shape
 from .layout import follow
 
 NOT_AVAILABLE = "linear: op not available (ikbo_gemm.linear is not registered)"
@@ -58,17 +58,6 @@ def _epilogue(res: Node, bias, n_out):
     return last, bias, act
 
 
-def _padded_columns(ctx: Context, con, split) -> Optional[str]:
-    """Where the concat reached the matmul zero-padded along K, the weight is wider than the
-    concat: its extra columns meet zeros, and leaving them out is exact if they are finite."""
-    w = get_attr_value(ctx.gm, con.weight.target)
-    w = w.t() if con.weight_k == "w0" else w
-    k = sum(size for _, size, _ in split.user + split.cand)
-    if w.shape[1] > k and not torch.isfinite(w[:, k:]).all():
-        return "the weight's columns past the zero-padded concat are not finite"
-    return None
-
-
 def rewrite_linear(ctx: Context) -> None:
     enabled = available()
     for cat in list(ctx.graph.nodes):
@@ -97,18 +86,22 @@ def _rewrite_one(ctx: Context, split, user: Node, act: Node, axes, enabled: bool
     if not enabled:
         leave(NOT_AVAILABLE)
         return
-    n_out = shape(user)[1]
+    target, rows = kept_rows(con)
+    n_out = shape(user)[1] if rows is None else rows
     bias = con.bias
     if bias is not None and not (ndim(bias) == 1 or (ndim(bias) == 2 and shape(bias)[0] == 1)):
         leave("linear: the bias varies per row")
         return
-    why = _padded_columns(ctx, con, split)
+    why = padded_columns(ctx, con, split)
     if why:
         leave(f"linear: {why}")
         return
-    last, bias, activation = _epilogue(user, bias, n_out)
+    b = Builder(ctx.graph, target)
+    if bias is not None and rows is not None:
+        bias = b.call(aten.slice.Tensor, bias, -1, 0, rows)
+    last, bias, activation = _epilogue(target, bias, n_out)
     b = Builder(ctx.graph, last)
-    w_cand, w_user = weight_columns(ctx, b, con.weight, con.weight_k, split, user.name)
+    w_cand, w_user = weight_columns(ctx, b, con.weight, con.weight_k, split, user.name, rows)
     if bias is not None and ndim(bias) == 2:
         bias = b.call(aten.reshape.default, bias, [n_out])
     x_user, x_cand = joined(b, split.user, 1), joined(b, split.cand, 1)

@@ -1,11 +1,12 @@
-"""The pass: find the broadcasts, hoist row-wise work before them, rewrite what the IKBO ops
+"""The pass: find the broadcasts, take Inductor's row padding off the matmuls behind them,
+hoist row-wise work before them, rewrite what the IKBO ops
 compute, undo hoists that do not pay, collapse the view chains after the new ops, and report
 what is left."""
 from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from . import attention, hoist, lce, linear, views
+from . import attention, hoist, lce, linear, padding, views
 from .context import Context
 from .fx_utils import aten, is_op, shape
 from .report import Left, Report
@@ -55,7 +56,9 @@ def run(gm: GraphModule, *, is_inference: bool = True) -> Report:
         return ctx.report
     used_constants = {n for n in ctx.graph.nodes if n.op == "get_attr" and n.users}
     _drop_noop_slices(ctx)
+    padding.undo_row_padding(ctx)
     hoist.hoist_all(ctx)
+    padding.undo_row_padding(ctx)  # behind the gathers the hoists made
     lce.rewrite_lce(ctx)
     linear.rewrite_linear(ctx)
     attention.rewrite_attention(ctx)

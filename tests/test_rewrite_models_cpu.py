@@ -141,3 +141,38 @@ def test_the_pass_keys_the_fx_graph_cache():
     a, b = IkboPass(), IkboPass()
     assert a.uuid() == b.uuid() and a.uuid().endswith(f"linear{int(linear.available())}")
     assert a.reports is not b.reports
+
+
+@pytest.fixture
+def gpu_alignment_padding(monkeypatch, fresh_dynamo):
+    """Inductor's pad_mm as it runs on the GPU, where it pads a matmul's sizes to aligned
+    ones (zero rows or columns, frozen into the weight constants) and slices the result
+    back: forced on, and let run on the CPU."""
+    pad_mm = pytest.importorskip("torch._inductor.fx_passes.pad_mm")
+    if not all(hasattr(pad_mm, a) for a in ("check_device", "has_triton")):
+        pytest.skip("this torch's pad_mm has another shape")
+    import torch._inductor.config as cfg
+
+    monkeypatch.setattr(pad_mm, "check_device", lambda a, b: True)
+    monkeypatch.setattr(pad_mm, "has_triton", lambda: True)
+    with cfg.patch(force_shape_pad=True):
+        yield
+
+
+@pytest.mark.parametrize("B", [16, 11])
+@pytest.mark.parametrize("name", MODELS)
+def test_compile_under_gpu_alignment_padding(name, B, gpu_alignment_padding):
+    """B 11: the rows of the matmuls are padded too (the lce's rows, B x N, are not)."""
+    mod, model, _, kinds = _build(name, seed=18)
+    args = _args(mod, B, 3, seed=19)
+    with torch.no_grad():
+        compiled = ikbo_rewrite.compile(model, dynamic=False)
+        check_close(compiled(*args), model, args)
+    report = compiled.report
+    assert set(report.kinds()) == kinds, str(report)
+    assert report.left == [] if linear.available() else _only_linear_left(report), str(report)
+    for r in report.rewrites:
+        if r.kind == "lce":  # the padded rows are not computed, and no copy follows
+            assert r.detail.startswith(f"M {mod.TINY.M if name == 'wukong' else mod.TINY.lce.M},"), str(report)
+    if "lce" in kinds:
+        assert any("collapsed" in n for n in report.notes), str(report)
