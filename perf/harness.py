@@ -472,6 +472,21 @@ def sustained(fn: Callable, seconds: float, *, warm_s: float = 1.5, rotate: Opti
             "mJ": watts * ms_mean if watts is not None else None, "samples": len(samples), "calls": calls}
 
 
+def sustained_graph(fn: Callable, seconds: float, *, warm_s: float = 1.5,
+                    rotate: Optional[Sequence] = None) -> Optional[dict]:
+    """As :func:`sustained`, on back-to-back replays of one CUDA graph holding a call per input
+    set (how a serving stack that captures its model runs): ``ms`` and ``mJ`` per call. None
+    where ``fn`` cannot be captured."""
+    captured = _capture(fn, rotate)
+    if captured is None:
+        return None
+    graph, n = captured
+    r = sustained(lambda: graph.replay(), seconds, warm_s=warm_s)
+    for key in ("ms", "ms_mean", "mJ"):
+        r[key] = r[key] / n if r[key] is not None else None
+    return r
+
+
 def burst_ms(fn: Callable, *, cool_s: float = 3.0, calls: int = 60, skip: int = 5,
              window_ms: float = 25.0) -> float:
     """Median ms per call of ``fn`` from a cool GPU: after ``cool_s`` idle, ``calls`` calls back to
