@@ -344,7 +344,8 @@ def summary(rows: list, groups: dict, provs: list, timing: str) -> None:
                         line.update({c: r.get(c + s) for c in [*SPEEDUP_COLUMNS.values(), "pct_ceiling"]})
                 table.append(line)
             if table:
-                print(f"\n{name}: us per call{', sustained' if s else ''} (x_* and pct_ceiling: {OURS})")
+                mode = {"": "", "_sustained": ", sustained", "_graph": ", CUDA-graph replays"}[s]
+                print(f"\n{name}: us per call{mode} (x_* and pct_ceiling: {OURS})")
                 harness.print_table(table, KEY_FIELDS + [pr.name for pr in provs]
                                     + [*SPEEDUP_COLUMNS.values(), "pct_ceiling"])
 
