@@ -719,7 +719,9 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
     rows, timed = harness.check_providers(provs, p, inp, fields=p.fields(), rel_error_of=rel_error_of,
                                           tol=args.tol, skip_note=_missing_library, device=DEVICE)
     timed = harness.time_checked(timed, rows, rotate=sets, device=DEVICE, **harness.timing_options(args))
-    if args.timing != "sustained":  # graph replays in turns: the interleaved mode's
+    modes = harness.timing_modes(args.timing)
+    if "interleaved" in modes and "graph" not in modes:  # graph replays of the short calls, in
+        # turns, beside the plain ones (the graph mode replays every call: "ms_graph")
         short = {n: fn for n, (row, fn) in timed.items() if row["ms"] < args.graph_below_ms}
         for name, ms in harness.bench_graph_interleaved(short, rep=args.rep, rotate=sets).items():
             timed[name][0]["graph_ms"] = ms

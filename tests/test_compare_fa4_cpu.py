@@ -443,6 +443,11 @@ def test_main_dry_run_each_timing(dry_run, tmp_path, compile_eagerly):
     assert compiled["status"] == "ok" and compiled["rel_err"] < 1e-2
     data = _run_main(tmp_path, ["--no-plot", "--timing", "interleaved"])
     assert all("ms_sustained" not in r and "W" not in r for r in data["rows"])
+    data = _run_main(tmp_path, ["--no-plot", "--timing", "graph", "--providers", "ikbo", "sdpa materialized"])
+    by = {(r["L"], r["provider"]): r for r in data["rows"]}
+    ours, sdpa = by[(8, "ikbo")], by[(8, "sdpa materialized")]
+    assert "ms" not in ours and "graph_ms" not in ours and ours["ms_graph"] > 0  # one graph timing, not two
+    assert sdpa["ikbo_speedup_graph"] == pytest.approx(sdpa["ms_graph"] / ours["ms_graph"])
     # a fresh compile per problem (two L), and one for the host-time problem, each run
     assert len([c for c in compile_eagerly if c["mode"] is None and c["dynamic"] is False]) == 2 * 3
 
