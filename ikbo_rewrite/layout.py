@@ -55,37 +55,39 @@ def step(n: Node, axes: Axes, sizes: dict) -> Optional[Axes]:
     return None
 
 
-def zero_pad_of_last(n: Node) -> bool:
-    """``n`` appends zeros to its input's last dim alone (``constant_pad_nd(t, [0, p])``, or
-    ``[0, p, 0, 0]``; value 0):
-    Inductor's alignment padding of a matmul's reduction dim on the GPU. A contraction over
-    that dim is the same without the padded columns."""
+def appended_zeros(n: Node) -> Optional[list]:
+    """The zeros ``n`` appends after each dim, last dim first (``[after_last, after_2nd_last,
+    ...]``), where ``n`` is a constant zero padding that adds nothing before any dim
+    (``constant_pad_nd``, or ``F.pad`` before decomposition); None otherwise."""
     if not is_op(n, aten.constant_pad_nd, aten.pad) or len(n.args) < 2:
-        return False
+        return None
     pad = list(n.args[1])
     if is_op(n, aten.pad):  # F.pad before decomposition: pad(t, pad, mode, value)
         mode = n.args[2] if len(n.args) > 2 else n.kwargs.get("mode", "constant")
         value = n.args[3] if len(n.args) > 3 else n.kwargs.get("value", None)
         if mode != "constant":
-            return False
+            return None
         value = 0 if value is None else value
     else:
         value = n.args[2] if len(n.args) > 2 else n.kwargs.get("value", 0)
-    return (len(pad) >= 2 and pad[0] == 0 and isinstance(pad[1], int) and pad[1] >= 0
-            and all(p == 0 for p in pad[2:]) and value == 0)
+    if value != 0 or len(pad) % 2 or not all(isinstance(p, int) and p >= 0 for p in pad) or any(pad[0::2]):
+        return None
+    return pad[1::2]
+
+
+def zero_pad_of_last(n: Node) -> bool:
+    """``n`` appends zeros to its input's last dim alone: Inductor's alignment padding of a
+    matmul's reduction dim on the GPU. A contraction over that dim is the same without the
+    padded columns."""
+    after = appended_zeros(n)
+    return after is not None and len(after) >= 1 and not any(after[1:])
 
 
 def zero_pad_rows(n: Node) -> tuple:
-    """(K columns, rows) of zeros ``n`` appends to a 2-D tensor, rows > 0
-    (``constant_pad_nd(t, [0, k, 0, rows])``, value 0: Inductor's alignment padding of a
-    matmul's activation on the GPU); (0, 0) otherwise."""
-    if not is_op(n, aten.constant_pad_nd) or len(n.args) < 2 or len(shape(n) or ()) != 2:
-        return 0, 0
-    pad = list(n.args[1])
-    value = n.args[2] if len(n.args) > 2 else n.kwargs.get("value", 0)
-    ok = (len(pad) == 4 and pad[0] == pad[2] == 0 and all(isinstance(p, int) for p in pad)
-          and pad[1] >= 0 and pad[3] > 0 and value == 0)
-    return (pad[1], pad[3]) if ok else (0, 0)
+    """(K columns, rows) of zeros ``n`` appends to a 2-D tensor, rows > 0 (Inductor's alignment
+    padding of a matmul's activation on the GPU); (0, 0) otherwise."""
+    after = appended_zeros(n) if len(shape(n) or ()) == 2 else None
+    return (after[0], after[1]) if after is not None and len(after) == 2 and after[1] > 0 else (0, 0)
 
 
 def follow(start: Node, axes: Axes, sizes: dict):
