@@ -5,7 +5,6 @@ the op's epilogue (a custom op is opaque to Inductor's fusion, so they would oth
 as kernels of their own). Enabled when ``torch.ops.ikbo_gemm.linear`` is registered."""
 from __future__ import annotations
 
-
 import torch
 from torch.fx import Node
 
