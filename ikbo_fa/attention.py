@@ -101,6 +101,7 @@ class _Plan:
     kv_len: int  # L
     rows_per_cand: int  # KV: query rows of a candidate in its user's run (S_q)
     n_ctas: int
+    merge: object  # split_kv: the compiled merge of the splits (SplitMergeSm90); None without split
     n_splits: int  # split_kv: splits of each row's keys (1: no split)
     split_keys: int  # keys per split (a multiple of 128; 0 without split)
     default_scale: float
@@ -302,7 +303,7 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
         plan.kernel(q, k, v, ws_o, ws_lse, cand, cand_start, tile_start, kvl, grouped, offsets, scale * LOG2E,
                     scale, plan.n_ctas, int(s_q == 1 or q.stride(0) == s_q * q.stride(1)), plan.kv_len,
                     plan.n_splits, plan.split_keys)
-        merge_splits(ws_o, ws_lse, plan.n_splits, target, lse)
+        plan.merge(ws_o, ws_lse, target, lse, plan.n_splits)
         copy_back(out, target)
         return (out, lse) if return_lse else out
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and target.stride(0) == s_q * target.stride(1))
@@ -316,7 +317,8 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: t
                  lse: Optional[torch.Tensor] = None) -> None:
     """The outputs of a row's key splits merged: out = sum_i exp(lse_i - lse) o_i, in fp32, with
     lse = logsumexp_i lse_i (``ws_o`` [B, S_q, n x H, D], ``ws_lse`` [B, n x H, S_q], split-major
-    heads). A row with no key in any split gets 0 and -inf; NaN stays NaN."""
+    heads). A row with no key in any split gets 0 and -inf; NaN stays NaN. The definition the
+    merge kernel (merge_sm90.py) is tested against."""
     B, S, nH, D = ws_o.shape
     H = nH // n_splits
     parts = ws_lse.view(B, n_splits, H, S)
@@ -352,6 +354,12 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def _fwd_kernel(cfg):
     return kernel_cache.get(("ikbo_fa.fwd_sm90", cfg), lambda: compile_config(cfg), package="ikbo_fa").fn
+
+
+def _merge_kernel(dtype: torch.dtype, with_lse: bool):
+    from .merge_sm90 import merge_kernel
+
+    return merge_kernel(dtype, with_lse).fn
 
 
 def _worklist_kernel(idx_dtype: torch.dtype):
@@ -423,6 +431,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         kv_len=p.kv_len,
         rows_per_cand=p.s_q,
         n_ctas=max(1, min(sm_count(device), bound * p.heads * n_splits)),
+        merge=_merge_kernel(p.q.dtype, return_lse) if n_splits > 1 else None,
         n_splits=n_splits,
         split_keys=split_keys,
         default_scale=1.0 / math.sqrt(p.head_dim),

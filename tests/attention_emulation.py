@@ -24,6 +24,7 @@ class EmulatedKernels:
     def __init__(self):
         self.fwd_calls = []
         self.worklist_calls = 0
+        self.merge_calls = 0
         self.builds = []
         self.hooks = []
 
@@ -37,6 +38,11 @@ class EmulatedKernels:
         ref = kv_worklist(idx, n_users, rows_per_cand)
         for t, r in zip((order, cand_start, tile_start, grouped), ref):
             t.copy_(r)
+
+    def merge(self, ws_o, ws_lse, out, lse, n_splits):
+        self.merge_calls += 1
+        assert ws_lse.dtype == torch.float32 and out.shape[2] * n_splits == ws_o.shape[2]
+        attention_mod.merge_splits(ws_o, ws_lse, n_splits, out, lse)
 
     def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, grouped, offsets, scale_log2, scale,
             n_ctas, q_flat, max_keys, n_splits, split_keys):
@@ -123,6 +129,7 @@ def install(monkeypatch) -> EmulatedKernels:
     monkeypatch.setattr(attention_mod, "sm_count", lambda device: 132)
     monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: kernels.fwd)
     monkeypatch.setattr(attention_mod, "_worklist_kernel", lambda dtype: kernels.worklist)
+    monkeypatch.setattr(attention_mod, "_merge_kernel", lambda dtype, with_lse: kernels.merge)
     real_resolve = attention_mod.resolve_problem
 
     def counting_resolve(*args, **kwargs):

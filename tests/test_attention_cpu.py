@@ -439,6 +439,7 @@ def test_gpu_path_splits_keys_where_tiles_are_few(emulated, lengths_kind):
     out, lse = ikbo_fa.attention(q, kv, idx, return_lse=True, **kw)
     call = emulated.fwd_calls[-1]
     assert call["n_splits"] == 4 and call["split_keys"] == 512 and call["out"].shape[2] == 4 * 2
+    assert emulated.merge_calls == 1
     ref, ref_lse = attention_reference(q, kv, idx, return_lse=True, **kw)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
@@ -448,3 +449,15 @@ def test_gpu_path_splits_keys_where_tiles_are_few(emulated, lengths_kind):
         whole = ikbo_fa.attention(q, kv, idx, **kw)
     assert emulated.fwd_calls[-1]["n_splits"] == 1
     torch.testing.assert_close(out, whole, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_merge_kernel_compiles_for_sm90a(dtype, with_lse):
+    from ikbo_fa.merge_sm90 import compile_merge
+
+    ck = compile_merge(dtype, with_lse, keep_ptx=True, ptxas_report=True)
+    for instr in (".target sm_90a", "griddepcontrol.wait", "ex2.approx"):
+        assert instr in ck.ptx, instr
+    assert ("lg2.approx" in ck.ptx) == with_lse  # the lse is computed only where it is written
+    assert ck.spill_bytes == 0, ck.ptxas_log

@@ -105,3 +105,25 @@ def test_split_graph_replay_follows_new_idx():
     torch.cuda.synchronize()
     ref, _ = _reference(q, k, v, new)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("n_splits", [2, 5])
+def test_merge_kernel_matches_its_definition(n_splits):
+    """The compiled merge against merge_splits (torch), with empty rows and a NaN row."""
+    from ikbo_fa.merge_sm90 import merge_kernel
+
+    g = torch.Generator().manual_seed(n_splits)
+    B, S, H, D = 9, 3, 2, 128
+    ws_o = torch.randn(B, S, n_splits * H, D, generator=g).bfloat16().cuda()
+    ws_lse = (torch.randn(B, n_splits * H, S, generator=g) * 4).cuda()
+    ws_lse[1] = float("-inf")  # no key in any split
+    ws_lse[2, ::H] = float("-inf")  # head 0: no key in any split
+    ws_lse[3, 0] = float("-inf")  # split 0, head 0: none in that split
+    ws_lse[4, H - 1] = float("nan")
+    out, lse = torch.full((B, S, H, D), 7.0).bfloat16().cuda(), torch.full((B, H, S), 7.0).cuda()
+    ref, ref_lse = torch.empty_like(out), torch.empty_like(lse)
+    attention_mod.merge_splits(ws_o, ws_lse, n_splits, ref, ref_lse)
+    merge_kernel(torch.bfloat16, True).fn(ws_o, ws_lse, out, lse, n_splits)
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all() and out[4, :, H - 1].isnan().all()
