@@ -68,6 +68,11 @@ from .worklist import kv_worklist, max_tiles_per_head
 # The one-launch work-list kernel groups candidates by user; False builds the same arrays with
 # torch ops (kv_worklist; the definition the kernel is tested against).
 _WORKLIST_KERNEL = True
+# KV broadcast over few tiles splits each row's keys over several CTAs (split_kv); False never
+# splits (the tests compare the two).
+_SPLIT_KV = True
+_SPLIT_MIN_KEYS = 512  # keys per split at least (4 blocks: the pipeline fills and drains per tile)
+_MAX_SPLITS = 8
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +101,9 @@ class _Plan:
     kv_len: int  # L
     rows_per_cand: int  # KV: query rows of a candidate in its user's run (S_q)
     n_ctas: int
+    merge: object  # split_kv: the compiled merge of the splits (SplitMergeSm90); None without split
+    n_splits: int  # split_kv: splits of each row's keys (1: no split)
+    split_keys: int  # keys per split (a multiple of 128; 0 without split)
     default_scale: float
     # int32 work buffers, carved from one allocation: work list or idx copy, then kv_lengths
     # (clamped) or kv_offsets as int32 where the given vector cannot be used as it is
@@ -288,11 +296,52 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     # A tile of a grouped idx is consecutive rows of q and out where their batch stride is
     # S_q rows (one row per candidate: any stride); the kernel then moves it in two boxes.
     s_q = plan.out_shape[1]
+    if plan.n_splits > 1:  # each split's output and lse into a workspace of n_splits x H heads
+        B, _, H, D = plan.out_shape
+        ws_o = torch.empty((B, s_q, plan.n_splits * H, D), dtype=plan.dtype, device=device)
+        ws_lse = torch.empty((B, plan.n_splits * H, s_q), dtype=torch.float32, device=device)
+        plan.kernel(q, k, v, ws_o, ws_lse, cand, cand_start, tile_start, kvl, grouped, offsets, scale * LOG2E,
+                    scale, plan.n_ctas, int(s_q == 1 or q.stride(0) == s_q * q.stride(1)), plan.kv_len,
+                    plan.n_splits, plan.split_keys)
+        plan.merge(ws_o, ws_lse, target, lse, plan.n_splits)
+        copy_back(out, target)
+        return (out, lse) if return_lse else out
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and target.stride(0) == s_q * target.stride(1))
     plan.kernel(q, k, v, target, lse, cand, cand_start, tile_start, kvl, grouped, offsets, scale * LOG2E, scale,
-                plan.n_ctas, int(q_flat), plan.kv_len)
+                plan.n_ctas, int(q_flat), plan.kv_len, 1, 0)
     copy_back(out, target)
     return (out, lse) if return_lse else out
+
+
+def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: torch.Tensor,
+                 lse: Optional[torch.Tensor] = None) -> None:
+    """The outputs of a row's key splits merged: out = sum_i exp(lse_i - lse) o_i, in fp32, with
+    lse = logsumexp_i lse_i (``ws_o`` [B, S_q, n x H, D], ``ws_lse`` [B, n x H, S_q], split-major
+    heads). A row with no key in any split gets 0 and -inf; NaN stays NaN. The definition the
+    merge kernel (merge_sm90.py) is tested against."""
+    B, S, nH, D = ws_o.shape
+    H = nH // n_splits
+    parts = ws_lse.view(B, n_splits, H, S)
+    total = torch.logsumexp(parts, dim=1)  # [B, H, S]
+    w = torch.exp(parts - total[:, None]).masked_fill_(torch.isneginf(total)[:, None], 0.0)
+    merged = torch.einsum("bnhs,bsnhd->bshd", w, ws_o.view(B, S, n_splits, H, D).float())
+    out.copy_(merged)
+    if lse is not None:
+        lse.copy_(total)
+
+
+def kv_splits(tiles: int, heads: int, keys: int, sms: int) -> tuple:
+    """(splits, keys per split) for a KV-broadcast problem of about ``tiles`` tiles per head
+    whose rows have up to ``keys`` keys: where the tiles fill at most half the SMs, each row's
+    keys go over as many CTAs as fill them, each with at least _SPLIT_MIN_KEYS keys."""
+    work = max(1, tiles * heads)
+    if not _SPLIT_KV or 2 * work > sms:
+        return 1, 0
+    n = min(sms // work, keys // _SPLIT_MIN_KEYS, _MAX_SPLITS)
+    if n < 2:
+        return 1, 0
+    per = -(-keys // (n * 128)) * 128
+    return -(-keys // per), per
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -305,6 +354,12 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def _fwd_kernel(cfg):
     return kernel_cache.get(("ikbo_fa.fwd_sm90", cfg), lambda: compile_config(cfg), package="ikbo_fa").fn
+
+
+def _merge_kernel(dtype: torch.dtype, with_lse: bool):
+    from .merge_sm90 import merge_kernel
+
+    return merge_kernel(dtype, with_lse).fn
 
 
 def _worklist_kernel(idx_dtype: torch.dtype):
@@ -328,8 +383,14 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
     if p.batch * p.s_q >= 2**31 or p.total_kv >= 2**31:
         raise ValueError(f"attention indexes query rows (B * S_q = {p.batch * p.s_q}) and key rows "
                          f"({p.total_kv}) with int32: each must stay below 2**31")
+    n_splits, split_keys = 1, 0
+    if p.direction == "kv" and (not p.jagged or max_kv_len is not None):
+        # Tiles per head lie between the dense count and its bound (a partly filled tile per user).
+        dense = -(-p.batch * p.s_q // 128)
+        tiles = (dense + max_tiles_per_head(p.batch, p.broadcast_batch, p.s_q)) // 2
+        n_splits, split_keys = kv_splits(tiles, p.heads, p.kv_len, sm_count(device))
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
-                        jagged=p.jagged)
+                        jagged=p.jagged, split_kv=n_splits > 1)
     _, _, chunks = row_packing(p.s_q)
     n_users = p.broadcast_batch
     idx_contiguous = p.idx.is_contiguous()
@@ -369,7 +430,10 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         n_users=n_users,
         kv_len=p.kv_len,
         rows_per_cand=p.s_q,
-        n_ctas=max(1, min(sm_count(device), bound * p.heads)),
+        n_ctas=max(1, min(sm_count(device), bound * p.heads * n_splits)),
+        merge=_merge_kernel(p.q.dtype, return_lse) if n_splits > 1 else None,
+        n_splits=n_splits,
+        split_keys=split_keys,
         default_scale=1.0 / math.sqrt(p.head_dim),
         buf_sizes=tuple(sizes),
         buf_sizes_rows=(*sizes, n_rows),

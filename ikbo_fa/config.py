@@ -29,6 +29,9 @@ class AttentionConfig:
     overlap: bool = True
     # K/V rows packed as [total_L, H_kv, D], row r's keys at kv_offsets[r] : kv_offsets[r + 1].
     jagged: bool = False
+    # A user's keys split over several CTAs (KV broadcast): each writes its partial output and
+    # log-sum-exp per split into a workspace of n_splits x H heads, which the op merges.
+    split_kv: bool = False
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -39,12 +42,15 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.s_q must be an int >= 1, got {self.s_q!r}")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"AttentionConfig.direction must be 'kv' or 'q', got {self.direction!r}")
+        if self.split_kv and (self.direction != "kv" or not self.return_lse):
+            raise ValueError("AttentionConfig: split_kv needs direction 'kv' and return_lse (the merge reads the lse)")
         if self.jagged and self.has_kv_lengths:
             raise ValueError("AttentionConfig: jagged (kv_offsets) and has_kv_lengths exclude each other")
 
     def __str__(self) -> str:
         flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-jagged", self.jagged),
-                                          ("-lse", self.return_lse), ("-serial", not self.overlap)) if on)
+                                          ("-lse", self.return_lse), ("-serial", not self.overlap),
+                                          ("-split", self.split_kv)) if on)
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -69,9 +75,10 @@ def row_packing(s_q: int):
 
 
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
-                  return_lse: bool, jagged: bool = False) -> AttentionConfig:
+                  return_lse: bool, jagged: bool = False, split_kv: bool = False) -> AttentionConfig:
     """The configuration the op compiles for a problem."""
-    return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse, jagged=jagged)
+    return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
+                           split_kv=split_kv)
 
 
 SHIPPED_CONFIGS = tuple(
@@ -89,6 +96,10 @@ SHIPPED_CONFIGS = tuple(
         # jagged histories, both directions
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True),
         AttentionConfig(torch.bfloat16, 128, 64, "q", False, True, jagged=True),
+        # a user's keys over several CTAs: plain, with kv_lengths, jagged
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_kv=True),
+        AttentionConfig(torch.float16, 64, 17, "kv", True, True, split_kv=True),
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, jagged=True, split_kv=True),
     ]
 )
 
@@ -118,5 +129,5 @@ def compile_config(cfg: AttentionConfig, *, keep_ptx: bool = False, ptxas_report
     offsets = fake_tensor(Int32, (None,), align=4) if cfg.jagged else None
     kernel = IkboAttentionFwdSm90(cfg)
     return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len, grouped, offsets,
-                          Float32(1.0), Float32(1.0), Int32(1), Int32(0), Int32(0), fake_stream(),
+                          Float32(1.0), Float32(1.0), Int32(1), Int32(0), Int32(0), Int32(1), Int32(0), fake_stream(),
                           keep_ptx=keep_ptx, ptxas_report=ptxas_report)

@@ -50,6 +50,8 @@ class Schedule:
     kv_len: Int32  # keys per K/V row (jagged: total_L, the rows of the packed K/V)
     max_keys: Int32  # jagged: the longest history a row may have (the op's max_kv_len)
     q_flat: cutlass.Boolean  # q and out hold a user's query rows at one stride (checked by the op)
+    n_splits: Int32  # split_kv: CTAs per (tile, head), each over split_keys of the row's keys
+    split_keys: Int32  # split_kv: keys per split, a multiple of TILE_N
 
     def group(self):
         """Query heads per K/V head."""
@@ -73,28 +75,30 @@ class TileInfo:
     row0: Int32  # KV: the tile's first row in its user's run
     flat: cutlass.Boolean  # KV: the tile's rows are consecutive rows of q and out (idx grouped)
     invalid: cutlass.Boolean  # out-of-range index: the tile writes NaN
-    n_keys: Int32
-    kv_base: Int32  # jagged: the row's first key in the packed K/V
+    n_keys: Int32  # split_kv: the keys of this split
+    kv_base: Int32  # jagged: the row's first key in the packed K/V; split_kv: plus the split's first
+    out_head: Int32  # the head of out / lse it writes (split_kv: split * H + head of the workspace)
 
-    FIELDS = 11  # Int32 words in shared memory
+    FIELDS = 12  # Int32 words in shared memory
     KV_BASE = 10  # the word of kv_base
 
     @cute.jit
     def store(self, sMeta, stage: Int32):
         words = (self.head, self.kv_coord, self.first, self.n_valid, self.chunk, self.q_coord, self.row0,
                  Int32(1) if self.flat else Int32(0), Int32(1) if self.invalid else Int32(0), self.n_keys,
-                 self.kv_base)
+                 self.kv_base, self.out_head)
         for i in cutlass.range_constexpr(TileInfo.FIELDS):
             sMeta[i, stage] = words[i]
 
     @staticmethod
-    def load(sMeta, stage: Int32, dense: bool) -> "TileInfo":
+    def load(sMeta, stage: Int32, dense: bool, split: bool = False) -> "TileInfo":
         """The fields the consumers keep through the main loop: those of the configuration (the
         others are constants, registers the consumers, at their limit, keep free); kv_base is
         read from shared memory where it is needed (``KV_BASE``)."""
         m = [sMeta[i, stage] for i in range(TileInfo.FIELDS)]
         row0, flat = (m[6], m[7] != 0) if dense else (Int32(0), False)
-        return TileInfo(m[0], m[1], m[2], m[3], m[4], m[5], row0, flat, m[8] != 0, m[9], Int32(0))
+        return TileInfo(m[0], m[1], m[2], m[3], m[4], m[5], row0, flat, m[8] != 0, m[9], Int32(0),
+                        m[11] if split else m[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +193,10 @@ class IkboAttentionFwdSm90:
     kv_offsets[r] of one packed batch row; the keys past its end (the next row's) are masked
     and their V rows zeroed, as with kv_lengths. Tiles run head-slowest, then user, then tile
     within the user, strided by the persistent grid, so CTAs running together share a user's
-    K/V through L2.
+    K/V through L2. Split-KV (``split_kv``, KV broadcast): every tile runs ``n_splits`` times,
+    split slowest, split i over keys i * split_keys : (i + 1) * split_keys of its row (K/V
+    offset by kv_base, the keys past the row's end masked as above), writing its output and
+    lse as head i * H + h of a workspace the op merges (``ikbo_fa.attention.merge_splits``).
     """
 
     TILE_M = 128
@@ -261,6 +268,8 @@ class IkboAttentionFwdSm90:
         n_ctas: Int32,
         q_flat: Int32,  # kv: 1 where q's and out's batch stride is S_q times their row stride
         max_keys: Int32,  # jagged: keys past this many in a row are not read
+        n_splits: Int32,  # split_kv: splits of each row's keys (1 otherwise)
+        split_keys: Int32,  # split_kv: keys per split, a multiple of 128
         stream,
     ):
         d, r = self.head_dim, self.slot_rows
@@ -326,7 +335,7 @@ class IkboAttentionFwdSm90:
             mLSE, mCand, mCandStart, mTileStart, mKvLen, mGrouped, mKvOffsets, mK, mV,
             mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
             mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
-            q_flat, max_keys, scale_log2, scale,
+            q_flat, max_keys, n_splits, split_keys, scale_log2, scale,
             tiled_mma_qk, tiled_mma_pv, sQ_layout, sO_layout, slot_layout, sK_layout, sV_layout,
         ).launch(grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  use_pdl=True)
@@ -364,6 +373,8 @@ class IkboAttentionFwdSm90:
         n_out: Int32,
         q_flat: Int32,
         max_keys: Int32,
+        n_splits: Int32,
+        split_keys: Int32,
         scale_log2: Float32,
         scale: Float32,
         tiled_mma_qk: cute.TiledMma,
@@ -411,8 +422,11 @@ class IkboAttentionFwdSm90:
         flat = False
         if const_expr(self.flat_path):
             flat = q_flat != 0 and mGrouped[0] != 0
-        sched = Schedule(tiles_per_head * n_heads, tiles_per_head, n_q_batch, n_kv_batch, n_heads, n_kv_heads,
-                         kv_len, max_keys, flat)
+        total = tiles_per_head * n_heads
+        if const_expr(self.cfg.split_kv):
+            total = total * n_splits
+        sched = Schedule(total, tiles_per_head, n_q_batch, n_kv_batch, n_heads, n_kv_heads, kv_len, max_keys, flat,
+                         n_splits, split_keys)
 
         if warp_idx < 4:
             self.REGISTERS.enter_producer()
@@ -427,7 +441,13 @@ class IkboAttentionFwdSm90:
     # ------------------------------------------------------------ work list
     @cute.jit
     def tile_info(self, t: Int32, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, sched: Schedule) -> TileInfo:
-        """Tile t -> its TileInfo (a binary search over the groups' first tiles for KV broadcast)."""
+        """Tile t -> its TileInfo (a binary search over the groups' first tiles for KV broadcast).
+        split_kv: splits run slowest (t = split * tiles of all heads + ...)."""
+        split = Int32(0)
+        if const_expr(self.cfg.split_kv):
+            per_split = sched.tiles_per_head * sched.n_heads
+            split = t // per_split
+            t = t - split * per_split
         h = t // sched.tiles_per_head
         rem = t - h * sched.tiles_per_head
         first = Int32(0)
@@ -475,9 +495,16 @@ class IkboAttentionFwdSm90:
             kv_base = cutlass.min(cutlass.max(mKvOffsets[kv_coord], 0), sched.kv_len)
             end = cutlass.min(cutlass.max(mKvOffsets[kv_coord + 1], kv_base), sched.kv_len)
             n_keys = cutlass.min(end - kv_base, sched.max_keys)
+        out_head = h
+        if const_expr(self.cfg.split_kv):
+            start = split * sched.split_keys
+            n_keys = cutlass.min(cutlass.max(n_keys - start, 0), sched.split_keys)
+            kv_base = kv_base + start
+            out_head = split * sched.n_heads + h
         if invalid:
             n_keys = Int32(0)
-        return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, row0, sched.q_flat, invalid, n_keys, kv_base)
+        return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, row0, sched.q_flat, invalid, n_keys, kv_base,
+                        out_head)
 
     @cute.jit
     def slot_info(self, s, info: TileInfo, mCand):
@@ -524,6 +551,11 @@ class IkboAttentionFwdSm90:
                 gK = cute.local_tile(cute.domain_offset((info.kv_base, 0), mK[None, None, h_kv, 0]),
                                      (self.tile_n, d), (None, 0))
                 gV = cute.local_tile(cute.domain_offset((info.kv_base, 0), mV[None, None, h_kv, 0]),
+                                     (self.tile_n, d), (None, 0))
+            elif const_expr(self.cfg.split_kv):  # the split's keys start at kv_base
+                gK = cute.local_tile(cute.domain_offset((info.kv_base, 0), mK[None, None, h_kv, info.kv_coord]),
+                                     (self.tile_n, d), (None, 0))
+                gV = cute.local_tile(cute.domain_offset((info.kv_base, 0), mV[None, None, h_kv, info.kv_coord]),
                                      (self.tile_n, d), (None, 0))
             else:
                 gK = cute.local_tile(mK[None, None, h_kv, info.kv_coord], (self.tile_n, d), (None, 0))
@@ -651,7 +683,7 @@ class IkboAttentionFwdSm90:
             # consumers' path); its info arrives with the tile's Q and stays in registers for
             # the epilogue.
             pipe_q.consumer_wait(q_state)
-            info = TileInfo.load(sMeta, q_state.index, self.dense)
+            info = TileInfo.load(sMeta, q_state.index, self.dense, self.cfg.split_kv)
             n_blocks = (info.n_keys + n - 1) // n
             acc_O.fill(0.0)
             softmax.reset()
@@ -666,11 +698,12 @@ class IkboAttentionFwdSm90:
                                                     scale_log2, tidx)
             if const_expr(self.cfg.overlap):
                 if softmax.any_row_to_redo():
-                    if const_expr(self.cfg.jagged):  # one packed batch row; the keys from kv_base on
+                    if const_expr(self.cfg.jagged or self.cfg.split_kv):  # the keys from kv_base on
                         key0 = sMeta[TileInfo.KV_BASE, q_state.index]
+                        batch = Int32(0) if const_expr(self.cfg.jagged) else info.kv_coord  # jagged: one row
                         softmax.exact_rows(sQ, q_state.index, cute.domain_offset((key0, 0, 0, 0), mKg),
                                            cute.domain_offset((key0, 0, 0, 0), mVg), st.tOcO_mn, self.head_dim,
-                                           info.n_keys, info.head // sched.group(), Int32(0), scale_log2, tidx)
+                                           info.n_keys, info.head // sched.group(), batch, scale_log2, tidx)
                     else:
                         softmax.exact_rows(sQ, q_state.index, mKg, mVg, st.tOcO_mn, self.head_dim, info.n_keys,
                                            info.head // sched.group(), info.kv_coord, scale_log2, tidx)
@@ -820,20 +853,20 @@ class IkboAttentionFwdSm90:
                     if const_expr(self.dense):
                         if row < info.n_valid:
                             c = (info.row0 + row) // self.s_q
-                            mLSE[mCand[info.first + c], info.head, info.row0 + row - c * self.s_q] = lse[m]
+                            mLSE[mCand[info.first + c], info.out_head, info.row0 + row - c * self.s_q] = lse[m]
                     else:
                         s = row // r
                         valid, q_b, out_b, row_block = self.slot_info(s, info, mCand)
                         q_row = row_block * r + (row - s * r)
                         if valid and q_row < self.s_q:
-                            mLSE[out_b, info.head, q_row] = lse[m]
+                            mLSE[out_b, info.out_head, q_row] = lse[m]
 
         cute.arch.fence_view_async_shared()
         bar_sync(bar, 128)
         if warp_in_wg == 0:
             if const_expr(self.flat_path):
                 if info.flat and info.n_valid >= (wg + 1) * 64:
-                    gO = cute.local_tile(cute.domain_offset((info.q_coord + wg * 64, 0), mOf[None, None, info.head]),
+                    gO = cute.local_tile(cute.domain_offset((info.q_coord + wg * 64, 0), mOf[None, None, info.out_head]),
                                          (64, d), (0, 0))
                     sO_h = cute.local_tile(sO, (64, d), (wg, 0))
                     tOsO_h, tOgO = cpasync.tma_partition(
@@ -860,7 +893,7 @@ class IkboAttentionFwdSm90:
         d, r = self.head_dim, self.slot_rows
         valid, q_b, out_b, row_block = self.slot_info(s, info, mCand)
         if valid:
-            gO = cute.local_tile(mO[None, None, info.head, out_b], (r, d), (row_block, 0))
+            gO = cute.local_tile(mO[None, None, info.out_head, out_b], (r, d), (row_block, 0))
             sO_s = cute.local_tile(sO, (r, d), (s, 0))
             tOsO_s, tOgO = cpasync.tma_partition(
                 tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO_s, 0, 2), cute.group_modes(gO, 0, 2))

@@ -24,6 +24,7 @@ class EmulatedKernels:
     def __init__(self):
         self.fwd_calls = []
         self.worklist_calls = 0
+        self.merge_calls = 0
         self.builds = []
         self.hooks = []
 
@@ -38,12 +39,22 @@ class EmulatedKernels:
         for t, r in zip((order, cand_start, tile_start, grouped), ref):
             t.copy_(r)
 
+    def merge(self, ws_o, ws_lse, out, lse, n_splits):
+        self.merge_calls += 1
+        assert ws_lse.dtype == torch.float32 and out.shape[2] * n_splits == ws_o.shape[2]
+        attention_mod.merge_splits(ws_o, ws_lse, n_splits, out, lse)
+
     def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, grouped, offsets, scale_log2, scale,
-            n_ctas, q_flat, max_keys):
+            n_ctas, q_flat, max_keys, n_splits, split_keys):
         for hook in self.hooks:
             hook("fwd")
         self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k, out=out,
-                                   grouped=grouped, q_flat=q_flat, offsets=offsets, max_keys=max_keys))
+                                   grouped=grouped, q_flat=q_flat, offsets=offsets, max_keys=max_keys,
+                                   n_splits=n_splits, split_keys=split_keys))
+        H = q.shape[2]
+        assert out.shape[2] == n_splits * H and (lse is None or lse.shape[1] == n_splits * H)
+        if n_splits > 1:  # split_kv: split i holds keys i * split_keys : (i + 1) * split_keys of a row
+            assert cand_start is not None and lse is not None and split_keys % 128 == 0 and split_keys > 0
         assert scale_log2 == pytest.approx(scale * LOG2E)
         assert q_flat in (0, 1)
         if q_flat and q.shape[1] > 1:  # the one-box path reads q and out as B * S_q rows
@@ -92,13 +103,22 @@ class EmulatedKernels:
                 lengths = torch.full((n,), length)
             ks = ks.expand(n, *ks.shape[1:])
             vs = vs.expand(n, *vs.shape[1:])
-            o, l = naive_attention(qs.float(), ks.float(), vs.float(), scale, lengths)
-            if bad:
-                o.fill_(float("nan"))
-                l.fill_(float("nan"))
-            out.data[members] = o.to(out.dtype)  # through the pointer, as the kernel: autograd sees no write
-            if lse is not None:
-                lse.data[members] = l
+            full = torch.full((n,), ks.shape[1]) if lengths is None else lengths
+            for i in range(n_splits):
+                lo, hi = (i * split_keys, (i + 1) * split_keys) if n_splits > 1 else (0, ks.shape[1])
+                part = (full - lo).clamp(0, hi - lo)
+                kw, vw = ks[:, lo:hi], vs[:, lo:hi]
+                if kw.shape[1] == 0:  # a split past every key of this row's storage
+                    kw, vw = ks[:, :1], vs[:, :1]
+                o, l = naive_attention(qs.float(), kw.float(), vw.float(), scale,
+                                       part if n_splits > 1 or lengths is not None else None)
+                if bad:
+                    o.fill_(float("nan"))
+                    l.fill_(float("nan"))
+                heads = slice(i * H, (i + 1) * H)
+                out.data[members, :, heads] = o.to(out.dtype)  # through the pointer, as the kernel: autograd sees no write
+                if lse is not None:
+                    lse.data[members, heads] = l
 
 
 def install(monkeypatch) -> EmulatedKernels:
@@ -109,6 +129,7 @@ def install(monkeypatch) -> EmulatedKernels:
     monkeypatch.setattr(attention_mod, "sm_count", lambda device: 132)
     monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: kernels.fwd)
     monkeypatch.setattr(attention_mod, "_worklist_kernel", lambda dtype: kernels.worklist)
+    monkeypatch.setattr(attention_mod, "_merge_kernel", lambda dtype, with_lse: kernels.merge)
     real_resolve = attention_mod.resolve_problem
 
     def counting_resolve(*args, **kwargs):

@@ -10,6 +10,7 @@ import torch
 
 import ikbo_fa
 from attention_emulation import attention_mod, install
+from cute_kernels.plans import PlanCache
 from attention_inputs import assert_nan_rows_only, materialize, random_problem
 from ikbo_fa.reference import attention_reference, naive_attention
 
@@ -381,3 +382,82 @@ def test_gpu_path_jagged_without_keys(emulated):
     out, lse = ikbo_fa.attention(q, (k, k), torch.tensor([0, 1, 0]), kv_offsets=torch.tensor([0, 0, 0]),
                                  return_lse=True)
     assert not emulated.fwd_calls and (out == 0).all() and torch.isneginf(lse).all()
+
+
+# ------------------------------------------ split-KV: a row's keys over several CTAs
+
+
+def test_kv_splits_fill_idle_sms_only():
+    assert attention_mod.kv_splits(32, 2, 8192, 132) == (2, 4096)  # S_q 1, ratio 64: 64 tiles
+    assert attention_mod.kv_splits(4, 2, 2048, 132) == (4, 512)  # at least 512 keys a split
+    assert attention_mod.kv_splits(2, 1, 1000 * 1000, 132) == (8, 125056)  # at most 8 splits
+    assert attention_mod.kv_splits(32, 2, 1000, 132) == (1, 0)  # too few keys
+    assert attention_mod.kv_splits(40, 2, 8192, 132) == (1, 0)  # more than half the SMs busy
+
+
+@pytest.mark.parametrize("n_splits", [2, 3])
+def test_merge_splits_is_attention_over_all_keys(n_splits):
+    """Partial (out, lse) over key ranges merge into attention over all keys; a row with no key
+    in a range, or in any, and a NaN row come out as the reference has them."""
+    g = torch.Generator().manual_seed(40 + n_splits)
+    B, S, H, D, L = 5, 3, 2, 8, 12
+    q, k, v = (torch.randn(B, n, H, D, generator=g) for n in (S, L, L))
+    lengths = torch.tensor([12, 7, 0, 1, 12])
+    ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), 0.3, lengths)
+    per = -(-L // n_splits)
+    parts = [naive_attention(q, k[:, i * per:(i + 1) * per], v[:, i * per:(i + 1) * per], 0.3,
+                             (lengths - i * per).clamp(0, per)) for i in range(n_splits)]
+    ws_o = torch.cat([o for o, _ in parts], dim=2).bfloat16()
+    ws_lse = torch.cat([lse for _, lse in parts], dim=1)
+    ws_o[4, :, H - 1::H] = float("nan")  # row 4, head H - 1, in every split
+    ws_lse[4, H - 1::H] = float("nan")
+    out, lse = torch.full((B, S, H, D), 7.0, dtype=torch.bfloat16), torch.full((B, H, S), 7.0)
+    attention_mod.merge_splits(ws_o, ws_lse, n_splits, out, lse)
+    ok = torch.ones(B, dtype=torch.bool)
+    ok[4] = False
+    torch.testing.assert_close(out[ok].double(), ref[ok], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse[ok].double(), ref_lse[ok], rtol=1e-5, atol=1e-5)
+    assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+    assert out[4, :, H - 1].isnan().all() and not out[4, :, 0].isnan().any()
+
+
+@pytest.mark.parametrize("lengths_kind", ["none", "kv_lengths", "jagged"])
+def test_gpu_path_splits_keys_where_tiles_are_few(emulated, lengths_kind):
+    """B 256 at ratio 64, S_q 1, L 2048: 4 users, a few tiles, so each row's keys go over 4
+    CTAs; the merged result is the reference's, and without splitting the same."""
+    B, U, L = 256, 4, 2048
+    q, kv, idx, lengths = _gpu_path_problem(41, "kv", B, U, S_q=1, L=L, jagged=lengths_kind == "jagged")
+    kw = {}
+    if lengths_kind == "kv_lengths":
+        kw["kv_lengths"] = torch.tensor([L, 1, 0, 1300], dtype=torch.int32)
+    elif lengths_kind == "jagged":
+        lens = torch.tensor([L, 1, 0, 1300])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        g = torch.Generator().manual_seed(42)
+        kv = tuple(torch.randn(int(offsets[-1]), 1, 64, generator=g).bfloat16() for _ in range(2))
+        kw.update(kv_offsets=offsets, max_kv_len=L)
+    out, lse = ikbo_fa.attention(q, kv, idx, return_lse=True, **kw)
+    call = emulated.fwd_calls[-1]
+    assert call["n_splits"] == 4 and call["split_keys"] == 512 and call["out"].shape[2] == 4 * 2
+    assert emulated.merge_calls == 1
+    ref, ref_lse = attention_reference(q, kv, idx, return_lse=True, **kw)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(attention_mod, "_SPLIT_KV", False)
+        m.setattr(attention_mod, "_plans", PlanCache())
+        whole = ikbo_fa.attention(q, kv, idx, **kw)
+    assert emulated.fwd_calls[-1]["n_splits"] == 1
+    torch.testing.assert_close(out, whole, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_merge_kernel_compiles_for_sm90a(dtype, with_lse):
+    from ikbo_fa.merge_sm90 import compile_merge
+
+    ck = compile_merge(dtype, with_lse, keep_ptx=True, ptxas_report=True)
+    for instr in (".target sm_90a", "griddepcontrol.wait", "ex2.approx"):
+        assert instr in ck.ptx, instr
+    assert ("lg2.approx" in ck.ptx) == with_lse  # the lse is computed only where it is written
+    assert ck.spill_bytes == 0, ck.ptxas_log
