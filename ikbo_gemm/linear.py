@@ -118,7 +118,13 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out) -> Optiona
         sms = sm_count(device)
         n_tiles = -(-N // tile_cand[1])
         cand_clusters = min(max_active_clusters(device, cluster), -(-B // (tile_cand[0] * cluster)) * n_tiles)
-        splits = _user_splits(-(-U // tile_user[0]) * -(-N // tile_user[1]), -(-K_user // 64), sms)
+        user_tiles = -(-U // tile_user[0]) * -(-N // tile_user[1])
+        splits = _user_splits(user_tiles, -(-K_user // 64), sms)
+        grid_user = min(sms, splits * user_tiles)
+        spare = _spare_user_grid(user_tiles, tile_user, K_user, -(-B // tile_cand[0]) * n_tiles, tile_cand, K_cand,
+                                 cand_clusters * cluster, sms)
+        if spare:
+            splits, grid_user = 1, spare
         plan = _Plan(
             user=_kernel(user_cfg),
             cand=_kernel(cand_cfg),
@@ -129,10 +135,25 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out) -> Optiona
             ws_shape=(splits, _ceil(U, tile_user[0]), n_pad),
             n_users=U,
             splits=splits,
-            grid_user=min(sms, splits * -(-U // tile_user[0]) * -(-N // tile_user[1])),
+            grid_user=grid_user,
             grid_cand=cand_clusters * cluster,
         )
     return _plans.keep(key, plan)
+
+
+def _spare_user_grid(user_tiles: int, tile_user, k_user: int, cand_tiles: int, tile_cand, k_cand: int,
+                     cand_ctas: int, sms: int) -> int:
+    """CTAs for the user phase on the SMs the candidate grid leaves idle, or 0. Where the
+    candidate tiles are one partial wave, user CTAs elsewhere would hold back candidate CTAs
+    (they start on an SM once the user grid left it) by a user tile each, all of it exposed;
+    on the idle SMs they run beside the candidate tiles. Taken only where each idle SM's share
+    of the user tiles (unsplit) is no more work than a candidate tile, so that the candidate
+    epilogue's wait on the workspace falls at the end of its main loop."""
+    if cand_tiles > cand_ctas or cand_ctas >= sms:
+        return 0
+    spare = min(sms - cand_ctas, user_tiles)
+    per_cta = -(-user_tiles // spare) * tile_user[0] * tile_user[1] * k_user
+    return spare if per_cta <= tile_cand[0] * tile_cand[1] * k_cand else 0
 
 
 def _user_splits(user_tiles: int, k_blocks: int, sms: int) -> int:

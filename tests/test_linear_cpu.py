@@ -157,3 +157,16 @@ def test_config_errors_name_the_field(field, value, match):
         LinearConfig(**dict(base, **{field: value}))
     with pytest.raises(ValueError, match="user phase takes no activation"):
         LinearConfig(**dict(base, phase="user", activation="relu"))
+
+
+def test_the_user_phase_takes_the_idle_sms_of_a_partial_candidate_wave():
+    from ikbo_gemm.linear import _spare_user_grid
+
+    # B 2048, N 1024: 128 candidate tiles on 132 SMs; 4 user tiles of 64 x 256, one per idle SM
+    assert _spare_user_grid(4, (64, 256), 4096, 128, (128, 128), 4096, 128, 132) == 4
+    assert _spare_user_grid(4, (64, 256), 1024, 128, (128, 128), 2048, 128, 132) == 4
+    # a user tile more work than a candidate tile: the split user grid as before
+    assert _spare_user_grid(4, (64, 256), 8192, 128, (128, 128), 4096, 128, 132) == 0
+    # several waves of candidate tiles, or no idle SM
+    assert _spare_user_grid(4, (64, 256), 1024, 512, (128, 128), 2048, 132, 132) == 0
+    assert _spare_user_grid(4, (64, 256), 1024, 132, (128, 128), 2048, 132, 132) == 0
