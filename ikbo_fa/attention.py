@@ -71,7 +71,10 @@ _WORKLIST_KERNEL = True
 # KV broadcast over few tiles splits each row's keys over several CTAs (split_kv); False never
 # splits (the tests compare the two).
 _SPLIT_KV = True
-_SPLIT_MIN_KEYS = 512  # keys per split at least (4 blocks: the pipeline fills and drains per tile)
+# Keys per split at least. The merge is a second launch on the critical path: on the H200 (S_q 1,
+# ratio 64, H 2) 2 splits lost at L 1024 (26.5 against 23.0 us) and gained at L 8192 (83 against
+# 96 us); see docs/perf/2026-12-03-split-kv.md.
+_SPLIT_MIN_KEYS = 2048
 _MAX_SPLITS = 8
 
 # ------------------------------------------------------------------ launch plan

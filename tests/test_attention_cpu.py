@@ -389,9 +389,9 @@ def test_gpu_path_jagged_without_keys(emulated):
 
 def test_kv_splits_fill_idle_sms_only():
     assert attention_mod.kv_splits(32, 2, 8192, 132) == (2, 4096)  # S_q 1, ratio 64: 64 tiles
-    assert attention_mod.kv_splits(4, 2, 2048, 132) == (4, 512)  # at least 512 keys a split
+    assert attention_mod.kv_splits(4, 2, 8192, 132) == (4, 2048)  # at least 2048 keys a split
     assert attention_mod.kv_splits(2, 1, 1000 * 1000, 132) == (8, 125056)  # at most 8 splits
-    assert attention_mod.kv_splits(32, 2, 1000, 132) == (1, 0)  # too few keys
+    assert attention_mod.kv_splits(32, 2, 4000, 132) == (1, 0)  # too few keys
     assert attention_mod.kv_splits(40, 2, 8192, 132) == (1, 0)  # more than half the SMs busy
 
 
@@ -422,9 +422,11 @@ def test_merge_splits_is_attention_over_all_keys(n_splits):
 
 
 @pytest.mark.parametrize("lengths_kind", ["none", "kv_lengths", "jagged"])
-def test_gpu_path_splits_keys_where_tiles_are_few(emulated, lengths_kind):
-    """B 256 at ratio 64, S_q 1, L 2048: 4 users, a few tiles, so each row's keys go over 4
-    CTAs; the merged result is the reference's, and without splitting the same."""
+def test_gpu_path_splits_keys_where_tiles_are_few(emulated, monkeypatch, lengths_kind):
+    """B 256 at ratio 64, S_q 1, L 2048, with splits of at least 512 keys: 4 users, a few
+    tiles, so each row's keys go over 4 CTAs; the merged result is the reference's, and
+    without splitting the same."""
+    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
     B, U, L = 256, 4, 2048
     q, kv, idx, lengths = _gpu_path_problem(41, "kv", B, U, S_q=1, L=L, jagged=lengths_kind == "jagged")
     kw = {}

@@ -14,6 +14,14 @@ pytestmark = pytest.mark.gpu
 attention_mod = __import__("importlib").import_module("ikbo_fa.attention")
 
 
+@pytest.fixture(autouse=True)
+def short_splits(monkeypatch):
+    """Splits of 512 keys, so that short histories split too: split boundaries inside and at
+    the ends of the key blocks, up to 8 splits, and the merge, at small sizes."""
+    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
+    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
+
+
 def _problem(seed, U, ratio, S_q, L, H=2, H_kv=2, D=128, order="sorted"):
     g = torch.Generator().manual_seed(seed)
     B = U * ratio
