@@ -92,7 +92,7 @@ def test_split_out_of_range_idx_is_nan_and_isolated():
     q, k, v, idx = _problem(6, 8, 64, 1, 4096)
     bad = idx.clone()
     bad[3] = 8
-    o = ikbo_fa.attention(q, (k, v), bad)
+    o = ikbo_fa.attention(q, (k, v), bad, validate=False)
     assert o[3].isnan().all()
     keep = torch.ones(len(idx), dtype=torch.bool, device="cuda")
     keep[3] = False
