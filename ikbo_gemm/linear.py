@@ -43,7 +43,7 @@ from cute_kernels import (
 from cute_kernels.checks import check_index_range, check_out_target, validation_enabled
 
 from .checks import check_linear_inputs
-from .config import LinearConfig, compile_linear_config, linear_configs, pick_linear_tile
+from .config import LinearConfig, compile_linear_config, linear_configs, pick_cand_tile, pick_linear_tile
 from .reference import linear_reference
 
 _INPUT_NAMES = ("x_cand", "x_user", "idx", "w_cand", "w_user", "bias")
@@ -110,12 +110,12 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out) -> Optiona
         device = x_cand.device
         require_sm90(device, "linear")
     if on_gpu(x_cand) and B > 0:
-        tile_user, tile_cand = pick_linear_tile(U, N), pick_linear_tile(B, N)
+        sms = sm_count(device)
+        tile_user, tile_cand = pick_linear_tile(U, N), pick_cand_tile(B, N, sms)
         cluster = _CAND_CLUSTER if B > tile_cand[0] else 1
         user_cfg, cand_cfg = linear_configs(x_cand.dtype, idx.dtype, tile_user, tile_cand, activation,
                                             bias is not None, cluster)
         n_pad = max(_ceil(N, tile_user[1]), _ceil(N, tile_cand[1]))
-        sms = sm_count(device)
         n_tiles = -(-N // tile_cand[1])
         cand_clusters = min(max_active_clusters(device, cluster), -(-B // (tile_cand[0] * cluster)) * n_tiles)
         user_tiles = -(-U // tile_user[0]) * -(-N // tile_user[1])
