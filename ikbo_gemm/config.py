@@ -224,15 +224,14 @@ def pick_linear_tile(rows: int, n: int) -> tuple[int, int]:
 
 def pick_cand_tile(rows: int, n: int, sms: int) -> tuple[int, int]:
     """The candidate phase's tile: ``pick_linear_tile``'s, unless its tiles fill at most half the
-    SMs. Each CTA then runs one tile on one of its two consumers, so the call takes one tile's
-    time: the tile of least work (weighted when load-bound) among those still one wave; ties:
-    the wider tile (wgmma's N)."""
+    SMs. Each CTA then runs one tile, so the phase takes one tile's time: the tile of least work
+    (weighted when load-bound; ties: the wider, wgmma's N) among those that still leave half
+    the SMs to the user phase (``linear._spare_user_grid``)."""
     best = pick_linear_tile(rows, n)
     count = lambda t: -(-rows // t[0]) * -(-n // t[1])
     if 2 * count(best) > sms:
         return best
-    one_wave = [t for t in LINEAR_TILES if count(t) <= sms]
-    return min(one_wave, key=lambda t: (tile_cost(t[0], t[1], t[1], t[0]), -t[1]))
+    return min((t for t in LINEAR_TILES if 2 * count(t) <= sms), key=lambda t: (tile_cost(*t, t[1], t[0]), -t[1]))
 
 
 def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1) -> tuple:
