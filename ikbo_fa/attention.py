@@ -72,8 +72,8 @@ _WORKLIST_KERNEL = True
 # splits (the tests compare the two).
 _SPLIT_KV = True
 # Keys per split at least. The merge is a second launch on the critical path: on the H200 (S_q 1,
-# ratio 64, H 2) 2 splits lost at L 1024 (26.5 against 23.0 us) and gained at L 8192 (83 against
-# 96 us); see docs/perf/2026-12-03-split-kv.md.
+# ratio 64, H 2, CUDA graphs) 2 splits lost at L 1024 (26.5 against 22.3 us unsplit) and gained
+# at L 4096 and 8192 (50.5 against 54.9, 82.9 against 96.2 us): docs/perf/2026-12-03-split-kv.md.
 _SPLIT_MIN_KEYS = 2048
 _MAX_SPLITS = 8
 
