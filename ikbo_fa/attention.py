@@ -299,21 +299,27 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     # A tile of a grouped idx is consecutive rows of q and out where their batch stride is
     # S_q rows (one row per candidate: any stride); the kernel then moves it in two boxes.
     s_q = plan.out_shape[1]
-    if plan.n_splits > 1:  # each split's output and lse into a workspace of n_splits x H heads
-        B, _, H, D = plan.out_shape
-        ws_o = torch.empty((B, s_q, plan.n_splits * H, D), dtype=plan.dtype, device=device)
-        ws_lse = torch.empty((B, plan.n_splits * H, s_q), dtype=torch.float32, device=device)
-        plan.kernel(q, k, v, ws_o, ws_lse, cand, cand_start, tile_start, kvl, grouped, offsets, scale * LOG2E,
-                    scale, plan.n_ctas, int(s_q == 1 or q.stride(0) == s_q * q.stride(1)), plan.kv_len,
-                    plan.n_splits, plan.split_keys)
-        plan.merge(ws_o, ws_lse, target, lse, plan.n_splits)
-        copy_back(out, target)
-        return (out, lse) if return_lse else out
-    q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and target.stride(0) == s_q * target.stride(1))
-    plan.kernel(q, k, v, target, lse, cand, cand_start, tile_start, kvl, grouped, offsets, scale * LOG2E, scale,
-                plan.n_ctas, int(q_flat), plan.kv_len, 1, 0)
+    dest, dest_lse = (target, lse) if plan.n_splits == 1 else _split_workspace(plan)
+    q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
+    plan.kernel(q, k, v, dest, dest_lse, cand, cand_start, tile_start, kvl, grouped, offsets, scale * LOG2E, scale,
+                plan.n_ctas, int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys)
+    if plan.n_splits > 1:
+        plan.merge(dest, dest_lse, target, lse, plan.n_splits)
     copy_back(out, target)
     return (out, lse) if return_lse else out
+
+
+def _split_workspace(plan: _Plan) -> tuple:
+    """(ws_o [B, S_q, n x H, D] in q's dtype, ws_lse [B, n x H, S_q] fp32), split-major heads, in
+    one allocation (ws_o from a 16-byte boundary, as its TMA store needs)."""
+    B, s_q, H, D = plan.out_shape
+    n_lse = B * plan.n_splits * H * s_q
+    start = -(-n_lse // 4) * 4
+    n_o = B * s_q * plan.n_splits * H * D * plan.dtype.itemsize // 4  # D is even
+    ws = torch.empty(start + n_o, dtype=torch.float32, device=plan.device)
+    ws_lse = ws[:n_lse].view(B, plan.n_splits * H, s_q)
+    ws_o = ws[start:].view(plan.dtype).view(B, s_q, plan.n_splits * H, D)
+    return ws_o, ws_lse
 
 
 def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: torch.Tensor,

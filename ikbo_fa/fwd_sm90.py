@@ -546,16 +546,13 @@ class IkboAttentionFwdSm90:
         while t < sched.total_tiles:
             info = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, sched)
             h_kv = info.head // group
-            if const_expr(self.cfg.jagged):
-                # One packed batch row; the row's keys start at kv_base.
-                gK = cute.local_tile(cute.domain_offset((info.kv_base, 0), mK[None, None, h_kv, 0]),
+            if const_expr(self.cfg.jagged or self.cfg.split_kv):
+                # The keys start at kv_base: the row's in the one packed batch row (jagged), plus
+                # the split's first (split_kv).
+                row = Int32(0) if const_expr(self.cfg.jagged) else info.kv_coord
+                gK = cute.local_tile(cute.domain_offset((info.kv_base, 0), mK[None, None, h_kv, row]),
                                      (self.tile_n, d), (None, 0))
-                gV = cute.local_tile(cute.domain_offset((info.kv_base, 0), mV[None, None, h_kv, 0]),
-                                     (self.tile_n, d), (None, 0))
-            elif const_expr(self.cfg.split_kv):  # the split's keys start at kv_base
-                gK = cute.local_tile(cute.domain_offset((info.kv_base, 0), mK[None, None, h_kv, info.kv_coord]),
-                                     (self.tile_n, d), (None, 0))
-                gV = cute.local_tile(cute.domain_offset((info.kv_base, 0), mV[None, None, h_kv, info.kv_coord]),
+                gV = cute.local_tile(cute.domain_offset((info.kv_base, 0), mV[None, None, h_kv, row]),
                                      (self.tile_n, d), (None, 0))
             else:
                 gK = cute.local_tile(mK[None, None, h_kv, info.kv_coord], (self.tile_n, d), (None, 0))

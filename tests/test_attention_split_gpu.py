@@ -1,13 +1,10 @@
 """GPU tests of split-KV: where a KV-broadcast problem has few tiles, each row's keys go over
 several CTAs and the op merges their partial outputs; against fp32 attention and against the
 same problem unsplit."""
-import math
-
 import pytest
 import torch
 
 import ikbo_fa
-from attention_inputs import materialize
 from cute_kernels.plans import PlanCache
 
 pytestmark = pytest.mark.gpu
@@ -34,17 +31,8 @@ def _problem(seed, U, ratio, S_q, L, H=2, H_kv=2, D=128, order="sorted"):
 
 
 def _reference(q, k, v, idx, lengths=None):
-    qm, km, vm, lm = materialize(q, k, v, idx, "kv", lengths)
-    group = q.shape[2] // k.shape[2]
-    qf = qm.float().transpose(1, 2)
-    kf = km.float().repeat_interleave(group, dim=2).transpose(1, 2)
-    vf = vm.float().repeat_interleave(group, dim=2).transpose(1, 2)
-    s = qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if lm is not None:
-        keep = torch.arange(k.shape[1], device=q.device)[None, :] < lm[:, None].to(q.device)
-        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return (p @ vf).transpose(1, 2), torch.logsumexp(s, dim=-1)
+    """fp32 attention -> (out, lse): the op's reference on the inputs in float32."""
+    return ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, kv_lengths=lengths, return_lse=True)
 
 
 def _unsplit(monkeypatch, *args, **kw):
