@@ -61,9 +61,9 @@ from cute_kernels.interop import copy_back, forward_only, into_out, library_op, 
 from cute_kernels.plans import PlanCache, on_gpu, plan_key
 
 from .checks import F32_MIN_NORMAL, LOG2E, check_offsets, check_ranges, check_scale, kv_arg, kv_list, resolve_problem
-from .config import compile_config, kernel_config, row_packing
-from .reference import evaluate
-from .worklist import kv_worklist, max_tiles_per_head
+from .config import MAX_SPLITS, compile_config, kernel_config, row_packing
+from .reference import evaluate, jagged_rows
+from .worklist import kv_tile_order, kv_worklist, max_tiles_per_head
 
 # The one-launch work-list kernel groups candidates by user; False builds the same arrays with
 # torch ops (kv_worklist; the definition the kernel is tested against).
@@ -75,7 +75,6 @@ _SPLIT_KV = True
 # ratio 64, H 2, CUDA graphs) 2 splits lost at L 1024 (26.5 against 22.3 us unsplit) and gained
 # at L 4096 and 8192 (50.5 against 54.9, 82.9 against 96.2 us): docs/perf/2026-12-03-split-kv.md.
 _SPLIT_MIN_KEYS = 2048
-_MAX_SPLITS = 8
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +85,7 @@ class _Plan:
     config: object  # AttentionConfig: the forward kernel's compile key
     kernel: object  # the compiled forward kernel (TVM-FFI callable)
     worklist: object  # the compiled work-list kernel; None: torch work list (KV) or none needed (Q)
+    ordered: bool  # KV over histories of their own lengths: the tiles longest first (a perm buffer)
     direction: str
     packed: bool
     copy_q: bool  # strides TMA cannot use (checked once; the base alignment is checked per call)
@@ -261,8 +261,8 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     target = store_target(out, plan.out_shape)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device) if return_lse else None
 
-    # The per-row vector of K/V (kv_lengths or kv_offsets) as the kernel takes it: contiguous
-    # int32, lengths clamped to [0, L] (the kernel clamps offsets itself).
+    # The per-row vector of K/V (kv_lengths or kv_offsets) as the kernels take it: contiguous
+    # int32, lengths clamped to [0, L] (the kernels clamp offsets themselves).
     rows = kv_lengths if kv_lengths is not None else kv_offsets
     convert_rows = rows is not None and not (plan.rows_int32 and (validated or kv_offsets is not None))
     sizes, n = (plan.buf_sizes_rows, plan.buf_len_rows) if convert_rows else (plan.buf_sizes, plan.buf_len)
@@ -270,14 +270,29 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     if n:
         buf = torch.empty(n, dtype=torch.int32, device=device)
         bufs = buf.split_with_sizes(sizes) if len(sizes) > 1 else (buf,)
-    cand_start = tile_start = grouped = None
+    if convert_rows:
+        bound = plan.kv_len if kv_lengths is not None else plan.total_kv
+        src = rows
+        rows = bufs[-1]
+        if validated:
+            rows.copy_(src)
+        elif plan.rows_int32:
+            torch.clamp(src, 0, bound, out=rows)
+        else:  # int64 values past int32 clamped before they convert
+            rows.copy_(src.clamp(0, bound))
+    cand_start = tile_start = grouped = perm = None
     if plan.direction == "kv":
         idx_k = idx if plan.idx_contiguous else idx.contiguous()
         if plan.worklist is not None:
             cand, cand_start, tile_start, grouped = bufs[0], bufs[1], bufs[2], bufs[3]
-            plan.worklist(idx_k, cand, cand_start, tile_start, grouped, plan.n_users, plan.rows_per_cand)
+            perm = bufs[4] if plan.ordered else None
+            plan.worklist(idx_k, cand, cand_start, tile_start, grouped, perm, rows if plan.ordered else None,
+                          plan.n_users, plan.rows_per_cand, plan.total_kv, plan.kv_len)
         else:
             cand, cand_start, tile_start, grouped = kv_worklist(idx_k, plan.n_users, plan.rows_per_cand)
+            if plan.ordered:
+                keys = rows if kv_lengths is not None else jagged_rows(rows, plan.total_kv, plan.kv_len)[1]
+                perm, tile_start = kv_tile_order(cand_start, keys, plan.rows_per_cand)
     elif plan.idx_int32 and plan.idx_contiguous:
         cand = idx  # the kernel writes NaN for entries outside [0, U)
     else:
@@ -285,23 +300,14 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
         # out-of-range entries become -1 (or U) first, so the kernel writes NaN for them.
         cand = bufs[0]
         cand.copy_(idx if validated or plan.idx_int32 else idx.clamp(-1, plan.n_users))
-    if convert_rows:
-        bound = plan.kv_len if kv_lengths is not None else plan.total_kv
-        rows = bufs[-1]
-        src = kv_lengths if kv_lengths is not None else kv_offsets
-        if validated:
-            rows.copy_(src)
-        elif plan.rows_int32:
-            torch.clamp(src, 0, bound, out=rows)
-        else:  # int64 values past int32 clamped before they convert
-            rows.copy_(src.clamp(0, bound))
     kvl, offsets = (rows, None) if kv_lengths is not None else (None, rows)
     # A tile of a grouped idx is consecutive rows of q and out where their batch stride is
     # S_q rows (one row per candidate: any stride); the kernel then moves it in two boxes.
     s_q = plan.out_shape[1]
     dest, dest_lse = (target, lse) if plan.n_splits == 1 else _split_workspace(plan)
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
-    plan.kernel(q, k, v, dest, dest_lse, cand, cand_start, tile_start, kvl, grouped, offsets, scale * LOG2E, scale,
+    plan.kernel(q, k, v, dest, dest_lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm, scale * LOG2E,
+                scale,
                 plan.n_ctas, int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys)
     if plan.n_splits > 1:
         plan.merge(dest, dest_lse, target, lse, plan.n_splits)
@@ -346,7 +352,7 @@ def kv_splits(tiles: int, heads: int, keys: int, sms: int) -> tuple:
     work = max(1, tiles * heads)
     if not _SPLIT_KV or 2 * work > sms:
         return 1, 0
-    n = min(sms // work, keys // _SPLIT_MIN_KEYS, _MAX_SPLITS)
+    n = min(sms // work, keys // _SPLIT_MIN_KEYS, MAX_SPLITS)
     if n < 2:
         return 1, 0
     per = -(-keys // (n * 128)) * 128
@@ -371,10 +377,10 @@ def _merge_kernel(dtype: torch.dtype, with_lse: bool):
     return merge_kernel(dtype, with_lse).fn
 
 
-def _worklist_kernel(idx_dtype: torch.dtype):
+def _worklist_kernel(idx_dtype: torch.dtype, keys: Optional[str]):
     from .worklist_sm90 import worklist_kernel
 
-    return worklist_kernel(idx_dtype).fn
+    return worklist_kernel(idx_dtype, keys).fn
 
 
 def _worklist_fits(num_users: int) -> bool:
@@ -409,8 +415,11 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
     if p.direction == "kv":
         bound = max_tiles_per_head(p.batch, n_users, p.s_q)
         if _WORKLIST_KERNEL and _worklist_fits(n_users):
-            worklist = _worklist_kernel(p.idx.dtype)
+            worklist = _worklist_kernel(p.idx.dtype, ("lengths" if p.kv_lengths is not None else "offsets")
+                                        if cfg.ordered else None)
             sizes += [p.batch, n_users + 2, n_users + 2, 1]  # order, cand_start, tile_start, grouped
+            if cfg.ordered:
+                sizes.append(n_users + 1)  # perm
     else:
         bound = p.batch * chunks
         if not (idx_int32 and idx_contiguous):
@@ -422,6 +431,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         config=cfg,
         kernel=_fwd_kernel(cfg),
         worklist=worklist,
+        ordered=cfg.ordered,
         direction=p.direction,
         packed=isinstance(kv, torch.Tensor),
         copy_q=not _tma_ok(p.q),

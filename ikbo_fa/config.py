@@ -12,6 +12,8 @@ import torch
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 DIRECTIONS = ("kv", "q")
+# Split-KV: the most CTAs one row's keys go over (the merge kernel unrolls its loads to it).
+MAX_SPLITS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,12 @@ class AttentionConfig:
             raise ValueError("AttentionConfig: split_kv needs direction 'kv' and return_lse (the merge reads the lse)")
         if self.jagged and self.has_kv_lengths:
             raise ValueError("AttentionConfig: jagged (kv_offsets) and has_kv_lengths exclude each other")
+
+    @property
+    def ordered(self) -> bool:
+        """KV broadcast over histories of their own lengths: the tiles run longest first (the
+        work list's perm; worklist.kv_tile_order)."""
+        return self.direction == "kv" and (self.jagged or self.has_kv_lengths)
 
     def __str__(self) -> str:
         flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-jagged", self.jagged),
@@ -127,7 +135,8 @@ def compile_config(cfg: AttentionConfig, *, keep_ptx: bool = False, ptxas_report
     kv_len = fake_tensor(Int32, (None,), align=4) if cfg.has_kv_lengths else None
     grouped = fake_tensor(Int32, (1,), align=4) if cfg.direction == "kv" else None
     offsets = fake_tensor(Int32, (None,), align=4) if cfg.jagged else None
+    perm = fake_tensor(Int32, (None,), align=4) if cfg.ordered else None
     kernel = IkboAttentionFwdSm90(cfg)
-    return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len, grouped, offsets,
+    return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len, grouped, offsets, perm,
                           Float32(1.0), Float32(1.0), Int32(1), Int32(0), Int32(0), Int32(1), Int32(0), fake_stream(),
                           keep_ptx=keep_ptx, ptxas_report=ptxas_report)

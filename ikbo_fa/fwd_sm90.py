@@ -193,7 +193,12 @@ class IkboAttentionFwdSm90:
     kv_offsets[r] of one packed batch row; the keys past its end (the next row's) are masked
     and their V rows zeroed, as with kv_lengths. Tiles run head-slowest, then user, then tile
     within the user, strided by the persistent grid, so CTAs running together share a user's
-    K/V through L2. Split-KV (``split_kv``, KV broadcast): every tile runs ``n_splits`` times,
+    K/V through L2. Histories of their own lengths (``ordered``: kv_lengths or jagged, KV
+    broadcast) run longest first instead: the work list's ``perm`` holds the groups by
+    decreasing key count and ``tile_start`` their tiles in that order; heads run fastest, and
+    the walk turns back every other round (round r of the grid's G CTAs hands CTA c position
+    r G + c, or r G + n - 1 - c on odd rounds of n positions), so the CTAs that took the
+    longest tiles of one round take the shortest of the next. Split-KV (``split_kv``, KV broadcast): every tile runs ``n_splits`` times,
     split slowest, split i over keys i * split_keys : (i + 1) * split_keys of its row (K/V
     offset by kv_base, the keys past the row's end masked as above), writing its output and
     lse as head i * H + h of a workspace the op merges (``ikbo_fa.attention.merge_splits``).
@@ -227,6 +232,9 @@ class IkboAttentionFwdSm90:
         # warpgroup's 64 rows in one box instead.
         self.flat_path = self.dense and self.slot_rows < 64
         self.tail_masked = cfg.has_kv_lengths or cfg.jagged  # keys past a row's end are read
+        # Histories of different lengths (KV broadcast): the work list orders the groups longest
+        # first, so that the walk's last rounds hold the short tiles.
+        self.ordered = cfg.ordered
         self.num_threads = self.REGISTERS.threads
         self.ping_pong = PingPong(int(FwdBarrier.GEMM_TURN))
         check_barriers("IkboAttentionFwdSm90", FwdBarrier, {"EPILOGUE": 2, "GEMM_TURN": 2})
@@ -263,6 +271,7 @@ class IkboAttentionFwdSm90:
         mKvLen: cute.Tensor | None,  # [Bkv] int32, clamped to [0, L]
         mGrouped: cute.Tensor | None,  # kv: [1] int32, 1 where the work list's order is 0, 1, ...
         mKvOffsets: cute.Tensor | None,  # jagged: [Bkv + 1] int32 (k, v as [1, total_L, H_kv, D])
+        mPerm: cute.Tensor | None,  # ordered: [U + 1] the groups longest first (tile_start by position)
         scale_log2: Float32,
         scale: Float32,
         n_ctas: Int32,
@@ -332,7 +341,7 @@ class IkboAttentionFwdSm90:
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
             tma_atom_Qf, tma_Qf, tma_atom_Of, tma_Of,
-            mLSE, mCand, mCandStart, mTileStart, mKvLen, mGrouped, mKvOffsets, mK, mV,
+            mLSE, mCand, mCandStart, mTileStart, mKvLen, mGrouped, mKvOffsets, mPerm, mK, mV,
             mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
             mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
             q_flat, max_keys, n_splits, split_keys, scale_log2, scale,
@@ -363,6 +372,7 @@ class IkboAttentionFwdSm90:
         mKvLen: cute.Tensor | None,
         mGrouped: cute.Tensor | None,
         mKvOffsets: cute.Tensor | None,
+        mPerm: cute.Tensor | None,
         mKg: cute.Tensor,  # (L, D, H_kv, batch) view of K in global memory, for exact_rows
         mVg: cute.Tensor,  # ... and of V
         n_q_batch: Int32,
@@ -432,7 +442,7 @@ class IkboAttentionFwdSm90:
             self.REGISTERS.enter_producer()
             if warp_idx == 0:
                 self.producer(tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
-                              pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, sched)
+                              pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched)
         else:
             self.REGISTERS.enter_consumer()
             self.consumer(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
@@ -440,16 +450,32 @@ class IkboAttentionFwdSm90:
 
     # ------------------------------------------------------------ work list
     @cute.jit
-    def tile_info(self, t: Int32, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, sched: Schedule) -> TileInfo:
+    def tile_info(self, t: Int32, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm,
+                  sched: Schedule) -> TileInfo:
         """Tile t -> its TileInfo (a binary search over the groups' first tiles for KV broadcast).
-        split_kv: splits run slowest (t = split * tiles of all heads + ...)."""
+        split_kv: splits run slowest (t = split * tiles of all heads + ...). ordered: the walk
+        turns back every other round, and heads run fastest over the groups in perm order."""
+        if const_expr(self.ordered):
+            grid, _, _ = cute.arch.grid_dim()
+            G = Int32(grid)
+            r = t // G
+            c = t - r * G
+            if r % 2 == 1:
+                c = cutlass.min(G, sched.total_tiles - r * G) - 1 - c
+            t = r * G + c
         split = Int32(0)
         if const_expr(self.cfg.split_kv):
             per_split = sched.tiles_per_head * sched.n_heads
             split = t // per_split
             t = t - split * per_split
-        h = t // sched.tiles_per_head
-        rem = t - h * sched.tiles_per_head
+        h = Int32(0)
+        rem = Int32(0)
+        if const_expr(self.ordered):
+            rem = t // sched.n_heads
+            h = t - rem * sched.n_heads
+        else:
+            h = t // sched.tiles_per_head
+            rem = t - h * sched.tiles_per_head
         first = Int32(0)
         n_valid = Int32(self.tile_m)
         chunk = Int32(0)
@@ -468,13 +494,17 @@ class IkboAttentionFwdSm90:
                     lo = mid
                 else:
                     hi = mid
-            # The group's query rows are one run; this is its tile j.
-            first = mCandStart[lo]
+            # The group's query rows are one run; this is its tile j. ordered: position lo of
+            # tile_start holds group perm[lo].
+            g = lo
+            if const_expr(self.ordered):
+                g = mPerm[lo]
+            first = mCandStart[g]
             row0 = (rem - mTileStart[lo]) * self.tile_m
-            n_valid = cutlass.min((mCandStart[lo + 1] - first) * self.s_q - row0, self.tile_m)
+            n_valid = cutlass.min((mCandStart[g + 1] - first) * self.s_q - row0, self.tile_m)
             q_coord = first * self.s_q + row0
-            invalid = lo == sched.n_kv_batch
-            kv_coord = lo
+            invalid = g == sched.n_kv_batch
+            kv_coord = g
             if invalid:
                 kv_coord = Int32(0)
         else:
@@ -535,7 +565,7 @@ class IkboAttentionFwdSm90:
     # ------------------------------------------------------------- producer
     @cute.jit
     def producer(self, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
-                 pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, sched: Schedule):
+                 pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched: Schedule):
         """Warp 0: per tile its TileInfo and Q slots, then K/V blocks last to first."""
         group = sched.group()
         d = self.head_dim
@@ -544,7 +574,7 @@ class IkboAttentionFwdSm90:
         walk = strided_tiles(Int32(0))
         t = walk.first
         while t < sched.total_tiles:
-            info = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, sched)
+            info = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched)
             h_kv = info.head // group
             if const_expr(self.cfg.jagged or self.cfg.split_kv):
                 # The keys start at kv_base: the row's in the one packed batch row (jagged), plus

@@ -18,6 +18,15 @@ Outputs (all int32 on idx's device):
   grouped     [1]      1 where idx is grouped already (its user keys never decrease, the
                        out-of-range ones counting as U): ``order`` is then 0, 1, ..., B - 1
                        and a tile's query rows are consecutive rows of q
+
+Where the users' histories differ in length (kv_lengths, or jagged kv_offsets), the tiles run
+longest first, so that the persistent grid's last round holds the short ones
+(``kv_tile_order``): then
+  perm        [U + 1]  the groups by decreasing key-count bucket (``key_bucket``; the
+                       out-of-range group U has no keys); the one-launch kernel leaves the
+                       order within a bucket open
+  tile_start  [U + 2]  indexed by position in ``perm``: the first tile of group perm[j]
+                       is tile_start[j]; tile_start[U + 1] is still the tile count per head
 """
 from __future__ import annotations
 
@@ -41,6 +50,29 @@ def kv_worklist(idx: torch.Tensor, num_users: int, rows_per_cand: int):
     tile_start[1:] = torch.cumsum(tiles, dim=0, dtype=torch.int32)
     grouped = (key[1:] >= key[:-1]).all().to(torch.int32).reshape(1)
     return order.to(torch.int32), cand_start, tile_start, grouped
+
+
+def key_bucket(blocks: torch.Tensor) -> torch.Tensor:
+    """A non-decreasing bucket of a key-block count (int tensor, >= 0): the count itself below
+    16, then four buckets per power of two (so at most 99 for counts below 2**25)."""
+    b = blocks.long()
+    msb = torch.floor(torch.log2(b.clamp(min=1).double())).long()
+    quarter = (b >> (msb - 2).clamp(min=0)) & 3
+    return torch.where(b < 16, b, 16 + (msb - 4) * 4 + quarter)
+
+
+def kv_tile_order(cand_start: torch.Tensor, keys: torch.Tensor, rows_per_cand: int):
+    """The groups longest first -> (perm [U + 1], tile_start [U + 2] by position), int32, from
+    the work list's ``cand_start`` and each user's key count ``keys`` [U] (as the attention
+    kernel counts them); here stable within a bucket."""
+    blocks = torch.zeros(keys.shape[0] + 1, dtype=torch.int64, device=keys.device)
+    blocks[:-1] = (keys.long().clamp(min=0) + (TILE_ROWS - 1)).div(TILE_ROWS, rounding_mode="floor")
+    perm = torch.sort(key_bucket(blocks), descending=True, stable=True).indices
+    counts = (cand_start[1:] - cand_start[:-1]).long()
+    tiles = (counts * rows_per_cand + (TILE_ROWS - 1)).div_(TILE_ROWS, rounding_mode="floor")
+    tile_start = torch.zeros(keys.shape[0] + 2, dtype=torch.int32, device=keys.device)
+    tile_start[1:] = torch.cumsum(tiles[perm], dim=0, dtype=torch.int32)
+    return perm.to(torch.int32), tile_start
 
 
 def max_tiles_per_head(batch: int, num_users: int, rows_per_cand: int) -> int:

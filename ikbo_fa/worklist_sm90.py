@@ -4,7 +4,10 @@ Produces exactly what :func:`ikbo_fa.worklist.kv_worklist` produces (the
 torch reference), except that the order of candidates within a user is not
 fixed unless idx is grouped already: ``order`` [B], ``cand_start`` [U + 2],
 ``tile_start`` [U + 2] and ``grouped`` [1] (int32), with the out-of-range
-indices in group U.
+indices in group U. Built with ``keys`` ("lengths" or "offsets"), it also orders
+the groups longest first as :func:`ikbo_fa.worklist.kv_tile_order` does
+(``perm`` [U + 1], and ``tile_start`` by position in it), the order within a
+bucket left open.
 """
 from __future__ import annotations
 
@@ -46,6 +49,12 @@ class KvWorklistSm90:
          ``order`` in lane order. Warps claim in whatever order their atomics
          land, so the order within a user can change from run to run (the
          attention result does not depend on it).
+      5. (``keys`` only) order the groups: each group's key count (kv_lengths as given,
+         clamped by the op; or kv_offsets clamped as the attention kernel clamps them) in
+         key blocks, bucketed (``key_bucket``); a histogram of the buckets, one warp's
+         exclusive scan of it from the top bucket down, then each group claims its rank
+         in its bucket with one shared-memory atomic and writes ``perm``; the tile scan of
+         3 runs again over the groups in ``perm`` order, rewriting ``tile_start``.
     It first lets the attention kernel queued after it launch (programmatic
     dependent launch); that kernel waits for this grid before reading.
     No pipelines, no named barriers.
@@ -55,9 +64,13 @@ class KvWorklistSm90:
     UNROLL = 8
     # int32 counters: 224 KiB of the 227 KiB a CTA may use.
     CAPACITY = 57344
+    BUCKETS = 128  # key_bucket is below 100 for any int32 key count
 
-    def __init__(self, idx_dtype):
+    def __init__(self, idx_dtype, keys=None):
+        if keys not in (None, "lengths", "offsets"):
+            raise ValueError(f"KvWorklistSm90: keys must be None, 'lengths' or 'offsets', got {keys!r}")
         self.idx_dtype = idx_dtype
+        self.keys = keys
 
     @cute.jit
     def __call__(
@@ -67,8 +80,12 @@ class KvWorklistSm90:
         mCandStart: cute.Tensor,  # [U + 2] int32
         mTileStart: cute.Tensor,  # [U + 2] int32
         mGrouped: cute.Tensor,  # [1] int32
+        mPerm: cute.Tensor | None,  # keys: [U + 1] int32, the groups longest first
+        mRows: cute.Tensor | None,  # keys: kv_lengths [U] or kv_offsets [U + 1], int32
         n_users: Int32,
         rows_per_cand: Int32,
+        total_keys: Int32,  # offsets: the key rows of the packed K/V
+        max_keys: Int32,  # offsets: keys past this many in a row are not read
         stream,
     ):
         @cute.struct
@@ -76,14 +93,16 @@ class KvWorklistSm90:
             hist: cute.struct.Align[cute.struct.MemRange[Int32, self.CAPACITY], 16]
             scan: cute.struct.MemRange[Int32, 64]
             descents: cute.struct.MemRange[Int32, 1]
+            buckets: cute.struct.MemRange[Int32, self.BUCKETS]
 
         self.shared_storage = SharedStorage
-        self.kernel(mIdx, mOrder, mCandStart, mTileStart, mGrouped, n_users, rows_per_cand).launch(
-            grid=[1, 1, 1], block=[self.NUM_THREADS, 1, 1], stream=stream)
+        self.kernel(mIdx, mOrder, mCandStart, mTileStart, mGrouped, mPerm, mRows, n_users, rows_per_cand,
+                    total_keys, max_keys).launch(grid=[1, 1, 1], block=[self.NUM_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mIdx: cute.Tensor, mOrder: cute.Tensor, mCandStart: cute.Tensor, mTileStart: cute.Tensor,
-               mGrouped: cute.Tensor, n_users: Int32, rows_per_cand: Int32):
+               mGrouped: cute.Tensor, mPerm: cute.Tensor | None, mRows: cute.Tensor | None, n_users: Int32,
+               rows_per_cand: Int32, total_keys: Int32, max_keys: Int32):
         # The attention kernel that follows is launched with programmatic dependent launch:
         # let it start its prologue now (it waits for this grid to finish before reading).
         cute.arch.griddepcontrol_launch_dependents()
@@ -118,22 +137,7 @@ class KvWorklistSm90:
             c = sHist[g]
             c_sum += c
             t_sum += _tiles(c, rows_per_cand)
-        c_inc = _warp_inclusive_sum(c_sum, lane)
-        t_inc = _warp_inclusive_sum(t_sum, lane)
-        if lane == 31:
-            sScan[warp] = c_inc
-            sScan[32 + warp] = t_inc
-        cute.arch.sync_threads()
-        if warp == 0:
-            a = sScan[lane]
-            b = sScan[32 + lane]
-            a_inc = _warp_inclusive_sum(a, lane)
-            b_inc = _warp_inclusive_sum(b, lane)
-            sScan[lane] = a_inc - a
-            sScan[32 + lane] = b_inc - b
-        cute.arch.sync_threads()
-        c_off = sScan[warp] + c_inc - c_sum
-        t_off = sScan[32 + warp] + t_inc - t_sum
+        c_off, t_off = _cta_exclusive_sums(c_sum, t_sum, sScan, warp, lane)
         for g in cutlass.range(lo, hi, 1):
             c = sHist[g]
             mCandStart[g] = c_off
@@ -154,6 +158,65 @@ class KvWorklistSm90:
                 mOrder[i] = i
         else:
             self.sweep(mIdx, mOrder, sHist, sDescents, n_cand, n_users, tidx, lane, scatter=True)
+        if const_expr(self.keys is not None):
+            sBuckets = storage.buckets.get_tensor(cute.make_layout(self.BUCKETS))
+            cute.arch.sync_threads()
+            self.order_groups(mCandStart, mTileStart, mPerm, mRows, sBuckets, sScan, n_users, rows_per_cand,
+                              total_keys, max_keys, lo, hi, tidx, warp, lane)
+
+    @cute.jit
+    def group_bucket(self, mRows, g, n_users: Int32, total_keys: Int32, max_keys: Int32) -> Int32:
+        """The key bucket of group g (the out-of-range group U has no keys), counted from the top
+        (0: the longest histories)."""
+        n = Int32(0)
+        if g < n_users:
+            if const_expr(self.keys == "lengths"):
+                n = mRows[g]
+            else:
+                start = cutlass.min(cutlass.max(mRows[g], 0), total_keys)
+                end = cutlass.min(cutlass.max(mRows[g + 1], start), total_keys)
+                n = cutlass.min(end - start, max_keys)
+        return Int32(self.BUCKETS - 1) - _key_bucket((cutlass.max(n, 0) + TILE_ROWS - 1) // TILE_ROWS)
+
+    @cute.jit
+    def order_groups(self, mCandStart, mTileStart, mPerm, mRows, sBuckets, sScan, n_users: Int32,
+                     rows_per_cand: Int32, total_keys: Int32, max_keys: Int32, lo, hi, tidx, warp, lane):
+        """Phase 5: perm (the groups by bucket, longest first) and tile_start by position in it."""
+        nt = self.NUM_THREADS
+        n_groups = n_users + 1
+        for b in cutlass.range(tidx, self.BUCKETS, nt):
+            sBuckets[b] = Int32(0)
+        cute.arch.sync_threads()
+        for g in cutlass.range(tidx, n_groups, nt):
+            cute.arch.atomic_add(sBuckets.iterator + self.group_bucket(mRows, g, n_users, total_keys, max_keys),
+                                 Int32(1))
+        cute.arch.sync_threads()
+        if warp == 0:  # exclusive scan of the bucket counts, BUCKETS // 32 per lane
+            per = self.BUCKETS // 32
+            run = Int32(0)
+            for i in cutlass.range_constexpr(per):
+                run += sBuckets[lane * per + i]
+            off = _warp_inclusive_sum(run, lane) - run
+            for i in cutlass.range_constexpr(per):
+                c = sBuckets[lane * per + i]
+                sBuckets[lane * per + i] = off
+                off += c
+        cute.arch.sync_threads()
+        for g in cutlass.range(tidx, n_groups, nt):
+            b = self.group_bucket(mRows, g, n_users, total_keys, max_keys)
+            rank = cute.arch.atomic_add(sBuckets.iterator + b, Int32(1))
+            mPerm[rank] = g
+        cute.arch.sync_threads()
+        # Tiles by position: the run [lo, hi) of positions of phase 3, now through perm.
+        t_sum = Int32(0)
+        for j in cutlass.range(lo, hi, 1):
+            g = mPerm[j]
+            t_sum += _tiles(mCandStart[g + 1] - mCandStart[g], rows_per_cand)
+        _, t_off = _cta_exclusive_sums(Int32(0), t_sum, sScan, warp, lane)
+        for j in cutlass.range(lo, hi, 1):
+            g = mPerm[j]
+            mTileStart[j] = t_off
+            t_off += _tiles(mCandStart[g + 1] - mCandStart[g], rows_per_cand)
 
     @cute.jit
     def sweep(self, mIdx, mOrder, sHist, sDescents, n_cand: Int32, n_users: Int32, tidx, lane,
@@ -210,6 +273,37 @@ def _tiles(count: Int32, rows_per_cand: Int32) -> Int32:
 
 
 @cute.jit
+def _key_bucket(blocks: Int32) -> Int32:
+    """ikbo_fa.worklist.key_bucket: the count below 16, then four buckets per power of two."""
+    b = blocks
+    if blocks >= 16:
+        msb = Int32(31) - Int32(cute.arch.clz(blocks))
+        b = Int32(16 + (msb - 4) * 4 + ((blocks >> (msb - 2)) & 3))
+    return b
+
+
+@cute.jit
+def _cta_exclusive_sums(a: Int32, b: Int32, sScan, warp, lane):
+    """Exclusive CTA-wide prefix sums of two values per thread (thread order), through sScan
+    (64 words); every thread must call it (it has CTA barriers)."""
+    a_inc = _warp_inclusive_sum(a, lane)
+    b_inc = _warp_inclusive_sum(b, lane)
+    if lane == 31:
+        sScan[warp] = a_inc
+        sScan[32 + warp] = b_inc
+    cute.arch.sync_threads()
+    if warp == 0:
+        x = sScan[lane]
+        y = sScan[32 + lane]
+        x_inc = _warp_inclusive_sum(x, lane)
+        y_inc = _warp_inclusive_sum(y, lane)
+        sScan[lane] = x_inc - x
+        sScan[32 + lane] = y_inc - y
+    cute.arch.sync_threads()
+    return sScan[warp] + a_inc - a, sScan[32 + warp] + b_inc - b
+
+
+@cute.jit
 def _warp_inclusive_sum(v: Int32, lane) -> Int32:
     for k in cutlass.range_constexpr(5):
         up = cute.arch.shuffle_sync_up(v, offset=1 << k, mask_and_clamp=0)
@@ -218,20 +312,26 @@ def _warp_inclusive_sum(v: Int32, lane) -> Int32:
     return v
 
 
-def compile_worklist(idx_dtype, keep_ptx: bool = False, ptxas_report: bool = False):
-    """Compile the work-list kernel for int32 or int64 (torch dtype) indices, sm_90a."""
+def compile_worklist(idx_dtype, keys=None, keep_ptx: bool = False, ptxas_report: bool = False):
+    """Compile the work-list kernel for int32 or int64 (torch dtype) indices, sm_90a; ``keys``
+    ("lengths" / "offsets") adds the longest-first group order."""
     dt = cutlass_dtype(idx_dtype)
+    vec = lambda: fake_tensor(Int32, (None,), align=4)  # noqa: E731
     args = (
         fake_tensor(dt, (None,), align=idx_dtype.itemsize),
-        fake_tensor(Int32, (None,), align=4),
-        fake_tensor(Int32, (None,), align=4),
-        fake_tensor(Int32, (None,), align=4),
+        vec(),
+        vec(),
+        vec(),
         fake_tensor(Int32, (1,), align=4),
+        vec() if keys else None,
+        vec() if keys else None,
         Int32(1),
         Int32(1),
+        Int32(0),
+        Int32(0),
         fake_stream(),
     )
-    return compile_kernel(KvWorklistSm90(dt), *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
+    return compile_kernel(KvWorklistSm90(dt, keys), *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
 
 
 def fits(num_users: int) -> bool:
@@ -239,14 +339,16 @@ def fits(num_users: int) -> bool:
     return num_users + 1 <= KvWorklistSm90.CAPACITY
 
 
-def worklist_kernel(idx_dtype):
+def worklist_kernel(idx_dtype, keys=None):
     """The compiled kernel for ``idx_dtype`` (torch.int32 or torch.int64), compiled at first use.
 
-    Call: ``fn(idx, order, cand_start, tile_start, grouped, num_users, rows_per_cand)`` with
-    contiguous int32 outputs of B, U + 2, U + 2 and 1 entries, on the current stream.
+    Call: ``fn(idx, order, cand_start, tile_start, grouped, perm, rows, num_users, rows_per_cand,
+    total_keys, max_keys)`` with contiguous int32 outputs of B, U + 2, U + 2, 1 and (``keys``)
+    U + 1 entries, on the current stream; without ``keys`` perm and rows are None (and the last
+    two ignored).
     """
     return kernel_cache.get(
-        ("ikbo_fa.worklist_sm90", idx_dtype), lambda: compile_worklist(idx_dtype), package="ikbo_fa"
+        ("ikbo_fa.worklist_sm90", idx_dtype, keys), lambda: compile_worklist(idx_dtype, keys), package="ikbo_fa"
     )
 
 
@@ -258,5 +360,6 @@ def kv_worklist_sm90(idx, num_users: int, rows_per_cand: int):
     b = idx.shape[0]
     buf = torch.empty(b + 2 * (num_users + 2) + 1, dtype=torch.int32, device=idx.device)
     order, cand_start, tile_start, grouped = buf.split([b, num_users + 2, num_users + 2, 1])
-    worklist_kernel(idx.dtype).fn(idx, order, cand_start, tile_start, grouped, num_users, rows_per_cand)
+    worklist_kernel(idx.dtype).fn(idx, order, cand_start, tile_start, grouped, None, None, num_users,
+                                  rows_per_cand, 0, 0)
     return order, cand_start, tile_start, grouped

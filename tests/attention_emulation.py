@@ -10,7 +10,7 @@ import torch
 from cute_kernels.plans import PlanCache
 from ikbo_fa.checks import LOG2E
 from ikbo_fa.reference import jagged_rows, naive_attention
-from ikbo_fa.worklist import kv_worklist
+from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist
 
 attention_mod = importlib.import_module("ikbo_fa.attention")  # the module, not the function
 
@@ -28,29 +28,51 @@ class EmulatedKernels:
         self.builds = []
         self.hooks = []
 
-    def worklist(self, idx, order, cand_start, tile_start, grouped, n_users, rows_per_cand):
+    def worklist(self, idx, order, cand_start, tile_start, grouped, perm, rows, n_users, rows_per_cand,
+                 total_keys, max_keys):
         for hook in self.hooks:
             hook("worklist")
         self.worklist_calls += 1
         for t, n in ((order, idx.shape[0]), (cand_start, n_users + 2), (tile_start, n_users + 2), (grouped, 1)):
             assert t.dtype == torch.int32 and t.is_contiguous() and t.shape == (n,)
         assert idx.is_contiguous()
+        assert (perm is None) == (rows is None)
         ref = kv_worklist(idx, n_users, rows_per_cand)
         for t, r in zip((order, cand_start, tile_start, grouped), ref):
             t.copy_(r)
+        if perm is not None:  # ordered: the keys the kernel counts (offsets clamped, lengths as given)
+            assert perm.dtype == rows.dtype == torch.int32 and perm.shape == (n_users + 1,)
+            assert rows.is_contiguous() and rows.shape[0] in (n_users, n_users + 1)
+            keys = rows if rows.shape[0] == n_users else jagged_rows(rows, total_keys, max_keys)[1]
+            new_perm, new_start = kv_tile_order(cand_start, keys, rows_per_cand)
+            perm.copy_(new_perm)
+            tile_start.copy_(new_start)
+            self.last_keys = keys
 
     def merge(self, ws_o, ws_lse, out, lse, n_splits):
         self.merge_calls += 1
         assert ws_lse.dtype == torch.float32 and out.shape[2] * n_splits == ws_o.shape[2]
         attention_mod.merge_splits(ws_o, ws_lse, n_splits, out, lse)
 
-    def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, grouped, offsets, scale_log2, scale,
+    def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm, scale_log2, scale,
             n_ctas, q_flat, max_keys, n_splits, split_keys):
         for hook in self.hooks:
             hook("fwd")
         self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k, out=out,
                                    grouped=grouped, q_flat=q_flat, offsets=offsets, max_keys=max_keys,
-                                   n_splits=n_splits, split_keys=split_keys))
+                                   n_splits=n_splits, split_keys=split_keys, perm=perm))
+        # The tiles run longest first exactly where histories have their own lengths (KV broadcast).
+        assert (perm is not None) == (cand_start is not None and (kvl is not None or offsets is not None))
+        if perm is not None:
+            U = perm.shape[0] - 1
+            assert sorted(perm.tolist()) == list(range(U + 1))
+            keys = kvl if kvl is not None else jagged_rows(offsets, k.shape[1], max_keys)[1]
+            blocks = torch.cat([(keys.long() + 127) // 128, torch.zeros(1, dtype=torch.long)])
+            assert (key_bucket(blocks)[perm.long()].diff() <= 0).all()  # longest first
+            counts = (cand_start[1:] - cand_start[:-1]).long()
+            tiles = (counts * q.shape[1] + 127) // 128
+            starts = torch.cat([torch.zeros(1, dtype=torch.long), tiles[perm.long()].cumsum(0)])
+            assert tile_start.tolist() == starts.tolist()
         H = q.shape[2]
         assert out.shape[2] == n_splits * H and (lse is None or lse.shape[1] == n_splits * H)
         if n_splits > 1:  # split_kv: split i holds keys i * split_keys : (i + 1) * split_keys of a row
@@ -128,7 +150,7 @@ def install(monkeypatch) -> EmulatedKernels:
     monkeypatch.setattr(attention_mod, "on_gpu", lambda q: isinstance(q, torch.Tensor))
     monkeypatch.setattr(attention_mod, "sm_count", lambda device: 132)
     monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: kernels.fwd)
-    monkeypatch.setattr(attention_mod, "_worklist_kernel", lambda dtype: kernels.worklist)
+    monkeypatch.setattr(attention_mod, "_worklist_kernel", lambda dtype, keys: kernels.worklist)
     monkeypatch.setattr(attention_mod, "_merge_kernel", lambda dtype, with_lse: kernels.merge)
     real_resolve = attention_mod.resolve_problem
 

@@ -12,6 +12,7 @@ import ikbo_fa
 from attention_emulation import attention_mod, install
 from cute_kernels.plans import PlanCache
 from attention_inputs import assert_nan_rows_only, materialize, random_problem
+from ikbo_fa.config import MAX_SPLITS
 from ikbo_fa.reference import attention_reference, naive_attention
 
 
@@ -459,7 +460,9 @@ def test_merge_kernel_compiles_for_sm90a(dtype, with_lse):
     from ikbo_fa.merge_sm90 import compile_merge
 
     ck = compile_merge(dtype, with_lse, keep_ptx=True, ptxas_report=True)
-    for instr in (".target sm_90a", "griddepcontrol.wait", "ex2.approx"):
+    # 16-byte loads of every split's part, unrolled, and one 16-byte store per thread
+    for instr in (".target sm_90a", "griddepcontrol.wait", "ex2.approx", "ld.global.v4", "st.global.v4"):
         assert instr in ck.ptx, instr
+    assert ck.ptx.count("ld.global.v4") == MAX_SPLITS
     assert ("lg2.approx" in ck.ptx) == with_lse  # the lse is computed only where it is written
     assert ck.spill_bytes == 0, ck.ptxas_log

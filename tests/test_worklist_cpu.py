@@ -7,7 +7,7 @@ import torch
 import ikbo_fa
 from attention_emulation import attention_mod, install
 from attention_inputs import random_problem
-from ikbo_fa.worklist import kv_worklist, max_tiles_per_head
+from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist, max_tiles_per_head
 
 
 def test_worklist_groups_and_counts():
@@ -92,12 +92,34 @@ def test_the_op_plans_the_kernel_work_list_where_it_can(monkeypatch, kernel_flag
                                atol=1e-2)
 
 
+@pytest.mark.parametrize("keys", [None, "lengths", "offsets"])
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-def test_worklist_kernel_compiles_for_sm90a(idx_dtype):
+def test_worklist_kernel_compiles_for_sm90a(idx_dtype, keys):
     from ikbo_fa.worklist_sm90 import compile_worklist
 
-    ck = compile_worklist(idx_dtype, keep_ptx=True, ptxas_report=True)
+    ck = compile_worklist(idx_dtype, keys, keep_ptx=True, ptxas_report=True)
     for instr in (".target sm_90a", "match.any.sync", "atom.shared.add", "bar.sync",
                   "griddepcontrol.launch_dependents"):
         assert instr in ck.ptx, instr
+    assert ("clz.b32" in ck.ptx) == (keys is not None)  # the key buckets only where the groups are ordered
     assert ck.spill_bytes == 0, ck.ptxas_log
+
+
+def test_key_bucket_is_monotone_and_exact_below_16():
+    blocks = torch.arange(0, 1 << 21)
+    b = key_bucket(blocks)
+    assert (b.diff() >= 0).all() and b[:16].tolist() == list(range(16))
+    assert key_bucket(torch.tensor([16, 19, 20, 31, 32, 2**24, 2**25 - 1])).tolist() == [16, 16, 17, 19, 20, 96, 99]
+
+
+def test_kv_tile_order_puts_the_longest_histories_first():
+    idx = torch.tensor([0, 0, 1, 2, 2, 2, 3, -1, 5] * 50)  # U 5: user 4 has no candidate
+    keys = torch.tensor([300, 5000, 0, 5000, 129])
+    _, cand_start, _, _ = kv_worklist(idx, 5, 64)
+    perm, tile_start = kv_tile_order(cand_start, keys, 64)
+    # blocks 3, 40, 0, 40, 2 (and the out-of-range group: 0): 40 first (stable), then 3, 2, 0.
+    assert perm.tolist() == [1, 3, 0, 4, 2, 5] and perm.dtype == tile_start.dtype == torch.int32
+    counts = (cand_start[1:] - cand_start[:-1]).long()
+    tiles = (counts * 64 + 127) // 128
+    assert tile_start.tolist() == [0] + tiles[perm.long()].cumsum(0).tolist()
+    assert int(tile_start[-1]) == int(tiles.sum())

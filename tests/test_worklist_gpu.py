@@ -7,7 +7,8 @@ import torch
 
 import ikbo_fa
 from cute_kernels.plans import PlanCache
-from ikbo_fa.worklist import kv_worklist, max_tiles_per_head
+from ikbo_fa.reference import jagged_rows
+from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist, max_tiles_per_head
 from ikbo_fa.worklist_sm90 import KvWorklistSm90, fits, kv_worklist_sm90, worklist_kernel
 
 attention_mod = importlib.import_module("ikbo_fa.attention")
@@ -34,7 +35,7 @@ def _check_against_reference(idx, U, rows):
     kernel = worklist_kernel(idx.dtype).fn
     buf = torch.full((B + 2 * (U + 2) + 1,), POISON, dtype=torch.int32, device="cuda")
     order, cand_start, tile_start, grouped = buf.split_with_sizes([B, U + 2, U + 2, 1])
-    kernel(idx, order, cand_start, tile_start, grouped, U, rows)
+    kernel(idx, order, cand_start, tile_start, grouped, None, None, U, rows, 0, 0)
     ref_order, ref_cand_start, ref_tile_start, ref_grouped = kv_worklist(idx, U, rows)
     torch.testing.assert_close(cand_start, ref_cand_start, rtol=0, atol=0)
     torch.testing.assert_close(tile_start, ref_tile_start, rtol=0, atol=0)
@@ -84,6 +85,54 @@ def test_worklist_kernel_all_out_of_range_and_sorted(idx_dtype):
     _check_against_reference(big, 300_000 // 7 + 1, 3)
     big[150_001] = 0  # one descent, deep inside: not grouped
     _check_against_reference(big, 300_000 // 7 + 1, 3)
+
+
+ORDERED_CASES = [
+    # B, U, query rows per candidate
+    (1, 1, 1),
+    (10_400, 8, 1),  # the gr-cross preset's shape
+    (5000, 700, 64),
+    (100_000, KvWorklistSm90.CAPACITY - 1, 8),
+]
+
+
+@pytest.mark.parametrize("keys_from", ["lengths", "offsets"])
+@pytest.mark.parametrize("case", ORDERED_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_worklist_kernel_orders_groups_longest_first(case, keys_from):
+    """perm: every group once, buckets non-increasing and as kv_tile_order's (the order within a
+    bucket is open); tile_start by position through the kernel's own perm."""
+    B, U, rows = case
+    g = torch.Generator().manual_seed(B + U)
+    idx = _random_idx(B, U, torch.int64, seed=B)
+    lengths = torch.randint(0, 40_000, (U,), generator=g)
+    lengths[torch.randint(0, U, (max(1, U // 10),), generator=g)] = 0
+    total, max_keys = int(lengths.sum()), 20_000
+    if keys_from == "lengths":
+        src = lengths.to(torch.int32).cuda()
+        keys = src
+    else:  # offsets as given (unvalidated: a decrease and one past the end), clamped like the kernel
+        off = torch.zeros(U + 1, dtype=torch.int64)
+        off[1:] = lengths.cumsum(0)
+        if U > 2:
+            off[U // 2] += 5
+            off[-2] = total + 100
+        src = off.to(torch.int32).cuda()
+        keys = jagged_rows(src, total, max_keys)[1]
+    buf = torch.full((B + 3 * (U + 2),), POISON, dtype=torch.int32, device="cuda")
+    order, cand_start, tile_start, grouped, perm = buf.split_with_sizes([B, U + 2, U + 2, 1, U + 1])
+    worklist_kernel(idx.dtype, keys_from).fn(idx, order, cand_start, tile_start, grouped, perm, src, U, rows,
+                                             total, max_keys)
+    ref = kv_worklist(idx, U, rows)
+    torch.testing.assert_close(cand_start, ref[1], rtol=0, atol=0)
+    ref_perm, _ = kv_tile_order(cand_start, keys, rows)
+    assert torch.equal(torch.sort(perm).values, torch.arange(U + 1, dtype=torch.int32, device="cuda"))
+    blocks = torch.cat([(keys.long().cuda() + 127) // 128, torch.zeros(1, dtype=torch.long, device="cuda")])
+    assert torch.equal(key_bucket(blocks)[perm.long()], key_bucket(blocks)[ref_perm.long()])
+    counts = (cand_start[1:] - cand_start[:-1]).long()
+    tiles = (counts * rows + 127) // 128
+    starts = torch.zeros(U + 2, dtype=torch.long, device="cuda")
+    starts[1:] = tiles[perm.long()].cumsum(0)
+    assert torch.equal(tile_start.long(), starts)
 
 
 def test_worklist_kernel_wrapper_and_capacity():
