@@ -71,10 +71,11 @@ _WORKLIST_KERNEL = True
 # KV broadcast over few tiles splits each row's keys over several CTAs (split_kv); False never
 # splits (the tests compare the two).
 _SPLIT_KV = True
-# Keys per split at least. The merge is a second launch on the critical path: on the H200 (S_q 1,
-# ratio 64, H 2, CUDA graphs) 2 splits lost at L 1024 (26.5 against 22.3 us unsplit) and gained
-# at L 4096 and 8192 (50.5 against 54.9, 82.9 against 96.2 us): docs/perf/2026-12-03-split-kv.md.
-_SPLIT_MIN_KEYS = 2048
+# Keys per split at least. The merge is a second launch on the critical path; with its 16-byte
+# loads (2.9 us at S_q 1, L 8192, two splits) splits of 512 keys gained at L 1024 and 2048 on the
+# H200 (S_q 1, ratio 64, H 2, CUDA graphs: 21.0 against 22.9 us, 30.7 against 34.4 us):
+# docs/perf/2026-12-03-split-kv.md.
+_SPLIT_MIN_KEYS = 512
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,8 @@ def key_bucket(blocks: torch.Tensor) -> torch.Tensor:
     """A non-decreasing bucket of a key-block count (int tensor, >= 0): the count itself below
     16, then four buckets per power of two (so at most 99 for counts below 2**25)."""
     b = blocks.long()
-    msb = torch.floor(torch.log2(b.clamp(min=1).double())).long()
+    # The exponent of frexp is exact (a floating log2 is not on every device: log2(64) < 6).
+    msb = torch.frexp(b.clamp(min=1).double()).exponent.long() - 1
     quarter = (b >> (msb - 2).clamp(min=0)) & 3
     return torch.where(b < 16, b, 16 + (msb - 4) * 4 + quarter)
 

@@ -390,9 +390,11 @@ def test_gpu_path_jagged_without_keys(emulated):
 
 def test_kv_splits_fill_idle_sms_only():
     assert attention_mod.kv_splits(32, 2, 8192, 132) == (2, 4096)  # S_q 1, ratio 64: 64 tiles
-    assert attention_mod.kv_splits(4, 2, 8192, 132) == (4, 2048)  # at least 2048 keys a split
+    assert attention_mod._SPLIT_MIN_KEYS == 512
+    assert attention_mod.kv_splits(4, 2, 1500, 132) == (2, 768)  # at least 512 keys a split
+    assert attention_mod.kv_splits(4, 2, 8192, 132) == (8, 1024)
     assert attention_mod.kv_splits(2, 1, 1000 * 1000, 132) == (8, 125056)  # at most 8 splits
-    assert attention_mod.kv_splits(32, 2, 4000, 132) == (1, 0)  # too few keys
+    assert attention_mod.kv_splits(32, 2, 1000, 132) == (1, 0)  # too few keys
     assert attention_mod.kv_splits(40, 2, 8192, 132) == (1, 0)  # more than half the SMs busy
 
 

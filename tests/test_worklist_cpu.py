@@ -110,6 +110,9 @@ def test_key_bucket_is_monotone_and_exact_below_16():
     b = key_bucket(blocks)
     assert (b.diff() >= 0).all() and b[:16].tolist() == list(range(16))
     assert key_bucket(torch.tensor([16, 19, 20, 31, 32, 2**24, 2**25 - 1])).tolist() == [16, 16, 17, 19, 20, 96, 99]
+    powers = torch.tensor([2**k for k in range(4, 25)])  # exact at every power of two (no float log2)
+    assert key_bucket(powers).tolist() == [16 + 4 * (k - 4) for k in range(4, 25)]
+    assert key_bucket(powers - 1).tolist() == [15] + [16 + 4 * (k - 4) - 1 for k in range(5, 25)]
 
 
 def test_kv_tile_order_puts_the_longest_histories_first():
