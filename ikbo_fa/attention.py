@@ -74,7 +74,7 @@ _SPLIT_KV = True
 # Keys per split at least. The merge is a second launch on the critical path; with its 16-byte
 # loads (2.9 us at S_q 1, L 8192, two splits) splits of 512 keys gained at L 1024 and 2048 on the
 # H200 (S_q 1, ratio 64, H 2, CUDA graphs: 21.0 against 22.9 us, 30.7 against 34.4 us):
-# docs/perf/2026-12-03-split-kv.md.
+# docs/perf/2026-12-03-attention-longest-first.md.
 _SPLIT_MIN_KEYS = 512
 
 # ------------------------------------------------------------------ launch plan
