@@ -1,5 +1,5 @@
-"""One adapter per op (lce, attention) for the op-contract suite: make a random problem, call the
-op, call its reference, and the op-specific names the shared tests need.
+"""One adapter per op (lce, linear, attention) for the op-contract suite: make a random problem,
+call the op, call its reference, and the op-specific names the shared tests need.
 
 A ``Case`` is one call: the op's arguments by name, the input tensors by the names the op's
 messages give them, and the result's shape. The adapters give CPU problems of a small shape and
@@ -14,8 +14,12 @@ import torch
 
 import ikbo_fa
 import ikbo_gemm
+from ikbo_gemm.config import LINEAR_SHIPPED_CONFIGS
 from attention_inputs import random_problem as attention_problem
+from lce_accuracy import UNIT_ROUNDOFF
 from lce_inputs import random_problem as lce_problem
+from linear_inputs import fp32_linear
+from linear_inputs import random_problem as linear_problem
 
 
 @dataclasses.dataclass
@@ -67,7 +71,9 @@ def with_odd_size1_strides(op, case: Case) -> tuple[Case, torch.Tensor]:
 
 
 class _Adapter:
-    """What both adapters do alike; ``op`` and ``reference`` are the subclass's."""
+    """What the adapters do alike; ``op`` and ``reference`` are the subclass's."""
+
+    compile_name = "compile_config"  # the op module's function that compiles a configuration
 
     def call(self, case: Case, **kw):
         return self.op(**case.args, **kw)
@@ -147,6 +153,85 @@ class LceAdapter(_Adapter):
         from lce_accuracy import assert_matches_reference
 
         assert_matches_reference(out, case.args)
+
+
+class LinearAdapter(_Adapter):
+    name = "linear"
+    module = importlib.import_module("ikbo_gemm.linear")
+    package = "ikbo_gemm"
+    op = staticmethod(ikbo_gemm.linear)
+    reference = staticmethod(ikbo_gemm.linear_reference)
+    op_name, reference_name = "ikbo_gemm.linear", "ikbo_gemm.linear_reference"
+    compile_name = "compile_linear_config"
+    looked_up = "the batch of x_user"
+    empty_side = "x_user must not be empty"
+    grad_input = "w_user"
+    # The activation changes the result, which check_gpu_result could not tell: it is the case's.
+    options = ({},)
+    # The emulation sums the user GEMM's K slices in fp32: the result may round one ulp apart.
+    tolerance = dict(rtol=2.0**-7, atol=1e-4)
+    # K not a multiple of 8 (both pad), two K slices of the user phase, 2-CTA clusters.
+    cpu_dims = dict(B=150, U=5, N=24, K_user=196, K_cand=36)
+    gpu_dims = dict(B=1500, U=15, N=512, K_user=256, K_cand=320)
+    kernels_per_call = 2  # the user phase and the candidate phase
+
+    def case(self, seed, *, device="cpu", dtype=torch.bfloat16, idx_dtype=torch.int32, activation="silu",
+             **dims) -> Case:
+        s = {**(self.cpu_dims if torch.device(device).type == "cpu" else self.gpu_dims), **dims}
+        p = linear_problem(s["B"], s["U"], s["N"], s["K_user"], s["K_cand"], dtype, idx_dtype, seed, device)
+        return self._case({**p._asdict(), "activation": activation})
+
+    def size1_case(self, seed, *, device="cpu") -> Case:
+        """B = U = 1; K and N multiples of 8, so the kernel reads the inputs and stores into out
+        as they are."""
+        dims = dict(N=16, K_user=24, K_cand=16) if torch.device(device).type == "cpu" else dict(
+            N=256, K_user=200, K_cand=136)
+        return self.case(seed, device=device, B=1, U=1, **dims)
+
+    def _case(self, args: dict) -> Case:
+        inputs = {k: t for k, t in args.items() if isinstance(t, torch.Tensor)}
+        x_cand = args["x_cand"]
+        return Case(args=args, inputs=inputs, out_shape=(x_cand.shape[0], args["w_cand"].shape[0]),
+                    dtype=x_cand.dtype, device=x_cand.device, users=args["x_user"].shape[0])
+
+    def with_input(self, case: Case, name: str, t: torch.Tensor) -> Case:
+        return self._case({**case.args, name: t})
+
+    def without_users(self, case: Case) -> Case:
+        return self.with_input(case, "x_user", case.args["x_user"][:0])
+
+    @staticmethod
+    def output(result):
+        return result
+
+    def emulate(self, monkeypatch):
+        import linear_emulation
+
+        return linear_emulation.install(monkeypatch)
+
+    @staticmethod
+    def launches(emulation) -> int:
+        return len(emulation.launches)
+
+    @staticmethod
+    def stored_to(emulation) -> int:
+        """The address the candidate phase stored the output to."""
+        return emulation.launches[-1]["target"]
+
+    def configs(self):
+        """Two configurations of the kernel."""
+        return LINEAR_SHIPPED_CONFIGS[0], LINEAR_SHIPPED_CONFIGS[1]
+
+    def kernel_for(self, cfg):
+        return self.module._kernel(cfg)
+
+    def check_gpu_result(self, out, case: Case):
+        ref = fp32_linear(**case.args)
+        assert out.shape == ref.shape and torch.isfinite(out).all()
+        # One rounding costs u * |x|; the slack covers fp32 accumulation order (and the activation).
+        bound = UNIT_ROUNDOFF[case.dtype] * ref.abs() + 2.0**-13 * ref.abs().max() + 1e-6
+        bad = ~((out.float() - ref).abs() <= bound)
+        assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} outputs off"
 
 
 class AttentionAdapter(_Adapter):
@@ -233,7 +318,7 @@ class AttentionAdapter(_Adapter):
         assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
 
 
-OPS = {"lce": LceAdapter(), "attention": AttentionAdapter()}
+OPS = {"lce": LceAdapter(), "linear": LinearAdapter(), "attention": AttentionAdapter()}
 # (op, options) pairs: each op under each of its option sets.
 OP_OPTIONS = [(name, options) for name, adapter in OPS.items() for options in adapter.options]
 

@@ -2,9 +2,10 @@
 each op without a GPU.
 
 Paths: "cpu" is the op on CPU tensors (it runs the reference), "kernel" the op's GPU path with
-its kernels emulated on CPU tensors (tests/lce_emulation.py, tests/attention_emulation.py: the
-host side runs as on an H200), "reference" the op's ``*_reference`` function. GPU-only parts
-(CUDA graphs, loaded kernels) are in test_op_contract_gpu.py.
+its kernels emulated on CPU tensors (tests/lce_emulation.py, tests/linear_emulation.py,
+tests/attention_emulation.py: the host side runs as on an H200), "reference" the op's
+``*_reference`` function. GPU-only parts (CUDA graphs, loaded kernels) are in
+test_op_contract_gpu.py.
 """
 from __future__ import annotations
 
@@ -222,7 +223,7 @@ def test_kernels_kept_on_disk_per_configuration(op, tmp_path, monkeypatch):
     configurations' compile is replaced by a small kernel's.)"""
     monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
     builds = []
-    monkeypatch.setattr(op.module, "compile_config", lambda cfg: builds.append(cfg) or compile_tiny())
+    monkeypatch.setattr(op.module, op.compile_name, lambda cfg: builds.append(cfg) or compile_tiny())
     first, second = op.configs()
     for process in range(2):
         cache = KernelCache()  # a fresh process's

@@ -1,4 +1,4 @@
-"""The contract both ops share, on an sm_90 GPU: the parts that need the kernels themselves
+"""The contract the ops share, on an sm_90 GPU: the parts that need the kernels themselves
 (layouts the kernels get, out= at any alignment, autograd, CUDA-graph capture, kernels loaded
 from the disk cache, empty batches). Written once, run on each op (tests/op_adapters.py)."""
 from __future__ import annotations
