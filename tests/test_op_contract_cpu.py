@@ -214,6 +214,37 @@ def test_launches_with_the_operands_device_current(op_name, options, monkeypatch
     assert len(seen) == op.launches(emulation) and not current
 
 
+@pytest.mark.parametrize("path", ["cpu", "kernel", "reference"])
+def test_an_input_on_another_device_raises_naming_it(op, path, monkeypatch):
+    """Checked before anything runs (a meta tensor stands in for another device)."""
+    _path(op, path, monkeypatch)
+    case = op.case(17)
+    for name, t in case.inputs.items():
+        with pytest.raises(ValueError, match=rf"\b{name} is on meta\b.*: all tensors must share one device"):
+            _call(op, path, op.with_input(case, name, t.to("meta")))
+
+
+@pytest.mark.parametrize("path", ["cpu", "kernel", "reference"])
+def test_bad_out_raises_and_is_left_unwritten(op, path, monkeypatch):
+    _path(op, path, monkeypatch)
+    case = op.case(18)
+    *lead, last = case.out_shape
+    shape = ", ".join(map(str, case.out_shape))
+    dtype = str(case.dtype).removeprefix("torch.")
+    nan = float("nan")
+    bad = [
+        (torch.full((*lead, last + 1), nan, dtype=case.dtype), ValueError, rf"out has shape .*expected \[{shape}\]"),
+        (torch.full(case.out_shape, nan), TypeError, f"out must be {dtype}, got float32"),
+        (torch.full((*lead, 2 * last), nan, dtype=case.dtype)[..., ::2], ValueError, "out must be contiguous"),
+    ]
+    for out, error, match in bad:
+        with pytest.raises(error, match=match):
+            _call(op, path, case, out=out)
+        assert torch.isnan(out).all()
+    with pytest.raises(ValueError, match=f"out is on meta, expected {case.device}"):
+        _call(op, path, case, out=torch.empty(case.out_shape, dtype=case.dtype, device="meta"))
+
+
 # ----------------------------------------------------------------------------- the disk cache
 
 
