@@ -1,4 +1,4 @@
-"""Both ops under torch.compile: each call is traced as one registered torch.library op.
+"""The ops under torch.compile: each call is traced as one registered torch.library op.
 
 On CPU the registered ops run the references; what is checked here is the registration
 (schema, shapes from fake tensors, no graph break, out=, the raising backward), which is
@@ -13,11 +13,17 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import ikbo_fa
 import ikbo_gemm
 from attention_inputs import random_problem
+from ikbo_gemm.config import ACTIVATIONS
 from lce_inputs import random_problem as lce_problem
+from linear_inputs import random_problem as linear_problem
 
 
 def lce_inputs(B, U, M=5, N=12, K_cand=7, K_user=9, idx_dtype=torch.int32, seed=0):
     return lce_problem(B, U, M, N, K_user, K_cand, torch.float16, idx_dtype, "random", seed)
+
+
+def linear_inputs(B, U, N=12, K_user=9, K_cand=7, idx_dtype=torch.int32, bias=True, seed=0):
+    return linear_problem(B, U, N, K_user, K_cand, torch.bfloat16, idx_dtype, seed, bias=bias)
 
 
 @pytest.fixture(autouse=True)
@@ -32,6 +38,13 @@ def test_lce_library_op_passes_opcheck(idx_dtype):
     args = lce_inputs(6, 2, N=13, idx_dtype=idx_dtype)
     torch.library.opcheck(torch.ops.ikbo_gemm.lce.default, args)
     torch.library.opcheck(torch.ops.ikbo_gemm.lce.default, args, dict(schedule="two_launch"))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_linear_library_op_passes_opcheck(activation):
+    for bias, idx_dtype in ((True, torch.int32), (False, torch.int64)):
+        args = linear_inputs(6, 2, N=13, idx_dtype=idx_dtype, bias=bias)
+        torch.library.opcheck(torch.ops.ikbo_gemm.linear.default, args, dict(activation=activation))
 
 
 @pytest.mark.parametrize("packed, lengths, lse", [(False, False, False), (True, True, True), (False, True, True)])
@@ -60,6 +73,25 @@ def test_lce_compiles_whole_with_dynamic_batch_and_out():
         torch.testing.assert_close(out, ikbo_gemm.lce_reference(*args))
     assert counter.frame_count == 2  # with and without out=, each for every batch size
     assert all("ikbo_gemm.lce" in str(g.graph) for g in counter.graphs)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_compiles_whole_with_dynamic_batch_and_out(bias):
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def model(x_cand, x_user, idx, w_cand, w_user, bias, out=None):
+        return ikbo_gemm.linear(x_cand, x_user, idx, w_cand, w_user, bias, activation="gelu", out=out).float() * 2
+
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for B, seed in ((6, 1), (11, 2), (3, 3)):
+        args = linear_inputs(B, 2, bias=bias, seed=seed)
+        ref = ikbo_gemm.linear_reference(*args, activation="gelu")
+        torch.testing.assert_close(compiled(*args), ref.float() * 2)
+        out = torch.full((B, 12), float("nan"), dtype=torch.bfloat16)
+        compiled(*args, out=out)
+        torch.testing.assert_close(out, ref)
+    assert counter.frame_count == 2  # with and without out=, each for every batch size
+    assert all("ikbo_gemm.linear" in str(g.graph) for g in counter.graphs)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -94,6 +126,19 @@ def test_compiled_backward_raises_naming_the_reference():
         compiled(*args).backward()
     with torch.no_grad():
         torch.testing.assert_close(compiled(*args), ikbo_gemm.lce_reference(*args).sum())
+
+
+@pytest.mark.filterwarnings("ignore:Error detected in")
+def test_compiled_linear_backward_raises_naming_the_reference():
+    args = linear_inputs(6, 2)
+    args.x_user.requires_grad_(True)
+    compiled = torch.compile(lambda *a: ikbo_gemm.linear(*a, activation="relu").sum(), backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(Exception, match="ikbo_gemm.linear has no backward.*linear_reference"):
+        compiled(*args).backward()
+    assert args.x_user.grad is None
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*args), ikbo_gemm.linear_reference(*args, activation="relu").sum())
 
 
 def test_compiled_bad_shapes_name_the_argument():
