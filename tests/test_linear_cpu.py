@@ -20,9 +20,10 @@ from ikbo_gemm.config import (
 from ikbo_gemm.reference import apply_activation, linear_reference
 
 F16, BF16 = torch.float16, torch.bfloat16
+UNIT_ROUNDOFF = {F16: 2.0**-11, BF16: 2.0**-8}
 
 
-def _inputs(seed, B, U, N, K_user, K_cand, dtype=BF16, bias=True, shuffle=True):
+def _inputs(seed, B, U, N, K_user, K_cand, dtype=BF16, bias=True, shuffle=True, idx_dtype=torch.int32):
     g = torch.Generator().manual_seed(seed)
     s = 1 / math.sqrt(K_user + K_cand)
     idx = torch.arange(B) * U // max(B, 1)
@@ -31,7 +32,7 @@ def _inputs(seed, B, U, N, K_user, K_cand, dtype=BF16, bias=True, shuffle=True):
     return dict(
         x_cand=torch.randn(B, K_cand, generator=g).to(dtype),
         x_user=torch.randn(U, K_user, generator=g).to(dtype),
-        idx=idx.to(torch.int32),
+        idx=idx.to(idx_dtype),
         w_cand=(torch.randn(N, K_cand, generator=g) * s).to(dtype),
         w_user=(torch.randn(N, K_user, generator=g) * s).to(dtype),
         bias=(torch.randn(N, generator=g) * 0.5).to(dtype) if bias else None,
@@ -56,15 +57,17 @@ CASES = [  # B, U, N, K_user, K_cand
 ]
 
 
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_reference_matches_the_concatenated_layer(case, activation):
-    args = _inputs(sum(case), *case, dtype=BF16)
+def test_reference_matches_the_concatenated_layer(case, activation, dtype, idx_dtype):
+    args = _inputs(sum(case), *case, dtype=dtype, idx_dtype=idx_dtype)
     out = linear_reference(**args, activation=activation)
     exact = _cat_formula_f64(**args, activation=activation)
-    assert out.shape == exact.shape and out.dtype == BF16
-    # One rounding of the fp32 result: within bf16's unit roundoff of each element (plus fp32 slack).
-    assert ((out.double() - exact).abs() <= 2.0**-8 * exact.abs() + 1e-5).all()
+    assert out.shape == exact.shape and out.dtype == dtype
+    # One rounding of the fp32 result: within the dtype's unit roundoff of each element (plus fp32 slack).
+    assert ((out.double() - exact).abs() <= UNIT_ROUNDOFF[dtype] * exact.abs() + 1e-5).all()
 
 
 def test_op_on_cpu_is_the_reference_and_fills_out():
