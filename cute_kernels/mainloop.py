@@ -19,7 +19,8 @@ def pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks: 
     """wgmma over ``k_blocks`` stages from ``state`` (>= 1); returns the state after them.
 
     With ``zero_init`` the first wgmma overwrites the accumulator, otherwise it accumulates
-    onto what ``acc`` holds."""
+    onto what ``acc`` holds. ``ping_pong`` None: a consumer that takes no turns (the only one
+    running tiles)."""
     release = state.clone()
     ab_pipeline.consumer_wait(state)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, not zero_init)
@@ -33,7 +34,8 @@ def pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, k_blocks: 
         release.advance()
         state.advance()
     # Every wgmma of this tile is issued: the other consumer may start its main loop.
-    ping_pong.hand_over(consumer_idx)
+    if const_expr(ping_pong is not None):
+        ping_pong.hand_over(consumer_idx)
     warpgroup.wait_group(0)
     ab_pipeline.consumer_release(release)
     return state

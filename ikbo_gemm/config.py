@@ -185,6 +185,7 @@ class LinearConfig:
     activation: Optional[str] = None  # candidate phase only
     has_bias: bool = False  # candidate phase only
     cluster_m: int = 1  # CTAs of a cluster on neighbouring row tiles, sharing the B tile (TMA multicast)
+    split_k: int = 1  # CTAs of a cluster on one tile, each over a slice of K (partial sums added in shared memory)
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -206,11 +207,22 @@ class LinearConfig:
             raise ValueError(f"LinearConfig.cluster_m must be 1 or 2, got {self.cluster_m}")
         if self.phase == "user" and (self.activation is not None or self.has_bias):
             raise ValueError("LinearConfig: the user phase takes no activation and no bias (the candidate phase adds them)")
+        if self.split_k not in (1, 2, 4):
+            raise ValueError(f"LinearConfig.split_k must be 1, 2 or 4, got {self.split_k}")
+        if self.split_k > 1 and self.cluster_m > 1:
+            raise ValueError("LinearConfig: a cluster either shares B tiles (cluster_m) or splits K (split_k), not both")
+        if self.split_k > 1 and self.tile_m * self.tile_n > 128 * 128:
+            raise ValueError(f"LinearConfig: a K split needs a tile of at most 128 x 128 outputs (the exchange's "
+                             f"registers beside the accumulator), got {self.tile_m} x {self.tile_n}")
+        if (self.tile_n // 16) % self.split_k:
+            raise ValueError(f"LinearConfig: the {self.tile_n // 16} epilogue sub-tiles of a {self.tile_n}-column tile "
+                             f"do not deal evenly to split_k = {self.split_k} CTAs")
 
     def __str__(self) -> str:
         extra = "".join(f"-{x}" for x in (self.activation, "bias" if self.has_bias else None) if x)
+        split = f"-k{self.split_k}" if self.split_k > 1 else ""
         return (f"linear-{self.phase}-{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-m{self.tile_m}-n{self.tile_n}"
-                f"-c{self.cluster_m}{extra}")
+                f"-c{self.cluster_m}{split}{extra}")
 
 
 LINEAR_TILES = ((128, 128), (128, 192), (128, 64), (64, 256), (64, 128))
@@ -234,10 +246,44 @@ def pick_cand_tile(rows: int, n: int, sms: int) -> tuple[int, int]:
     return min((t for t in LINEAR_TILES if 2 * count(t) <= sms), key=lambda t: (tile_cost(*t, t[1], t[0]), -t[1]))
 
 
-def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1) -> tuple:
+# Tiles a K split (LinearConfig.split_k) takes: an accumulator of at most 128 fp32 registers a
+# thread leaves room for the exchange (the 128 x 192 tile spills with it).
+LINEAR_SPLIT_TILES = tuple(t for t in LINEAR_TILES if t[0] * t[1] <= 128 * 128)
+LINEAR_SPLITS = (2, 4)
+# k-blocks each CTA of a split tile runs at least.
+MIN_SPLIT_K_BLOCKS = 8
+# The exchange of a split tile's partial sums, counted in k-blocks of its main loop: each CTA
+# sends (s - 1) / s of its fp32 accumulator to the other SMs of its cluster (an estimate).
+EXCHANGE_K_BLOCKS = 4
+
+
+def pick_cand_split(rows: int, n: int, k_blocks: int, sms: int, clusters) -> tuple[tuple[int, int], int]:
+    """The candidate phase's (tile, K split). As ``pick_linear_tile`` while its tiles fill more than
+    half the SMs. Otherwise each CTA runs one tile and the phase takes one CTA's time: among
+    ``pick_cand_tile``'s tile unsplit and the split tiles whose tiles x s CTAs are one wave of
+    s-CTA clusters (``clusters(s)``: resident at once) with at least MIN_SPLIT_K_BLOCKS k-blocks
+    each, the least work per CTA (weighted when load-bound, the exchange counted; ties: fewer
+    CTAs)."""
+    best = pick_linear_tile(rows, n)
+    count = lambda t: -(-rows // t[0]) * -(-n // t[1])
+    if 2 * count(best) > sms:
+        return best, 1
+    options = [(pick_cand_tile(rows, n, sms), 1)] + [
+        (t, s) for t in LINEAR_SPLIT_TILES for s in LINEAR_SPLITS
+        if (t[1] // 16) % s == 0 and count(t) <= clusters(s) and k_blocks >= s * MIN_SPLIT_K_BLOCKS]
+
+    def per_cta(option):
+        (tm, tn), s = option
+        return tile_cost(tm, tn, tn, tm) * (-(-k_blocks // s) + (EXCHANGE_K_BLOCKS if s > 1 else 0))
+
+    return min(options, key=lambda o: (per_cta(o), count(o[0]) * o[1]))
+
+
+def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1, split_cand=1,
+                   split_user=1) -> tuple:
     """(user phase, candidate phase) configurations of one call."""
-    return (LinearConfig(dtype, idx_dtype, *tile_user, "user"),
-            LinearConfig(dtype, idx_dtype, *tile_cand, "cand", activation, has_bias, cluster_cand))
+    return (LinearConfig(dtype, idx_dtype, *tile_user, "user", split_k=split_user),
+            LinearConfig(dtype, idx_dtype, *tile_cand, "cand", activation, has_bias, cluster_cand, split_cand))
 
 
 LINEAR_SHIPPED_CONFIGS = [
@@ -250,6 +296,13 @@ LINEAR_SHIPPED_CONFIGS = [
     LinearConfig(torch.float16, torch.int64, 128, 128, "cand", None, False, cluster) for cluster in (1, 2)
 ] + [
     LinearConfig(torch.bfloat16, torch.int32, 128, 128, "cand", act, True, 2) for act in ACTIVATIONS[2:]
+] + [
+    LinearConfig(dtype, torch.int32, tm, tn, "cand", act, bias, 1, split)
+    for dtype in (torch.float16, torch.bfloat16) for tm, tn in LINEAR_SPLIT_TILES for split in LINEAR_SPLITS
+    for act, bias in ((None, False), ("relu", True))
+] + [
+    LinearConfig(dtype, torch.int32, tm, tn, "user", split_k=2)
+    for dtype in (torch.float16, torch.bfloat16) for tm, tn in LINEAR_SPLIT_TILES
 ]
 
 

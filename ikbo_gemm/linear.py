@@ -12,6 +12,14 @@ pads x and w along K (a copy of each: for x_cand a slow path), an N that is not 
 8 stores into a padded buffer that is then copied into the output, and inputs that are not
 contiguous or not 16-byte aligned are copied.
 
+Grids of few tiles. Where the candidate tiles fill at most half the SMs, each CTA runs one
+tile and the phase takes one tile's time: the op then takes a smaller tile
+(``config.pick_cand_tile``). Where the candidate grid is one partial wave, the user phase runs
+on the SMs it leaves idle. ``PlanRules`` adds two choices, off until timed: the tiles' K loop
+split over clusters of 2 or 4 CTAs that add their partial sums in shared memory
+(``config.pick_cand_split``), and the user phase as K-split pairs on the 2-CTA slots that
+candidate clusters leave.
+
 Memory: besides the output, each call allocates the fp32 workspace, 4 bytes per element of
 [U, N] with U rounded up to the user tile's rows (128 or 64) and N to the tile width, times
 the user phase's K slices (1 to 4; more only where U is small).
@@ -43,13 +51,29 @@ from cute_kernels import (
 from cute_kernels.checks import check_index_range, check_out_target, validation_enabled
 
 from .checks import check_linear_inputs
-from .config import LinearConfig, compile_linear_config, linear_configs, pick_cand_tile, pick_linear_tile
+from .config import LinearConfig, compile_linear_config, linear_configs, pick_cand_split, pick_cand_tile, pick_linear_tile
 from .reference import linear_reference
 
 _INPUT_NAMES = ("x_cand", "x_user", "idx", "w_cand", "w_user", "bias")
 # CTAs per cluster of the candidate phase where there are two row tiles or more (they share
-# each B tile by TMA multicast).
+# each B tile by TMA multicast) and K is not split.
 _CAND_CLUSTER = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRules:
+    """Launch-plan choices for grids of few tiles, each timed against the plan without it in one
+    run (``perf/bench_linear.py``, provider "ikbo linear, small-grid rules").
+
+    Off in the op (``DEFAULT_RULES``) until those runs show where they pay on an H200: the
+    kernels they pick (LinearConfig.split_k) are compiled and tested, but not yet timed."""
+
+    split_k: bool = False  # candidate tiles that fill at most half the SMs: K over clusters (pick_cand_split)
+    user_pairs: bool = False  # the user phase on the 2-CTA slots a partial candidate wave leaves, K-split pairs
+
+
+DEFAULT_RULES = PlanRules()
+SMALL_GRID_RULES = PlanRules(split_k=True, user_pairs=True)
 
 
 def split_weight(weight: torch.Tensor, k_user: int, user_first: bool = True):
@@ -89,18 +113,20 @@ class _Plan:
     k8_user: int
     ws_shape: tuple  # (splits, U_pad, N_pad) fp32
     n_users: int
-    splits: int  # slices of the user phase's K
+    splits: int  # slices of the user phase's K: workspace slabs
     grid_user: int
     grid_cand: int
+    user_cfg: LinearConfig
+    cand_cfg: LinearConfig
 
 
 _plans = PlanCache()
 
 
-def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out) -> Optional[_Plan]:
+def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: PlanRules) -> Optional[_Plan]:
     """The launch plan for these shapes (None off the GPU or for B = 0); inputs fully checked
     once per signature."""
-    key = plan_key(x_cand, x_user, idx, w_cand, w_user, bias, out, activation)
+    key = plan_key(x_cand, x_user, idx, w_cand, w_user, bias, out, activation, rules)
     plan = _plans.get(key, False)
     if plan is not False:
         return plan
@@ -110,21 +136,10 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out) -> Optiona
         device = x_cand.device
         require_sm90(device, "linear")
     if on_gpu(x_cand) and B > 0:
-        sms = sm_count(device)
-        tile_user, tile_cand = pick_linear_tile(U, N), pick_cand_tile(B, N, sms)
-        cluster = _CAND_CLUSTER if B > tile_cand[0] else 1
-        user_cfg, cand_cfg = linear_configs(x_cand.dtype, idx.dtype, tile_user, tile_cand, activation,
-                                            bias is not None, cluster)
-        n_pad = max(_ceil(N, tile_user[1]), _ceil(N, tile_cand[1]))
-        n_tiles = -(-N // tile_cand[1])
-        cand_clusters = min(max_active_clusters(device, cluster), -(-B // (tile_cand[0] * cluster)) * n_tiles)
-        user_tiles = -(-U // tile_user[0]) * -(-N // tile_user[1])
-        splits = _user_splits(user_tiles, -(-K_user // 64), sms)
-        grid_user = min(sms, splits * user_tiles)
-        spare = _spare_user_grid(user_tiles, tile_user, K_user, -(-B // tile_cand[0]) * n_tiles, tile_cand, K_cand,
-                                 cand_clusters * cluster, sms)
-        if spare:
-            splits, grid_user = 1, spare
+        grids = _grids(B, U, N, K_cand, K_user, sm_count(device), lambda size: max_active_clusters(device, size),
+                       rules)
+        user_cfg, cand_cfg = linear_configs(x_cand.dtype, idx.dtype, grids.tile_user, grids.tile_cand, activation,
+                                            bias is not None, grids.cluster, grids.split_cand, grids.split_user)
         plan = _Plan(
             user=_kernel(user_cfg),
             cand=_kernel(cand_cfg),
@@ -132,28 +147,84 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out) -> Optiona
             n8=_ceil(N, 8),
             k8_cand=_ceil(K_cand, 8),
             k8_user=_ceil(K_user, 8),
-            ws_shape=(splits, _ceil(U, tile_user[0]), n_pad),
+            ws_shape=(grids.splits, _ceil(U, grids.tile_user[0]), max(_ceil(N, grids.tile_user[1]),
+                                                                      _ceil(N, grids.tile_cand[1]))),
             n_users=U,
-            splits=splits,
-            grid_user=grid_user,
-            grid_cand=cand_clusters * cluster,
+            splits=grids.splits,
+            grid_user=grids.grid_user,
+            grid_cand=grids.grid_cand,
+            user_cfg=user_cfg,
+            cand_cfg=cand_cfg,
         )
     return _plans.keep(key, plan)
 
 
-def _spare_user_grid(user_tiles: int, tile_user, k_user: int, cand_tiles: int, tile_cand, k_cand: int,
-                     cand_ctas: int, sms: int) -> int:
-    """CTAs for the user phase on the SMs the candidate grid leaves idle, or 0. Where the
-    candidate tiles are one partial wave, user CTAs elsewhere would hold back candidate CTAs
+@dataclasses.dataclass(frozen=True)
+class _Grids:
+    """Tiles, clusters and grid sizes of both phases (the shape-only part of a plan)."""
+
+    tile_user: tuple
+    tile_cand: tuple
+    cluster: int  # candidate CTAs sharing B tiles
+    split_cand: int  # candidate CTAs sharing one tile's K loop
+    split_user: int  # user CTAs sharing one tile's K loop (pairs on spare 2-CTA slots)
+    splits: int  # user phase slices of K written as workspace slabs
+    grid_user: int
+    grid_cand: int
+
+
+def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules) -> _Grids:
+    """Both phases' grids. ``clusters(size)``: clusters of that many CTAs resident at once."""
+    kb_cand, kb_user = -(-K_cand // 64), -(-K_user // 64)
+    tile_user = pick_linear_tile(U, N)
+    if rules.split_k:
+        tile_cand, split_cand = pick_cand_split(B, N, kb_cand, sms, clusters)
+    else:
+        tile_cand, split_cand = pick_cand_tile(B, N, sms), 1
+    cand_tiles = -(-B // tile_cand[0]) * -(-N // tile_cand[1])
+    user_tiles = -(-U // tile_user[0]) * -(-N // tile_user[1])
+    splits = _user_splits(user_tiles, kb_user, sms)
+    base = dict(tile_user=tile_user, tile_cand=tile_cand, split_cand=split_cand, split_user=1, splits=splits,
+                grid_user=min(sms, splits * user_tiles))
+    if split_cand > 1:
+        # One cluster per tile (pick_cand_split keeps them one wave); the kernel needs a k-block
+        # in every CTA's slice.
+        if (split_cand - 1) * -(-kb_cand // split_cand) >= kb_cand:
+            raise ValueError(f"linear: {kb_cand} k-blocks leave a CTA of a {split_cand}-way K split none")
+        return _Grids(cluster=1, grid_cand=cand_tiles * split_cand, **base)
+    cluster = _CAND_CLUSTER if B > tile_cand[0] else 1
+    m_groups = -(-B // (tile_cand[0] * cluster))
+    cand_clusters = min(clusters(cluster), m_groups * -(-N // tile_cand[1]))
+    grid = dict(base, cluster=cluster, grid_cand=cand_clusters * cluster)
+    cand_work = tile_cand[0] * tile_cand[1] * K_cand
+    if cand_tiles > cand_clusters * cluster or cand_clusters * cluster >= sms:
+        return _Grids(**grid)  # no SM left idle by a partial wave
+    spare = _spare_user_grid(user_tiles, tile_user[0] * tile_user[1] * K_user, cand_work,
+                             sms - cand_clusters * cluster)
+    if cluster == 2 and clusters(2) - spare < cand_clusters and rules.user_pairs and kb_user >= 2:
+        # Single user CTAs, each on an SM of its own 2-CTA slot, would leave too few slots for
+        # the candidate clusters (some would wait for a user CTA); K-split pairs take whole slots.
+        pairs = _spare_user_grid(user_tiles, tile_user[0] * tile_user[1] * K_user / 2, cand_work,
+                                 clusters(2) - cand_clusters)
+        if pairs:
+            return _Grids(**dict(grid, split_user=2, splits=1, grid_user=2 * pairs))
+    if spare:
+        return _Grids(**dict(grid, splits=1, grid_user=spare))
+    return _Grids(**grid)
+
+
+def _spare_user_grid(user_tiles: int, user_work: float, cand_work: float, free: int) -> int:
+    """User CTAs (or K-split pairs) for the ``free`` SMs (or 2-CTA slots) the candidate grid,
+    one partial wave, leaves idle, or 0. User CTAs elsewhere would hold back candidate CTAs
     (they start on an SM once the user grid left it) by a user tile each, all of it exposed;
-    on the idle SMs they run beside the candidate tiles. Taken only where each idle SM's share
-    of the user tiles (unsplit) is no more work than a candidate tile, so that the candidate
-    epilogue's wait on the workspace falls at the end of its main loop."""
-    if cand_tiles > cand_ctas or cand_ctas >= sms:
+    on the idle SMs they run beside the candidate tiles. Taken only where each one's share of
+    the user tiles (``user_work`` a tile and CTA) is no more work than a candidate tile
+    (``cand_work``), so that the candidate epilogue's wait on the workspace falls at the end of
+    its main loop."""
+    if free <= 0:
         return 0
-    spare = min(sms - cand_ctas, user_tiles)
-    per_cta = -(-user_tiles // spare) * tile_user[0] * tile_user[1] * k_user
-    return spare if per_cta <= tile_cand[0] * tile_cand[1] * k_cand else 0
+    spare = min(free, user_tiles)
+    return spare if -(-user_tiles // spare) * user_work <= cand_work else 0
 
 
 def _user_splits(user_tiles: int, k_blocks: int, sms: int) -> int:
@@ -193,7 +264,16 @@ def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, o
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
         return into_out(out, torch.ops.ikbo_gemm.linear(x_cand, x_user, idx, w_cand, w_user, bias, activation,
                                                         validate))
-    plan = _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out)
+    return linear_with_rules(x_cand, x_user, idx, w_cand, w_user, bias, activation=activation, out=out,
+                             validate=validate)
+
+
+def linear_with_rules(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None,
+                      rules: Optional[PlanRules] = None):
+    """:func:`linear` with the launch plan's ``rules`` (default: ``DEFAULT_RULES``). Not public:
+    the benchmarks time the alternatives in one run."""
+    plan = _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out,
+                 DEFAULT_RULES if rules is None else rules)
     inputs = (x_cand, x_user, idx, w_cand, w_user, bias)
     if out is not None:
         check_out_target("out", out, _INPUT_NAMES, inputs)

@@ -18,6 +18,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.accumulator import acc_mn_view
+from cute_kernels.cluster_reduce import ClusterReduce
 from cute_kernels.interop import cutlass_dtype
 from cute_kernels.mainloop import pingpong_mainloop
 from cute_kernels.scheduler import strided_tiles
@@ -51,21 +52,22 @@ class LinearTile:
 
     m: Int32  # row tile (candidates, or users in the user phase)
     n: Int32  # column tile (output features)
-    split: Int32  # user phase: the slice of K, and the workspace slab it writes
-    k_begin: Int32  # first k-block
+    split: Int32  # user phase: the workspace slab it writes (its slice of K, without split_k)
+    k_begin: Int32  # first k-block (split_k: of this CTA's slice)
     k_count: Int32  # k-blocks (>= 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class LinearWork:
-    """The launch's tile space (device values): ``splits`` slices of K (user phase), each of
-    ``m_groups`` x ``n_tiles`` cluster tiles, column tile fastest."""
+    """The launch's tile space (device values): ``splits`` slices of K (user phase, workspace
+    slabs), each of ``m_groups`` x ``n_tiles`` cluster tiles, column tile fastest. With split_k
+    the CTAs of a cluster take the k-slices of one tile instead."""
 
     n_tiles: Int32
     m_groups: Int32  # groups of cluster_m row tiles
     splits: Int32
     k_blocks: Int32
-    k_per_split: Int32  # every split has at least one k-block (the op picks the split count so)
+    k_per_split: Int32  # every slice has at least one k-block (the op picks the slice count so)
 
     def size(self):
         return self.splits * self.m_groups * self.n_tiles
@@ -80,12 +82,18 @@ class LinearSm90:
     The op runs the user phase, then the candidate phase, as two launches on one stream
     (programmatic dependent launch): the candidate grid starts once every CTA of the user grid
     has started, runs its main loops meanwhile, and waits for the user grid to finish
-    (griddepcontrol.wait) only before its first epilogue reads ws. No CTA waits on another
-    CTA of its own grid, so any residency (green contexts, MPS limits) is safe.
+    (griddepcontrol.wait) only before its first epilogue reads ws. No CTA waits on a CTA of its
+    own grid outside its cluster, so any residency (green contexts, MPS limits) is safe.
 
-    Clusters: with ``cfg.cluster_m`` = 2 the CTAs of a cluster run neighbouring row tiles of the
-    same column tile and share its B tile: each loads its half of the rows and multicasts it to
-    both, halving the B traffic from L2.
+    Clusters, one of two kinds:
+      ``cfg.cluster_m`` = 2: the CTAs of a cluster run neighbouring row tiles of the same column
+        tile and share its B tile: each loads its half of the rows and multicasts it to both,
+        halving the B traffic from L2.
+      ``cfg.split_k`` = s > 1: the s CTAs of a cluster run one tile, CTA r over the r-th slice of
+        its k-blocks; their partial sums meet in shared memory (cute_kernels.cluster_reduce:
+        epilogue sub-tile j belongs to CTA j % s, which adds the others' partial sums of it in
+        rank order and runs its epilogue). For grids of few tiles: s times the CTAs, each with
+        1/s of the K loop. Consumer 1 has no tiles then (a tile's exchange is one consumer's).
 
     Warp roles (384 threads, 1 CTA per SM):
       warpgroup 0, producer (setmaxnreg 24): warp 0 issues the TMA loads of each k-block: the
@@ -93,7 +101,7 @@ class LinearSm90:
         x 64, multicast to the cluster); K tails and rows past the tensors load as zeros.
       warpgroups 1, 2, consumers (setmaxnreg 240): each runs whole tiles, alternating (tile t
         of this CTA's walk on consumer t % 2): the wgmma main loop, then its epilogue while
-        the other consumer runs its main loop.
+        the other consumer runs its main loop. With split_k consumer 0 runs every tile.
 
     Pipelines (PipelineTmaAsync; checked in ``__init__``):
 
@@ -105,18 +113,22 @@ class LinearSm90:
       bytes (the A tile and the whole B tile, its halves from both CTAs). Empty: each of the
       owning consumer's 4 warps releases the stage in every CTA of the cluster (their B halves
       land in it). Each consumer skips the other consumer's k-blocks in its ring state.
+      split_k adds the exchange's two mbarriers (``ClusterReduce``: full, 1 arrive + the bytes
+      of the other CTAs' partial sums; free, split_k - 1 remote arrives).
 
     Named barriers (LinearBarrier):
       MMA_ORDER + c (256 threads; PingPong): consumer c waits on it before its main loop; the
         other consumer arrives on it once its last wgmma is issued (consumer 0 opens the first
-        turn), so the consumers walk the ring in tile order.
+        turn), so the consumers walk the ring in tile order. Not used with split_k.
       EPILOGUE + c (128 threads): consumer c around each staged sub-tile of its output
         (candidate phase): its warp 0 TMA-stores the sub-tile and reuses a staging buffer
-        only once the bulk store that read it is done.
+        only once the bulk store that read it is done; with split_k also once per tile, after
+        it has read the other CTAs' partial sums.
 
     Timelines. Producer warp 0, per tile: for each k-block, wait for a free stage, load A and B.
     Consumer c, per tile of its lane of the walk: wait for its MMA_ORDER turn -> main loop
-    (wgmma one group in flight, stages released one behind) -> hand the turn over -> epilogue:
+    (wgmma one group in flight, stages released one behind) -> hand the turn over ->
+    (split_k: send the sub-tiles other CTAs own, add the partial sums of its own) -> epilogue:
     user phase: fp32 stores of its fragment into ws; candidate phase: (first tile: wait for the
     user grid) per row the user index, then per 128 x EPI_N sub-tile: + ws row + bias,
     activation, round, stmatrix into its staging buffer, TMA store.
@@ -144,10 +156,14 @@ class LinearSm90:
         self.idx_dtype = cutlass_dtype(cfg.idx_dtype)
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.tile_mnk = (cfg.tile_m, cfg.tile_n, self.TILE_K)
-        self.cluster = cfg.cluster_m
+        self.cluster = cfg.cluster_m  # CTAs sharing B tiles (multicast)
+        self.split = cfg.split_k  # CTAs sharing one tile's K loop
+        self.launch_cluster = cfg.cluster_m * cfg.split_k
         self.b_rows = cfg.tile_n // cfg.cluster_m  # rows of the B tile each CTA of a cluster loads
         self.epi_tile = (cfg.tile_m, self.EPI_N)
         self.epi_subtiles = cfg.tile_n // self.EPI_N
+        # The exchange of a K-split cluster: 2 accumulator rows per 64 tile rows a thread holds.
+        self.reduce = ClusterReduce(self.split, self.epi_subtiles, 2 * cfg.tile_m // 64) if self.split > 1 else None
         elt = self.dtype.width // 8
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.stage_bytes = (cfg.tile_m + cfg.tile_n) * self.TILE_K * elt
@@ -155,9 +171,10 @@ class LinearSm90:
         # keeps one unused buffer so that both phases share one shared-memory layout).
         self.epi_buffers = 2 * self.EPI_STAGES if cfg.phase == "cand" else 1
         epi_bytes = self.epi_buffers * cfg.tile_m * self.EPI_N * elt
-        # As many stages as fit beside the staging buffers and the barriers (1024 bytes: the
-        # operands are 1024-byte aligned).
-        self.ab_stages = min(8, (smem - epi_bytes - 1024) // self.stage_bytes)
+        # As many stages as fit beside the staging buffers, the exchange's receive buffer and the
+        # barriers (1024 bytes: the operands are 1024-byte aligned).
+        red_bytes = self.reduce.tx_bytes if self.reduce else 0
+        self.ab_stages = min(8, (smem - epi_bytes - red_bytes - 1024) // self.stage_bytes)
         if self.ab_stages < 2:
             raise ValueError(f"LinearSm90: a {cfg.tile_m} x {cfg.tile_n} tile leaves room for "
                              f"{self.ab_stages} pipeline stages; at least 2 are needed")
@@ -178,8 +195,8 @@ class LinearSm90:
         idx: cute.Tensor,  # [B] (user phase: unused)
         bias: cute.Tensor | None,  # [N] (cand phase with bias only)
         n_users: Int32,  # U
-        n_splits: Int32,  # slices of the user phase's K: workspace slabs
-        grid_size: Int32,
+        n_splits: Int32,  # slices of the user phase's K: workspace slabs (1 with split_k)
+        grid_size: Int32,  # CTAs, a multiple of the cluster
         stream,
     ):
         # GEMM views (rows, K, 1) and (N, K, 1); C (rows, N).
@@ -208,18 +225,24 @@ class LinearSm90:
             tma_out, c_out = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), out,
                                                          cute.select(epi_smem, mode=[0, 1]), self.epi_tile)
 
-        @cute.struct
-        class SharedStorage:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(epi_smem)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.storage_struct(cute.cosize(a_smem), cute.cosize(b_smem), cute.cosize(epi_smem))
         self.kernel(tma_a, tA, tma_b, tB, tma_out, c_out, ws, idx, bias, n_users, n_splits, tiled_mma, a_smem,
                     b_smem, epi_smem).launch(
-            grid=[grid_size, 1, 1], block=[self.THREADS, 1, 1], cluster=[self.cluster, 1, 1], min_blocks_per_mp=1,
-            stream=stream, use_pdl=True)
+            grid=[grid_size, 1, 1], block=[self.THREADS, 1, 1], cluster=[self.launch_cluster, 1, 1],
+            min_blocks_per_mp=1, stream=stream, use_pdl=True)
+
+    def storage_struct(self, a_words: int, b_words: int, epi_words: int):
+        """The shared-memory layout: the ring's barriers and operand stages, the staging buffers
+        and, with split_k, the exchange's barriers (full, free) and receive buffer."""
+        Align, MemRange = cute.struct.Align, cute.struct.MemRange
+        fields = {"ab_barriers": MemRange[cutlass.Int64, self.ab_stages * 2]}
+        if self.split > 1:
+            fields["reduce_barriers"] = MemRange[cutlass.Int64, 2]
+        fields.update(sA=Align[MemRange[self.dtype, a_words], 1024], sB=Align[MemRange[self.dtype, b_words], 1024],
+                      sC=Align[MemRange[self.dtype, epi_words], 1024])
+        if self.split > 1:
+            fields["sRed"] = Align[MemRange[Float32, self.reduce.words], 128]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -250,21 +273,31 @@ class LinearSm90:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         ab_pipeline = self.ab.make(storage.ab_barriers.data_ptr(), cute.make_layout((1, self.cluster, 1, 1)))
-        pipelines_init_arrive(self.cluster)
+        red_full = red_free = sRed = None
+        if const_expr(self.split > 1):
+            red_full = storage.reduce_barriers.data_ptr()
+            red_free = red_full + 1
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    self.reduce.init_barriers(red_full, red_free)
+        pipelines_init_arrive(self.launch_cluster)
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+        if const_expr(self.split > 1):
+            sRed = storage.sRed.get_tensor(self.reduce.buffer_layout())
         n_rows = cute.size(mA, mode=[0])
         n_cols = cute.size(mB, mode=[0])
         k_blocks = (cute.size(mA, mode=[1]) + self.TILE_K - 1) // self.TILE_K
         splits = n_splits if const_expr(self.cfg.phase == "user") else Int32(1)
+        k_parts = splits * self.split  # one of the two is 1
         work = LinearWork(
             n_tiles=(n_cols + self.tile_n - 1) // self.tile_n,
             m_groups=(n_rows + self.tile_m * self.cluster - 1) // (self.tile_m * self.cluster),
-            splits=splits, k_blocks=k_blocks, k_per_split=(k_blocks + splits - 1) // splits,
+            splits=splits, k_blocks=k_blocks, k_per_split=(k_blocks + k_parts - 1) // k_parts,
         )
-        pipelines_init_wait(self.cluster)
+        pipelines_init_wait(self.launch_cluster)
         if const_expr(self.cfg.phase == "user"):
             # The inputs were written by the grids before this one (programmatic dependent
             # launch): wait for them, then let the candidate grid start on the free SMs.
@@ -277,18 +310,31 @@ class LinearSm90:
                 self.producer(ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, work, rank)
         else:
             self.REGISTERS.enter_consumer()
-            self.consumer(warp_idx // 4 - 1, ab_pipeline, tiled_mma, sA, sB, sC, tma_out, mOut, mWs, mIdx, mBias,
-                          n_users, n_splits, n_rows, n_cols, work, rank)
+            consumer_idx = warp_idx // 4 - 1
+            if const_expr(self.split > 1):
+                if consumer_idx == 0:
+                    self.consumer(0, ab_pipeline, tiled_mma, sA, sB, sC, sRed, red_full, red_free, tma_out, mOut,
+                                  mWs, mIdx, mBias, n_users, n_splits, n_rows, n_cols, work, rank)
+            else:
+                self.consumer(consumer_idx, ab_pipeline, tiled_mma, sA, sB, sC, sRed, red_full, red_free, tma_out,
+                              mOut, mWs, mIdx, mBias, n_users, n_splits, n_rows, n_cols, work, rank)
+        if const_expr(self.split > 1):
+            ClusterReduce.end()
 
     @cute.jit
     def decode(self, t: Int32, work: LinearWork, rank: Int32) -> LinearTile:
-        """Cluster tile index -> this CTA's tile."""
+        """Cluster tile index -> this CTA's tile (split_k: its slice of the tile's k-blocks)."""
         per_split = work.m_groups * work.n_tiles
         split = t // per_split
         r = t - split * per_split
-        k_begin = split * work.k_per_split
-        return LinearTile(r // work.n_tiles * self.cluster + rank, r % work.n_tiles, split, k_begin,
-                          cutlass.min(work.k_per_split, work.k_blocks - k_begin))
+        m = r // work.n_tiles * self.cluster
+        k_part = split
+        if const_expr(self.split > 1):
+            k_part = rank
+        else:
+            m = m + rank
+        k_begin = k_part * work.k_per_split
+        return LinearTile(m, r % work.n_tiles, split, k_begin, cutlass.min(work.k_per_split, work.k_blocks - k_begin))
 
     # ----------------------------------------------------------- producer
     @cute.jit
@@ -299,9 +345,10 @@ class LinearSm90:
         gA = cute.local_tile(mA, (self.tile_m, self.TILE_K), (None, None, 0))
         tAsA, tAgA = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         cluster_layout = cute.make_layout((self.cluster, 1, 1))
-        mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(rank), mode=0)
+        b_rank = rank if const_expr(self.cluster > 1) else Int32(0)  # this CTA's share of the B tile
+        mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(b_rank), mode=0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        walk = strided_tiles(Int32(0), cluster=self.cluster)
+        walk = strided_tiles(Int32(0), cluster=self.launch_cluster)
         t = walk.first
         while t < work.size():
             tile = self.decode(t, work, rank)
@@ -310,7 +357,7 @@ class LinearSm90:
                 ab_pipeline.producer_acquire(state)
                 bar = ab_pipeline.producer_get_barrier(state)
                 cute.copy(tma_a, tAgA[(None, tile.m, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                self.load_b(tma_b, mB, sB, tile.n, k, rank, state.index, bar, mcast)
+                self.load_b(tma_b, mB, sB, tile.n, k, b_rank, state.index, bar, mcast)
                 ab_pipeline.producer_commit(state)
                 state.advance()
             t += walk.stride
@@ -332,9 +379,11 @@ class LinearSm90:
 
     # ----------------------------------------------------------- consumers
     @cute.jit
-    def consumer(self, consumer_idx: Int32, ab_pipeline, tiled_mma, sA, sB, sC, tma_out, mOut, mWs, mIdx, mBias,
-                 n_users: Int32, n_splits: Int32, n_rows: Int32, n_cols: Int32, work: LinearWork, rank: Int32):
-        """Consumer warpgroups: alternate tiles of the CTA's walk; main loop, then epilogue."""
+    def consumer(self, consumer_idx: Int32, ab_pipeline, tiled_mma, sA, sB, sC, sRed, red_full, red_free, tma_out,
+                 mOut, mWs, mIdx, mBias, n_users: Int32, n_splits: Int32, n_rows: Int32, n_cols: Int32,
+                 work: LinearWork, rank: Int32):
+        """Consumer warpgroups: alternate tiles of the CTA's walk; main loop, then epilogue (split_k:
+        consumer 0 alone, the partial sums exchanged in between)."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx % 128
         warp_in_wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
@@ -345,53 +394,71 @@ class LinearSm90:
         # (row, col) within the tile of each accumulator register.
         coords = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
 
-        walk = strided_tiles(Int32(0), cluster=self.cluster, lanes=2, lane=consumer_idx)
+        lanes = 2 if const_expr(self.split == 1) else 1
+        ping_pong = self.ping_pong if const_expr(self.split == 1) else None
+        walk = strided_tiles(Int32(0), cluster=self.launch_cluster, lanes=lanes, lane=consumer_idx)
         t = walk.first
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        if consumer_idx == 0:
-            self.ping_pong.open_first_turn()
-        else:
-            # Consumer 1 starts after consumer 0's first tile in the ring.
-            if t - walk.clusters < work.size():
-                state.advance(self.decode(t - walk.clusters, work, rank).k_count)
+        if const_expr(self.split == 1):
+            if consumer_idx == 0:
+                self.ping_pong.open_first_turn()
+            else:
+                # Consumer 1 starts after consumer 0's first tile in the ring.
+                if t - walk.clusters < work.size():
+                    state.advance(self.decode(t - walk.clusters, work, rank).k_count)
         epi_count = Int32(0)
+        tile_i = Int32(0)
         while t < work.size():
             tile = self.decode(t, work, rank)
-            self.ping_pong.wait(consumer_idx)
+            if const_expr(self.split == 1):
+                self.ping_pong.wait(consumer_idx)
             state = pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_count, True,
-                                      self.ping_pong, consumer_idx)
+                                      ping_pong, consumer_idx)
+            if const_expr(self.split > 1):
+                self.reduce.exchange(acc_mn_view(acc), sRed, red_full, red_free, rank, tile_i,
+                                     t + walk.stride < work.size(), tidx, int(LinearBarrier.EPILOGUE))
             if const_expr(self.cfg.phase == "user"):
-                self.store_user_tile(acc, coords, mOut, tile)
+                self.store_user_tile(acc, coords, mOut, tile, rank)
             else:
                 self.store_output_tile(acc, coords, tiled_mma, sC, tma_out, mOut, mWs, mIdx, mBias, tile, n_users,
-                                       n_splits, n_rows, n_cols, epi_count, consumer_idx, warp_in_wg, tidx)
-                epi_count += self.epi_subtiles
-            # Skip the other consumer's next tile in the ring.
-            if t + walk.clusters < work.size():
-                state.advance(self.decode(t + walk.clusters, work, rank).k_count)
+                                       n_splits, n_rows, n_cols, epi_count, consumer_idx, warp_in_wg, tidx, rank)
+                epi_count += self.epi_subtiles // self.split
+            if const_expr(self.split == 1):
+                # Skip the other consumer's next tile in the ring.
+                if t + walk.clusters < work.size():
+                    state.advance(self.decode(t + walk.clusters, work, rank).k_count)
             t += walk.stride
+            tile_i += 1
         if const_expr(self.cfg.phase == "cand"):
             if warp_in_wg == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+    def owns(self, s: int, rank):
+        """Whether this CTA runs the epilogue of sub-tile ``s`` (a compile-time index): always, but
+        with split_k only the sub-tiles it owns (``ClusterReduce.owner``)."""
+        return True if self.split == 1 else rank == self.reduce.owner(s)
+
     @cute.jit
-    def store_user_tile(self, acc, coords, mWs, tile: LinearTile):
+    def store_user_tile(self, acc, coords, mWs, tile: LinearTile, rank: Int32):
         """fp32 user results straight into workspace slab ``tile.split`` (padded to whole tiles: no
         bounds to check)."""
         acc_mn = acc_mn_view(acc)
         row0 = tile.m * self.tile_m
         col0 = tile.n * self.tile_n
+        per_sub = cute.size(acc_mn, mode=[1]) // self.epi_subtiles  # columns of a sub-tile
         for m in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                r, col = coords[m, c]
-                mWs[tile.split, row0 + r, col0 + col] = acc_mn[m, c]
+                if self.owns(c // per_sub, rank):
+                    r, col = coords[m, c]
+                    mWs[tile.split, row0 + r, col0 + col] = acc_mn[m, c]
 
     @cute.jit
     def store_output_tile(self, acc, coords, tiled_mma, sC, tma_out, mOut, mWs, mIdx, mBias, tile: LinearTile,
                           n_users: Int32, n_splits: Int32, n_rows: Int32, n_cols: Int32, epi_count: Int32,
-                          consumer_idx: Int32, warp_in_wg: Int32, tidx: Int32):
+                          consumer_idx: Int32, warp_in_wg: Int32, tidx: Int32, rank: Int32):
         """+ ws[idx[row]] (its slabs in order) + bias, activation, round once; staged tile_m x EPI_N
-        sub-tiles, TMA-stored (rows and columns past the output are clipped by the store)."""
+        sub-tiles (split_k: those this CTA owns), TMA-stored (rows and columns past the output are
+        clipped by the store)."""
         acc_mn = acc_mn_view(acc)
         rows = cute.size(acc_mn, mode=[0])
         row0 = tile.m * self.tile_m
@@ -406,15 +473,17 @@ class LinearSm90:
             valid = (u_raw >= 0) & (u_raw < n_users)  # in idx's own width: an int64 must not wrap
             users.append(Int32(u_raw) if valid else Int32(0))
             poison.append(Float32(0.0) if valid else Float32(math.nan))
+
         # The user rows, slab by slab in a fixed order (the same bits whoever ran which slice).
+        per_sub = cute.size(acc_mn, mode=[1]) // self.epi_subtiles  # columns of a sub-tile
         for sp in cutlass.range(n_splits, unroll=1):
             for m in cutlass.range_constexpr(rows):
                 for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    acc_mn[m, c] = acc_mn[m, c] + mWs[sp, users[m], col0 + coords[m, c][1]]
+                    if self.owns(c // per_sub, rank):
+                        acc_mn[m, c] = acc_mn[m, c] + mWs[sp, users[m], col0 + coords[m, c][1]]
 
         sub = cute.make_rmem_tensor(self.sub_mma(tiled_mma).get_slice(tidx).partition_shape_C(self.epi_tile), Float32)
         sub_mn = acc_mn_view(sub)
-        per_sub = cute.size(sub_mn, mode=[1])
         r2s = cute.make_tiled_copy_S(
             sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
             cute.make_tiled_copy_C_atom(cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
@@ -424,28 +493,30 @@ class LinearSm90:
         tRS_sC = thr_r2s.partition_D(sC)
         gOut = cute.local_tile(mOut, self.epi_tile, (None, None))
         for s in cutlass.range_constexpr(self.epi_subtiles):
-            for m in cutlass.range_constexpr(rows):
-                for c in cutlass.range_constexpr(per_sub):
-                    col = col0 + coords[m, s * per_sub + c][1]
-                    v = acc_mn[m, s * per_sub + c] + poison[m]
-                    if const_expr(self.cfg.has_bias):
-                        v = v + Float32(mBias[cutlass.min(col, n_cols - 1)])
-                    sub_mn[m, c] = self.activation(v)
-            rOut = cute.make_rmem_tensor_like(sub, self.dtype)
-            rOut.store(sub.load().to(self.dtype))
-            buf = consumer_idx * self.EPI_STAGES + (epi_count + s) % self.EPI_STAGES
-            cute.copy(r2s, r2s.retile(rOut), tRS_sC[(None, None, None, buf)])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            self.epi_sync(consumer_idx)
-            if warp_in_wg == 0:
-                tS, tG = cpasync.tma_partition(tma_out, 0, cute.make_layout(1),
-                                               cute.group_modes(sC[(None, None, buf)], 0, 2),
-                                               cute.group_modes(gOut[(None, None, tile.m, tile.n * self.epi_subtiles + s)],
-                                                                0, 2))
-                cute.copy(tma_out, tS, tG)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(self.EPI_STAGES - 1, read=True)
-            self.epi_sync(consumer_idx)
+            if self.owns(s, rank):
+                for m in cutlass.range_constexpr(rows):
+                    for c in cutlass.range_constexpr(per_sub):
+                        col = col0 + coords[m, s * per_sub + c][1]
+                        v = acc_mn[m, s * per_sub + c] + poison[m]
+                        if const_expr(self.cfg.has_bias):
+                            v = v + Float32(mBias[cutlass.min(col, n_cols - 1)])
+                        sub_mn[m, c] = self.activation(v)
+                rOut = cute.make_rmem_tensor_like(sub, self.dtype)
+                rOut.store(sub.load().to(self.dtype))
+                # The sub-tile's turn among those this CTA stores (every sub-tile without split_k).
+                buf = consumer_idx * self.EPI_STAGES + (epi_count + s // self.split) % self.EPI_STAGES
+                cute.copy(r2s, r2s.retile(rOut), tRS_sC[(None, None, None, buf)])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.epi_sync(consumer_idx)
+                if warp_in_wg == 0:
+                    tS, tG = cpasync.tma_partition(tma_out, 0, cute.make_layout(1),
+                                                   cute.group_modes(sC[(None, None, buf)], 0, 2),
+                                                   cute.group_modes(gOut[(None, None, tile.m,
+                                                                          tile.n * self.epi_subtiles + s)], 0, 2))
+                    cute.copy(tma_out, tS, tG)
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(self.EPI_STAGES - 1, read=True)
+                self.epi_sync(consumer_idx)
 
     def sub_mma(self, tiled_mma):
         """The tiled MMA of one epilogue sub-tile (tile_m x EPI_N): its accumulator fragment is the

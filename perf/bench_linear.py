@@ -21,6 +21,11 @@ reported, never timed):
   torch addmm floor            the candidate GEMM alone: torch.addmm(bias, x_cand, w_cand^T)
                                and the activation, checked against its own fp32 reference
   ikbo linear                  ikbo_gemm.linear (its row is skipped until the op exists)
+  ikbo linear, small-grid rules
+                               only when named in --providers: the op with the launch plan's
+                               rules for grids of few tiles on (linear.PlanRules: the
+                               candidate K split over clusters, K-split user pairs), which the
+                               op leaves off until they are timed against it in one run
 Columns: us per call, TFLOP/s of the useful work (the floor counted at it too: the rate at
 which the op would match it), percent of the 8192^3 cuBLAS GEMM ceiling, x_* = that torch
 provider's time / this time, compile_s = first call minus a steady call. Calls cycle through
@@ -72,9 +77,11 @@ GROUPS = {
 }
 AXES = ["B", "ratio", "K", "N", "dtype", "activation"]
 ACTIVATIONS = ["none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
-SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x_decomp",
-                   "torch.compile decomposition": "x_compiled", "torch addmm floor": "x_floor"}
 OURS = "ikbo linear"
+SMALL_GRID = "ikbo linear, small-grid rules"
+SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x_decomp",
+                   "torch.compile decomposition": "x_compiled", "torch addmm floor": "x_floor",
+                   SMALL_GRID: "x_small_grid"}
 
 
 def linear_flops(B: int, U: int, N: int, K_user: int, K_cand: int) -> int:
@@ -174,6 +181,7 @@ class Provider:
     run: Callable[[LinearProblem, Any, LinearInputs], torch.Tensor]  # -> out [B, N]
     ours: bool = False
     floor: bool = False  # computes the candidate side only: checked against its own reference
+    extra: bool = False  # run only when --providers names it
 
 
 class _Lib:
@@ -224,6 +232,14 @@ def _ours(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
                                 activation=None if p.activation == "none" else p.activation, validate=False)
 
 
+def _ours_small_grid(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
+    from ikbo_gemm.linear import SMALL_GRID_RULES, linear_with_rules
+
+    return linear_with_rules(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias,
+                             activation=None if p.activation == "none" else p.activation, validate=False,
+                             rules=SMALL_GRID_RULES)
+
+
 def providers() -> list:
     """In check order: torch first, ours last (a failure there cannot spoil the baselines)."""
     return [
@@ -231,8 +247,14 @@ def providers() -> list:
         Provider("torch decomposition", lambda p, i: None, _decomposition),
         Provider("torch.compile decomposition", lambda p, i: harness.torch_compiled(decomposition), _compiled),
         Provider("torch addmm floor", lambda p, i: None, _floor, floor=True),
+        Provider(SMALL_GRID, lambda p, i: None, _ours_small_grid, ours=True, extra=True),
         Provider(OURS, lambda p, i: None, _ours, ours=True),
     ]
+
+
+def chosen_providers(names) -> list:
+    """The providers ``--providers`` names, or every one but the extra ones."""
+    return [pr for pr in providers() if (pr.name in names if names else not pr.extra)]
 
 
 # --------------------------------------------------------------------------- one configuration
@@ -357,7 +379,7 @@ def main(argv=None) -> int:
     load_ikbo_gemm()
     if LIB.note:
         print(f"{NAME}: {LIB.note}; its rows are skipped", flush=True)
-    provs = [pr for pr in providers() if not args.providers or pr.name in args.providers]
+    provs = chosen_providers(args.providers)
     keys, groups = build_configs(args)
     env = harness.environment()
     harness.print_environment(env)

@@ -104,8 +104,8 @@ def test_ours_calls_the_op(monkeypatch):
         return torch_linear(*a, activation=activation, **k)
 
     monkeypatch.setattr(bli.LIB, "ikbo_gemm", type("M", (), {"linear": staticmethod(linear)}))
-    ours = next(pr for pr in bli.providers() if pr.ours)
-    assert ours.name == bli.OURS
+    ours = next(pr for pr in bli.providers() if pr.name == bli.OURS)
+    assert ours.ours
     for activation in ("none", "gelu"):
         p, inp = small(activation=activation)
         assert harness.rel_error(ours.run(p, ours.setup(p, inp), inp), bli.reference_output(p, inp)) < 1e-5
@@ -175,7 +175,7 @@ def test_main_dry_run(linear_on_cpu, tmp_path, capsys):
     keys = {bli._key(r) for r in rows}
     # headline: 2 K x 2 dtypes; ratio: 3 ratios x 2 K x 2 activations (bf16), 2 of them headline points
     assert len(keys) == 2 * 2 + 3 * 2 * 2 - 2
-    assert len(rows) == len(keys) * len(bli.providers())
+    assert len(rows) == len(keys) * len(bli.chosen_providers(None))
     for r in rows:
         assert r["status"] == "ok", r
         assert r["rel_err"] < 1e-2 and r["us"] == pytest.approx(r["ms"] * 1e3) and r["compile_s"] >= 0
@@ -194,7 +194,7 @@ def test_main_dry_run_both_timings(linear_on_cpu, tmp_path, capsys):
     data = _run_main(tmp_path, ["--configs", "headline", "--dtype", "bf16", "--K", "8,16", "--timing", "both",
                                 "--sustained-warmup-s", "0.01", "--sustained-s", "0.02"])
     rows = {r["provider"]: r for r in data["rows"]}
-    assert set(rows) == {pr.name for pr in bli.providers()}
+    assert set(rows) == {pr.name for pr in bli.chosen_providers(None)}
     floor = rows["torch addmm floor"]
     for r in rows.values():
         assert r["us"] > 0 and r["us_sustained"] == pytest.approx(r["ms_sustained"] * 1e3)
@@ -255,3 +255,14 @@ def test_without_a_gpu_one_line_and_exit_2():
     text = (res.stdout + res.stderr).strip()
     assert res.returncode == 2 and len(text.splitlines()) == 1, text
     assert "Hopper" in text and "Traceback" not in text
+
+
+def test_small_grid_rules_run_only_when_named(linear_on_cpu, tmp_path):
+    """The plan with its small-grid rules on is an extra provider: timed beside the op when named."""
+    assert bli.SMALL_GRID not in {pr.name for pr in bli.chosen_providers(None)}
+    assert [pr.name for pr in bli.chosen_providers([bli.SMALL_GRID, bli.OURS])] == [bli.SMALL_GRID, bli.OURS]
+    data = _run_main(tmp_path, ["--configs", "headline", "--dtype", "bf16", "--K", "8,16",
+                                "--providers", "torch decomposition", bli.SMALL_GRID, bli.OURS])
+    rows = {r["provider"]: r for r in data["rows"]}
+    assert set(rows) == {"torch decomposition", bli.SMALL_GRID, bli.OURS}
+    assert rows[bli.SMALL_GRID]["status"] == "ok" and rows[bli.OURS]["x_small_grid"] > 0

@@ -12,6 +12,9 @@ from ikbo_fa.config import AttentionConfig
 # launch (each kernel waits for the grid before it on the stream).
 PTX_INSTRUCTIONS = ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier", "setmaxnreg", "griddepcontrol.wait")
 
+SPLIT_K_INSTRUCTIONS = ("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32", "mapa.shared::cluster",
+                        "mbarrier.arrive.release.cluster.shared::cluster", "barrier.cluster.wait")
+
 # An attention configuration the op compiles at run time for an S_q of no power of two (not shipped).
 ODD_ATTENTION = AttentionConfig(torch.float16, 64, 100, "q", True, True)
 
@@ -35,5 +38,10 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
         assert instruction in kernel.ptx, f"{op} {cfg}: no {instruction} in the PTX"
     if op == "linear" and cfg.phase == "cand":
         assert "cp.async.bulk.tensor.2d.global.shared" in kernel.ptx, f"{op} {cfg}: no TMA store of the output"
+    if op == "linear" and cfg.split_k > 1:
+        # The K-split exchange: 16-byte stores into the peers' shared memory that complete on their
+        # mbarrier, the buffer released remotely, the cluster barrier before exit.
+        for instruction in SPLIT_K_INSTRUCTIONS:
+            assert instruction in kernel.ptx, f"{op} {cfg}: no {instruction} in the PTX"
     assert kernel.spill_bytes == 0, kernel.ptxas_log
     assert kernel.wgmma_notes == [], kernel.ptxas_log

@@ -3,6 +3,7 @@ un-decomposed concatenation, argument validation, split_weight, the tile pick, a
 compiles of every shipped configuration."""
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -175,14 +176,93 @@ def test_config_errors_name_the_field(field, value, match):
         LinearConfig(**dict(base, phase="user", activation="relu"))
 
 
+# Clusters of each size resident at once on an H200 (132 SMs), as cute_kernels.max_active_clusters reports.
+H200_CLUSTERS = {1: 132, 2: 66, 3: 39, 4: 30, 6: 17, 8: 15}.__getitem__
+
+
 def test_the_user_phase_takes_the_idle_sms_of_a_partial_candidate_wave():
     from ikbo_gemm.linear import _spare_user_grid
 
-    # B 2048, N 1024: 128 candidate tiles on 132 SMs; 4 user tiles of 64 x 256, one per idle SM
-    assert _spare_user_grid(4, (64, 256), 4096, 128, (128, 128), 4096, 128, 132) == 4
-    assert _spare_user_grid(4, (64, 256), 1024, 128, (128, 128), 2048, 128, 132) == 4
-    # a user tile more work than a candidate tile: the split user grid as before
-    assert _spare_user_grid(4, (64, 256), 8192, 128, (128, 128), 4096, 128, 132) == 0
-    # several waves of candidate tiles, or no idle SM
-    assert _spare_user_grid(4, (64, 256), 1024, 512, (128, 128), 2048, 132, 132) == 0
-    assert _spare_user_grid(4, (64, 256), 1024, 132, (128, 128), 2048, 132, 132) == 0
+    tile = 128 * 128
+    # 4 user tiles of 64 x 256, one per idle SM, each no more work than a candidate tile
+    assert _spare_user_grid(4, 64 * 256 * 4096, tile * 4096, 4) == 4
+    assert _spare_user_grid(4, 64 * 256 * 1024, tile * 2048, 4) == 4
+    assert _spare_user_grid(8, 64 * 128 * 1024, tile * 2048, 4) == 4  # two each
+    # a user tile more work than a candidate tile, or no idle SM
+    assert _spare_user_grid(4, 64 * 256 * 8192, tile * 4096, 4) == 0
+    assert _spare_user_grid(4, 64 * 256 * 1024, tile * 2048, 0) == 0
+
+
+def _grids(B, U, N, K_user, K_cand, **rules):
+    """The grids on an H200 with the small-grid rules on (unless ``rules`` says otherwise)."""
+    from ikbo_gemm.linear import PlanRules, _grids
+
+    return _grids(B, U, N, K_cand, K_user, 132, H200_CLUSTERS, PlanRules(**{"split_k": True, "user_pairs": True,
+                                                                            **rules}))
+
+
+def test_user_pairs_keep_the_candidate_clusters_whole():
+    """B 2048, N 1024: 64 two-CTA candidate clusters of the 66 an H200 holds. Four single user
+    CTAs could sit on four slots (62 left); two K-split pairs take the two spare slots."""
+    g = _grids(2048, 29, 1024, 4096, 4096)
+    assert (g.tile_cand, g.cluster, g.split_cand, g.grid_cand) == ((128, 128), 2, 1, 128)
+    assert (g.tile_user, g.split_user, g.splits, g.grid_user) == ((64, 256), 2, 1, 4)
+    old = _grids(2048, 29, 1024, 4096, 4096, user_pairs=False)
+    assert (old.split_user, old.splits, old.grid_user) == (1, 1, 4)
+    # where singles leave slots enough (B 8192, N 256: 64 clusters, 2 user CTAs), or the user K
+    # has a single k-block, singles as before
+    assert _grids(8192, 117, 256, 4096, 4096).split_user == 1
+    assert _grids(2048, 29, 1024, 64, 4096).split_user == 1
+
+
+def test_few_candidate_tiles_split_k_over_clusters():
+    from ikbo_gemm.config import EXCHANGE_K_BLOCKS, MIN_SPLIT_K_BLOCKS, pick_cand_split
+
+    # B 1024, N 1024, K 4096: 64 tiles of 128 x 128, one wave of 2-CTA clusters (66), not of 4 (30)
+    g = _grids(1024, 15, 1024, 4096, 4096)
+    assert (g.tile_cand, g.split_cand, g.cluster, g.grid_cand) == ((128, 128), 2, 1, 128)
+    assert _grids(1024, 15, 1024, 4096, 4096, split_k=False).split_cand == 1
+    # B 1024, N 256, K 2048: 16 tiles, 4-CTA clusters with 8 k-blocks each
+    assert pick_cand_split(1024, 256, 32, 132, H200_CLUSTERS) == ((128, 128), 4)
+    # enough tiles for the GPU, or too few k-blocks: as before
+    assert pick_cand_split(2048, 1024, 64, 132, H200_CLUSTERS) == ((128, 128), 1)
+    assert pick_cand_split(512, 1024, 2 * MIN_SPLIT_K_BLOCKS - 1, 132, H200_CLUSTERS) == (
+        pick_cand_tile(512, 1024, 132), 1)
+    for rows, n, kb in ((1, 1, 1), (300, 200, 16), (512, 256, 32), (1024, 1024, 64), (600, 100, 200)):
+        (tm, tn), s = pick_cand_split(rows, n, kb, 132, H200_CLUSTERS)
+        tiles = -(-rows // tm) * -(-n // tn)
+        if s > 1:
+            assert tiles <= H200_CLUSTERS(s) and kb >= s * MIN_SPLIT_K_BLOCKS and (tn // 16) % s == 0
+            assert (tm, tn) in ikbo_gemm.config.LINEAR_SPLIT_TILES
+        # never more work per CTA than the unsplit choice
+        unsplit = pick_cand_tile(rows, n, 132)
+        assert (tile_cost(tm, tn, tn, tm) * (-(-kb // s) + (EXCHANGE_K_BLOCKS if s > 1 else 0))
+                <= tile_cost(unsplit[0], unsplit[1], unsplit[1], unsplit[0]) * kb)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(split_k=3), "split_k must be 1, 2 or 4"),
+    (dict(split_k=2, cluster_m=2), "either shares B tiles"),
+    (dict(split_k=2, tile_n=192), "at most 128 x 128"),
+    (dict(split_k=4, tile_m=128, tile_n=16), "do not deal evenly"),
+])
+def test_split_config_errors(kwargs, match):
+    base = dict(dtype=BF16, idx_dtype=torch.int32, tile_m=128, tile_n=128, phase="cand")
+    with pytest.raises(ValueError, match=match):
+        LinearConfig(**dict(base, **kwargs))
+
+
+def test_a_split_with_an_empty_slice_is_refused(monkeypatch):
+    linear_mod = importlib.import_module("ikbo_gemm.linear")  # the module, not the op
+    monkeypatch.setattr(linear_mod, "pick_cand_split", lambda rows, n, kb, sms, clusters: ((128, 128), 4))
+    with pytest.raises(ValueError, match="3 k-blocks leave a CTA of a 4-way K split none"):
+        _grids(300, 3, 200, 64, 192)
+    assert _grids(300, 3, 200, 64, 256).split_cand == 4  # one k-block each
+
+
+def test_the_op_leaves_the_small_grid_rules_off_until_timed():
+    from ikbo_gemm.linear import DEFAULT_RULES, SMALL_GRID_RULES
+
+    assert not DEFAULT_RULES.split_k and not DEFAULT_RULES.user_pairs
+    assert SMALL_GRID_RULES.split_k and SMALL_GRID_RULES.user_pairs
+    assert _grids(1024, 15, 1024, 4096, 4096, split_k=False, user_pairs=False).split_cand == 1
