@@ -43,7 +43,11 @@ class EmulatedLaunches:
         assert ws.shape[0] == n_splits >= 1 and ws.shape[1] >= n_users and ws.shape[2] >= b.shape[0]
         assert idx.dtype == cfg.idx_dtype and idx.is_contiguous()
         assert (bias is not None) == cfg.has_bias
-        assert 0 < grid <= H200_SMS and grid % cfg.cluster_m == 0
+        assert 0 < grid <= H200_SMS and grid % (cfg.cluster_m * cfg.split_k) == 0
+        if cfg.split_k > 1:  # a K-split cluster: every CTA's slice has a k-block, the user phase one slab
+            k_blocks = -(-a.shape[1] // TILE_K)
+            assert (cfg.split_k - 1) * -(-k_blocks // cfg.split_k) < k_blocks
+            assert cfg.phase == "cand" or n_splits == 1
         self.launches.append(dict(cfg=cfg, rows=a.shape[0], splits=n_splits, grid=grid, target=out.data_ptr()))
         N = b.shape[0]
         if cfg.phase == "user":

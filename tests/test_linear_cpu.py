@@ -266,3 +266,25 @@ def test_the_op_leaves_the_small_grid_rules_off_until_timed():
     assert not DEFAULT_RULES.split_k and not DEFAULT_RULES.user_pairs
     assert SMALL_GRID_RULES.split_k and SMALL_GRID_RULES.user_pairs
     assert _grids(1024, 15, 1024, 4096, 4096, split_k=False, user_pairs=False).split_cand == 1
+
+
+@pytest.mark.parametrize("B, U, N, K_user, K_cand, split_cand, split_user", [
+    (1024, 15, 1024, 4096, 4096, 2, 1),  # 64 tiles: 2-CTA K splits
+    (1024, 15, 256, 1024, 2048, 4, 1),  # 16 tiles: 4-CTA K splits
+    (2048, 29, 1024, 1000, 4096, 1, 2),  # 128 candidate CTAs in 2-CTA clusters: the user phase in pairs
+])
+def test_gpu_path_with_the_small_grid_rules(monkeypatch, B, U, N, K_user, K_cand, split_cand, split_user):
+    """The op's host side with the small-grid rules on, its kernel emulated: the configurations and
+    grids it launches, and the result."""
+    from linear_emulation import install
+
+    kernels = install(monkeypatch)
+    linear_mod = importlib.import_module("ikbo_gemm.linear")
+    monkeypatch.setattr(linear_mod, "DEFAULT_RULES", linear_mod.SMALL_GRID_RULES)
+    args = _inputs(21, B, U, N, K_user, K_cand)
+    out = ikbo_gemm.linear(**args, activation="relu")
+    user, cand = (launch["cfg"] for launch in kernels.launches)
+    assert (cand.split_k, user.split_k) == (split_cand, split_user)
+    d = {k: v.double() for k, v in args.items() if k != "idx"}
+    ref = torch.relu(d["x_cand"] @ d["w_cand"].T + (d["x_user"] @ d["w_user"].T)[args["idx"].long()] + d["bias"])
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
