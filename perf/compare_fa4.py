@@ -6,6 +6,7 @@
     python perf/compare_fa4.py --L 1024 --order shuffled --broadcast q --dtype fp16
     python perf/compare_fa4.py --jagged lognormal --L 8192   # K/V of per-user lengths <= L
     python perf/compare_fa4.py --preset gr-cross    # generative-recommender cross attention
+    python perf/compare_fa4.py --sweep S_q_fine --H 1 2 4 8 --D 64 128 --dtype bf16 fp16
 
 Workload (K/V broadcast): B candidates, U users, idx[b] = the user of candidate b;
 q [B, S_q, H, D] per candidate, k, v [U, L, H, D] per user;
@@ -147,7 +148,7 @@ PRESETS = {
     "gr-cross": {  # generative-recommender cross attention: 8 users x 1300 candidates, one query
         "description": "generative-recommender cross attention: 8 users x 1300 candidates (B 10400), "
                        "S_q 1, H 6, D 128, K/V histories of lognormal lengths up to 32768 keys",
-        "B": [10400], "ratio": [1300], "S_q": [1], "H": 6, "D": 128, "L": [32768],
+        "B": [10400], "ratio": [1300], "S_q": [1], "H": [6], "D": [128], "L": [32768],
         "jagged": ["lognormal"],
     },
 }
@@ -745,12 +746,13 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
 
 
 def host_overheads(args, provs: list, dtype: torch.dtype, broadcast: str,
-                   jagged: Optional[str] = None) -> dict:
-    """CPU microseconds per call on a tiny problem (B = 4, ratio 2, L = 128; jagged lengths <= 128)."""
+                   jagged: Optional[str] = None, H: int = 2, D: int = 128) -> dict:
+    """CPU microseconds per call on a tiny problem (B = 4, ratio 2, L = 128; jagged lengths <= 128)
+    with H heads of dimension D."""
     harness.reset_compiled()
     rng = np.random.default_rng(args.seed)
     gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
-    p = make_problem(4, 2, args.S_q[0] if args.S_q else PUBLISHED["S_q"], 128, args.H, args.D,
+    p = make_problem(4, 2, args.S_q[0] if args.S_q else PUBLISHED["S_q"], 128, H, D,
                      dtype, broadcast, "sorted", rng, jagged=jagged)
     inp = make_inputs(p, gen)
     result = {}
@@ -771,9 +773,10 @@ def host_overheads(args, provs: list, dtype: torch.dtype, broadcast: str,
 
 def build_configs(args) -> tuple[list, dict]:
     """Unique configurations in run order, and sweep label -> its configuration keys
-    (B, ratio, S_q, L, dtype, broadcast, order, jagged). A label starts with the sweep's name
-    (``SWEEPS``), then " at L=..." when the sweep runs at several L, then (dtype, broadcast,
-    order[, jagged distribution])."""
+    (B, ratio, S_q, L, dtype, broadcast, order, jagged, H, D). A label starts with the sweep's
+    name (``SWEEPS``), then " at L=..." when the sweep runs at several L, then (dtype, broadcast,
+    order[, jagged distribution][, H=.. D=..]); H and D appear only when several of either are
+    given, so that a run of one H and one D keeps its labels."""
     def first(name, default):
         vals = getattr(args, name)
         return vals[0] if vals else default
@@ -797,11 +800,14 @@ def build_configs(args) -> tuple[list, dict]:
                 label = name if len(at_L) == 1 else f"{name} at L={L}"
                 named[label] = [{**base, sweep.var: v} for v in values]
     jagged = args.jagged or [None]
+    shapes = len(args.H) > 1 or len(args.D) > 1
     for name, points in named.items():
         for point in points:
-            for dtype, order, bc, jag in itertools.product(args.dtype, args.order, args.broadcast, jagged):
-                key = (point["B"], point["ratio"], point["S_q"], point["L"], dtype, bc, order, jag)
-                label = f"{name} ({dtype}, {bc}, {order}{'' if jag is None else ', jagged ' + jag})"
+            for dtype, order, bc, jag, H, D in itertools.product(args.dtype, args.order, args.broadcast, jagged,
+                                                                 args.H, args.D):
+                key = (point["B"], point["ratio"], point["S_q"], point["L"], dtype, bc, order, jag, H, D)
+                label = (f"{name} ({dtype}, {bc}, {order}{'' if jag is None else ', jagged ' + jag}"
+                         f"{f', H={H} D={D}' if shapes else ''})")
                 if key not in sweeps.setdefault(label, []):
                     sweeps[label].append(key)
                 if key not in keys:
@@ -834,8 +840,8 @@ def parse_args(argv=None):
     ap.add_argument("--jagged", nargs="+", choices=sorted(LENGTHS), metavar="DIST",
                     help="K/V rows of lengths in [1, L] drawn from DIST, packed with kv_offsets: "
                          + "; ".join(f"{k}: {v[1]}" for k, v in LENGTHS.items()).replace("%", "%%"))
-    ap.add_argument("--H", type=int, help="heads (default 2)")
-    ap.add_argument("--D", type=int, help="head dimension (default 128)")
+    ap.add_argument("--H", type=int, nargs="+", help="heads (default 2); several: each point at each")
+    ap.add_argument("--D", type=int, nargs="+", help="head dimension (default 128); several: each point at each")
     ap.add_argument("--dtype", nargs="+", choices=sorted(harness.DTYPES), default=["bf16"])
     ap.add_argument("--broadcast", nargs="+", choices=["kv", "q"], default=["kv"],
                     help="kv: K/V per user (default); q: Q per user, K/V per candidate")
@@ -852,7 +858,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     preset = PRESETS[args.preset] if args.preset else {}
     for name, default in (("B", None), ("ratio", None), ("S_q", None), ("L", None), ("jagged", None),
-                          ("H", 2), ("D", 128)):
+                          ("H", [2]), ("D", [128])):
         if getattr(args, name) is None:
             setattr(args, name, preset.get(name, default))
     if args.providers:
@@ -863,7 +869,8 @@ def parse_args(argv=None):
 
 
 def run_settings(args) -> dict:
-    """What the JSON's "settings" records besides the timing: the preset and length distributions."""
+    """What the JSON's "settings" records besides the timing: H and D (lists), the preset and the
+    length distributions."""
     settings = {"tol": args.tol, "page_size": PAGE_SIZE, "graph_below_ms": args.graph_below_ms,
                 "H": args.H, "D": args.D, "preset": None, "jagged": None}
     if args.preset:
@@ -876,6 +883,7 @@ def run_settings(args) -> dict:
 # --------------------------------------------------------------------------- output
 
 TABLE_COLUMNS = ["provider", "status", "rel_err", "first_call_s"]
+PLOT_COLUMNS = 8  # sweeps side by side in the PNG; more wrap onto further rows
 TIMED_COLUMNS = ["ms", "graph_ms", "tflops", "pct_cublas", "ikbo_speedup"]  # per timing mode
 
 
@@ -919,7 +927,8 @@ def summary(rows: list, sweeps: dict, mode: str = "interleaved") -> None:
 
 
 def _key(r: dict) -> tuple:
-    return (r["B"], r["ratio"], r["S_q"], r["L"], r["dtype"], r["broadcast"], r["order"], r.get("jagged"))
+    return (r["B"], r["ratio"], r["S_q"], r["L"], r["dtype"], r["broadcast"], r["order"], r.get("jagged"), r["H"],
+            r["D"])
 
 
 def plot(rows: list, sweeps: dict, ceilings: dict, path: Path, mode: str = "interleaved") -> Optional[str]:
@@ -932,11 +941,21 @@ def plot(rows: list, sweeps: dict, ceilings: dict, path: Path, mode: str = "inte
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib not installed: plot skipped"
-    fig, axes = plt.subplots(2, len(sweeps), figsize=(6 * len(sweeps), 8), squeeze=False,
-                             sharex="col", gridspec_kw={"height_ratios": [2, 1]})
-    for col, (name, keys) in enumerate(sweeps.items()):
+    # A sweep per column, wrapped after PLOT_COLUMNS (an H x D x dtype product makes dozens)
+    cols = min(len(sweeps), PLOT_COLUMNS)
+    grid_rows = -(-len(sweeps) // cols)
+    fig, axes = plt.subplots(2 * grid_rows, cols, figsize=(6 * cols, 8 * grid_rows), squeeze=False,
+                             gridspec_kw={"height_ratios": [2, 1] * grid_rows})
+    for i in range(len(sweeps), grid_rows * cols):
+        row, col = divmod(i, cols)
+        axes[2 * row][col].set_visible(False)
+        axes[2 * row + 1][col].set_visible(False)
+    for i, (name, keys) in enumerate(sweeps.items()):
         x_name = sweep_var(name)
-        top, bottom = axes[0][col], axes[1][col]
+        row, col = divmod(i, cols)
+        top, bottom = axes[2 * row][col], axes[2 * row + 1][col]
+        bottom.sharex(top)
+        top.tick_params(labelbottom=False)
         xs = sorted({r[x_name] for k in keys for r in rows if _key(r) == k})
         for color, prov in enumerate(DISPLAY_ORDER):  # one color per provider in both panels
             sel = [r for k in keys for r in rows if _key(r) == k and r["provider"] == prov]
@@ -997,11 +1016,10 @@ def main(argv=None) -> int:
                "notes": [n for n in (LIBS.fa4_note, LIBS.ikbo_note) if n], "rows": []}
     start = time.perf_counter()
     try:
-        for (B, ratio, S_q, L, dt, bc, order, jagged) in keys:
+        for (B, ratio, S_q, L, dt, bc, order, jagged, H, D) in keys:
             rng = np.random.default_rng(args.seed)
             gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
-            p = make_problem(B, ratio, S_q, L, args.H, args.D, harness.DTYPES[dt], bc, order, rng,
-                             jagged=jagged)
+            p = make_problem(B, ratio, S_q, L, H, D, harness.DTYPES[dt], bc, order, rng, jagged=jagged)
             inp = make_inputs(p, gen)
             rows = run_problem(p, inp, provs, args, ceilings[dt], rng)
             print_problem(p, rows, args.timing)
@@ -1011,13 +1029,14 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         first = keys[0]
         payload["host_overhead_us"] = host_overheads(args, provs, harness.DTYPES[first[4]], first[5],
-                                                     first[7])
+                                                     first[7], first[8], first[9])
     except ContextLost as e:
         harness.note_lost_context(NAME, payload, e)
     payload["seconds"] = time.perf_counter() - start
     if payload.get("host_overhead_us"):
         jagged = f", jagged {keys[0][7]}" if keys[0][7] else ""
-        print(f"\nhost time per call, tiny problem (B=4, ratio 2, L=128{jagged}):")
+        shape = f", H={keys[0][8]} D={keys[0][9]}" if len(args.H) > 1 or len(args.D) > 1 else ""
+        print(f"\nhost time per call, tiny problem (B=4, ratio 2, L=128{jagged}{shape}):")
         harness.print_table([{"provider": k, "us": v} for k, v in payload["host_overhead_us"].items()],
                             ["provider", "us"])
     done = {_key(r) for r in payload["rows"]}

@@ -60,6 +60,15 @@ def test_every_s_q(S_q, order):
     _check(q, k, v, idx)
 
 
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+@pytest.mark.parametrize("S_q", [17, 65])
+def test_a_user_of_1000_candidates_at_longer_s_q(S_q, order):
+    """A user's 1000 candidates as one run of 17000 or 65000 query rows over many tiles, its ends
+    inside tiles; shuffled, each query row is a box of its own (gcd(S_q, 64) = 1)."""
+    q, k, v, idx = _problem(1000 + S_q, [3, 1000, 1, 64], S_q, order=order)
+    _check(q, k, v, idx)
+
+
 @pytest.mark.parametrize("S_q", [1, 17, 100])
 def test_fp16_d128_grouped_heads(S_q):
     q, k, v, idx = _problem(5 + S_q, [40, 1, 77], S_q, H=4, H_kv=2, D=128, L=1000, dtype=torch.float16)

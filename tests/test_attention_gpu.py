@@ -106,6 +106,37 @@ def test_matches_fp32_within_sdpa_error(case):
         torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)
 
 
+Q_CASES = [
+    # B, U, S_q, H, H_kv, D, L, dtype, jagged, broadcast (None: told by the batches)
+    (300, 7, 1, 4, 2, 64, 300, torch.float16, True, None),  # 8-row slots, eight to a warpgroup
+    (300, 7, 17, 2, 1, 128, 257, torch.bfloat16, True, None),  # 32-row slots, partly filled
+    (64, 64, 200, 2, 2, 128, 129, torch.bfloat16, False, "q"),  # a candidate over two tiles; B = U
+    (40, 3, 200, 4, 1, 64, 300, torch.float16, True, None),
+]
+
+
+@pytest.mark.parametrize("case", Q_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_q_broadcast_short_and_long_s_q(case):
+    """Q broadcast at S_q 1, 17 and 200 with idx in no order: against fp32 attention_reference,
+    within 1.5x SDPA's error."""
+    B, U, S_q, H, H_kv, D, L, dtype, jagged, broadcast = case
+    q, kv, k, v, idx, lengths = _make("q", B, U, S_q, H, H_kv, D, L, dtype, jagged=jagged, packed=False,
+                                      seed=B + 7 * S_q + L)
+    assert not bool((idx[1:] >= idx[:-1]).all())  # shuffled
+    out = torch.full((B, S_q, H, D), float("nan"), dtype=dtype, device="cuda")
+    _, lse = ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, broadcast=broadcast, out=out, return_lse=True)
+    ref, ref_lse = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, kv_lengths=lengths,
+                                               broadcast=broadcast, return_lse=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    keep = torch.ones(B, dtype=torch.bool, device="cuda") if lengths is None else lengths > 0
+    assert (out[~keep] == 0).all() and torch.isneginf(lse[~keep]).all()
+    qm, km, vm, lm = materialize(q, k, v, idx, "q", lengths)
+    err = _rel(out[keep], ref[keep])
+    sdpa_err = _rel(_sdpa(qm, km, vm, 1.0 / math.sqrt(D), lm)[keep], ref[keep])
+    assert err <= 1.5 * sdpa_err + 1e-6, (err, sdpa_err)
+    torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)
+
+
 JUMP_CASES = [
     # direction, B, U, S_q, H, H_kv, D, L, dtype, jagged
     ("kv", 96, 3, 64, 2, 2, 128, 1000, torch.bfloat16, False),

@@ -192,15 +192,19 @@ def test_max_kv_len_hint(direction):
 # ------------------------------------------------------------------ CUDA graphs
 
 
+@pytest.mark.parametrize("int_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("direction", ["kv", "q"])
 @pytest.mark.parametrize("hint", [None, 300])
-def test_cuda_graph_replay_with_new_offsets_and_idx(direction, hint):
+def test_cuda_graph_replay_with_new_offsets_and_idx(direction, hint, int_dtype):
     """Captured once; new idx, offsets (other row lengths, same total_L, once ending before it)
-    and q / k / v values copied into the captured tensors: each replay gives their result."""
+    and q / k / v values copied into the captured tensors: each replay gives their result.
+    idx and offsets of ``int_dtype``: int64 offsets (and Q broadcast's int64 idx) go through int32
+    copies made inside the graph; int32 ones are read from the captured tensors themselves."""
     B, U, S_q, H, H_kv, D = (256, 6, 32, 2, 1, 128) if direction == "kv" else (48, 4, 32, 2, 1, 128)
     pattern = (300, 129, 128, 127, 1, 0)
     q, kv, k, v, idx, offsets = _make(direction, B, U, S_q, H, H_kv, D, pattern, torch.bfloat16, packed=True,
-                                      seed=8)
+                                      seed=8, offsets_dtype=int_dtype)
+    idx = idx.to(int_dtype)
     R, total = offsets.shape[0] - 1, k.shape[0]
     out = torch.full((B, S_q, H, D), NAN, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(0)

@@ -1,14 +1,16 @@
 """GPU tests of split-KV: where a KV-broadcast problem has few tiles, each row's keys go over
 several CTAs and the op merges their partial outputs; against fp32 attention and against the
-same problem unsplit."""
+same problem unsplit, in bf16 and fp16, on padded and jagged K/V; Q broadcast never splits."""
 import pytest
 import torch
 
 import ikbo_fa
+from attention_inputs import random_jagged_problem
 from cute_kernels.plans import PlanCache
 
 pytestmark = pytest.mark.gpu
 attention_mod = __import__("importlib").import_module("ikbo_fa.attention")
+NAN = float("nan")
 
 
 @pytest.fixture(autouse=True)
@@ -19,14 +21,14 @@ def short_splits(monkeypatch):
     monkeypatch.setattr(attention_mod, "_plans", PlanCache())
 
 
-def _problem(seed, U, ratio, S_q, L, H=2, H_kv=2, D=128, order="sorted"):
+def _problem(seed, U, ratio, S_q, L, H=2, H_kv=2, D=128, order="sorted", dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     B = U * ratio
     idx = torch.arange(U).repeat_interleave(ratio)
     if order == "shuffled":
         idx = idx[torch.randperm(B, generator=g)]
-    q = torch.randn(B, S_q, H, D, generator=g).bfloat16().cuda()
-    k, v = (torch.randn(U, L, H_kv, D, generator=g).bfloat16().cuda() for _ in range(2))
+    q = torch.randn(B, S_q, H, D, generator=g).to(dtype).cuda()
+    k, v = (torch.randn(U, L, H_kv, D, generator=g).to(dtype).cuda() for _ in range(2))
     return q, k, v, idx.cuda()
 
 
@@ -40,6 +42,27 @@ def _unsplit(monkeypatch, *args, **kw):
         m.setattr(attention_mod, "_SPLIT_KV", False)
         m.setattr(attention_mod, "_plans", PlanCache())
         return ikbo_fa.attention(*args, **kw)
+
+
+def _only_plan():
+    """The launch plan of the test's calls (short_splits gives each test an empty cache)."""
+    (plan,) = attention_mod._plans.values()
+    return plan
+
+
+def _poison_workspace(monkeypatch):
+    """The split workspace NaN-filled at each call: every split of every row must write its
+    partial output and lse, an empty split too (the merge weighs it by exp(-inf) = 0, and
+    0 x NaN is NaN)."""
+    make = attention_mod._split_workspace
+
+    def poisoned(plan):
+        ws_o, ws_lse = make(plan)
+        ws_o.fill_(NAN)
+        ws_lse.fill_(NAN)
+        return ws_o, ws_lse
+
+    monkeypatch.setattr(attention_mod, "_split_workspace", poisoned)
 
 
 def _splits(B, U, S_q, H, L):
@@ -103,23 +126,97 @@ def test_split_graph_replay_follows_new_idx():
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("with_lse", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n_splits", [2, 5])
-def test_merge_kernel_matches_its_definition(n_splits):
-    """The compiled merge against merge_splits (torch), with empty rows and a NaN row."""
+def test_merge_kernel_matches_its_definition(n_splits, dtype, with_lse):
+    """The compiled merge against merge_splits (torch), with empty rows and a NaN row; without
+    lse it leaves the lse buffer alone."""
     from ikbo_fa.merge_sm90 import merge_kernel
 
     g = torch.Generator().manual_seed(n_splits)
     B, S, H, D = 9, 3, 2, 128
-    ws_o = torch.randn(B, S, n_splits * H, D, generator=g).bfloat16().cuda()
+    ws_o = torch.randn(B, S, n_splits * H, D, generator=g).to(dtype).cuda()
     ws_lse = (torch.randn(B, n_splits * H, S, generator=g) * 4).cuda()
     ws_lse[1] = float("-inf")  # no key in any split
     ws_lse[2, ::H] = float("-inf")  # head 0: no key in any split
     ws_lse[3, 0] = float("-inf")  # split 0, head 0: none in that split
     ws_lse[4, H - 1] = float("nan")
-    out, lse = torch.full((B, S, H, D), 7.0).bfloat16().cuda(), torch.full((B, H, S), 7.0).cuda()
+    out, lse = torch.full((B, S, H, D), 7.0).to(dtype).cuda(), torch.full((B, H, S), 7.0).cuda()
     ref, ref_lse = torch.empty_like(out), torch.empty_like(lse)
-    attention_mod.merge_splits(ws_o, ws_lse, n_splits, ref, ref_lse)
-    merge_kernel(torch.bfloat16, True).fn(ws_o, ws_lse, out, lse, n_splits)
+    attention_mod.merge_splits(ws_o, ws_lse, n_splits, ref, ref_lse if with_lse else None)
+    merge_kernel(dtype, with_lse).fn(ws_o, ws_lse, out, lse if with_lse else None, n_splits)
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2, equal_nan=True)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
-    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all() and out[4, :, H - 1].isnan().all()
+    assert (out[1] == 0).all() and out[4, :, H - 1].isnan().all()
+    if with_lse:
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
+        assert torch.isneginf(lse[1]).all()
+    else:
+        assert (lse == 7.0).all()
+
+
+@pytest.mark.parametrize("S_q, L, with_lengths", [(1, 4096, False), (17, 2048, True)])
+def test_split_fp16_matches_fp32_and_unsplit(monkeypatch, S_q, L, with_lengths):
+    """fp16 partial outputs in the workspace and the fp16 merge: S_q 1 at D 128, and S_q 17 at
+    D 64 with grouped heads, kv_lengths and an empty user."""
+    U, ratio, H, H_kv, D = (8, 16, 2, 2, 128) if S_q == 1 else (4, 16, 4, 2, 64)
+    assert _splits(U * ratio, U, S_q, H, L) > 1
+    q, k, v, idx = _problem(S_q + L, U, ratio, S_q, L, H=H, H_kv=H_kv, D=D, order="shuffled", dtype=torch.float16)
+    lengths = torch.tensor([L, 0, 1, 1000], dtype=torch.int32, device="cuda") if with_lengths else None
+    out = torch.full_like(q, NAN)
+    o, lse = ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, out=out, return_lse=True)
+    assert _only_plan().n_splits > 1
+    ref, ref_lse = _reference(q, k, v, idx, lengths)
+    keep = torch.ones(len(idx), dtype=torch.bool, device="cuda") if lengths is None else lengths[idx] > 0
+    assert not o.isnan().any() and (o[~keep] == 0).all() and torch.isneginf(lse[~keep]).all()
+    assert ((o[keep].float() - ref[keep]).norm() / ref[keep].norm()).item() < 1e-2
+    torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)
+    whole = _unsplit(monkeypatch, q, (k, v), idx, kv_lengths=lengths)
+    assert ((o.float() - whole.float()).norm() / whole.float().norm()).item() < 1e-2
+
+
+# One row of no key, of a key, about one key block, one past it, over more than two splits, and at
+# the hint (the rows shorter than the hint leave their last splits without a key).
+JAGGED_LENGTHS = (0, 1, 127, 129, 3000, 4096)
+HINT = 4096
+
+
+@pytest.mark.parametrize("off_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("S_q, H, H_kv, D", [(1, 2, 2, 128), (17, 2, 1, 64)])
+def test_split_jagged_matches_fp32(monkeypatch, S_q, H, H_kv, D, off_dtype):
+    """Jagged K/V with a max_kv_len hint splits as padded K/V of L = the hint does: against fp32
+    attention_reference, with a NaN-poisoned out and workspace."""
+    U, B = len(JAGGED_LENGTHS), 16 * len(JAGGED_LENGTHS)
+    _poison_workspace(monkeypatch)
+    q, kv, k, v, idx, offsets = random_jagged_problem(S_q + D, "kv", B, U, S_q, H, H_kv, D, JAGGED_LENGTHS,
+                                                      torch.bfloat16, offsets_dtype=off_dtype, device="cuda")
+    out = torch.full((B, S_q, H, D), NAN, dtype=torch.bfloat16, device="cuda")
+    _, lse = ikbo_fa.attention(q, kv, idx, kv_offsets=offsets, max_kv_len=HINT, out=out, return_lse=True)
+    plan = _only_plan()
+    assert plan.n_splits > 1 and 3000 > 2 * plan.split_keys
+    ref, ref_lse = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, kv_offsets=offsets,
+                                               max_kv_len=HINT, return_lse=True)
+    keep = torch.tensor(JAGGED_LENGTHS, device="cuda")[idx] > 0
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert (out[~keep] == 0).all() and torch.isneginf(lse[~keep]).all()
+    assert ((out[keep].float() - ref[keep]).norm() / ref[keep].norm()).item() < 1e-2
+    torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("B, U, S_q", [(4, 1, 1), (8, 2, 17)])
+def test_q_broadcast_never_splits(B, U, S_q):
+    """A shape that splits as KV broadcast (few tiles, long rows) runs unsplit as Q broadcast:
+    split-KV splits a user's keys, and Q broadcast has no user keys to share."""
+    H, D, L = 2, 128, 8192
+    assert _splits(B, U, S_q, H, L) > 1  # as KV broadcast, this shape splits
+    g = torch.Generator().manual_seed(B + S_q)
+    q = torch.randn(U, S_q, H, D, generator=g).bfloat16().cuda()
+    k, v = (torch.randn(B, L, H, D, generator=g).bfloat16().cuda() for _ in range(2))
+    idx = torch.randperm(B, generator=g).remainder(U).cuda()
+    out = torch.full((B, S_q, H, D), NAN, dtype=torch.bfloat16, device="cuda")
+    _, lse = ikbo_fa.attention(q, (k, v), idx, out=out, return_lse=True)
+    plan = _only_plan()
+    assert plan.direction == "q" and plan.n_splits == 1 and plan.merge is None
+    ref, ref_lse = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, return_lse=True)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)

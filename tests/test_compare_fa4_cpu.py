@@ -305,9 +305,9 @@ def test_a_wrong_provider_fails_the_check():
 def test_default_configuration_is_the_published_one():
     args = cf.parse_args([])
     keys, sweeps = cf.build_configs(args)
-    assert keys == [(2048, 64, 64, L, "bf16", "kv", "sorted", None) for L in cf.PUBLISHED["L"]]
+    assert keys == [(2048, 64, 64, L, "bf16", "kv", "sorted", None, 2, 128) for L in cf.PUBLISHED["L"]]
     assert list(sweeps) == ["L (bf16, kv, sorted)"]
-    assert args.H == 2 and args.D == 128 and args.dtype == ["bf16"]
+    assert args.H == [2] and args.D == [128] and args.dtype == ["bf16"]
     assert args.jagged is None and args.preset is None
     assert (args.timing, args.sustained_warmup_s, args.sustained_s) == ("both", 2.0, 1.0)
     assert cf.parse_args(["--timing", "interleaved"]).timing == "interleaved"
@@ -318,7 +318,7 @@ def test_sweeps_share_the_published_point():
     keys, sweeps = cf.build_configs(args)
     assert all(k[3] == cf.SWEEP_L for k in keys)
     assert len(keys) == len(set(keys))
-    point = (2048, 64, 64, cf.SWEEP_L, "bf16", "kv", "shuffled", None)
+    point = (2048, 64, 64, cf.SWEEP_L, "bf16", "kv", "shuffled", None, 2, 128)
     assert point in sweeps["ratio (bf16, kv, shuffled)"] and point in sweeps["B (bf16, kv, shuffled)"]
     assert len(keys) == 2 * (len(cf.SWEEPS["ratio"].values) + len(cf.SWEEPS["B"].values) - 1)
 
@@ -329,10 +329,37 @@ def test_explicit_lists_and_flags():
                           "--out-dir", "/tmp/x", "--providers", "ikbo", "fa4 materialized",
                           "--rep", "3", "--no-plot"])
     keys, _ = cf.build_configs(args)
-    assert keys == [(256, 10, 32, 1000, "fp16", "q", "shuffled", None),
-                    (256, 10, 32, 3000, "fp16", "q", "shuffled", None)]
+    assert keys == [(256, 10, 32, 1000, "fp16", "q", "shuffled", None, 2, 128),
+                    (256, 10, 32, 3000, "fp16", "q", "shuffled", None, 2, 128)]
     assert args.out_dir == Path("/tmp/x") and args.rep == 3 and args.no_plot
     assert args.providers == ["ikbo", "fa4 materialized"]
+
+
+def test_h_and_d_lists_run_their_product():
+    """--H and --D take lists: every point at each (H, D), like --dtype; the labels name H and D
+    only when several of either are given."""
+    args = cf.parse_args(["--sweep", "S_q_fine", "--H", "1", "2", "4", "8", "--D", "64", "128",
+                          "--dtype", "bf16", "fp16"])
+    keys, sweeps = cf.build_configs(args)
+    s_q = cf.SWEEPS["S_q_fine"].values
+    assert len(keys) == len(set(keys)) == 2 * len(s_q) * 2 * 4 * 2
+    assert {(k[8], k[9]) for k in keys} == {(H, D) for H in (1, 2, 4, 8) for D in (64, 128)}
+    assert len(sweeps) == 2 * 2 * 4 * 2
+    label = "S_q_fine at L=8192 (fp16, kv, sorted, H=4 D=64)"
+    assert sweeps[label] == [(2048, 64, S, 8192, "fp16", "kv", "sorted", None, 4, 64) for S in s_q]
+    assert cf.sweep_var(label) == "S_q"
+    assert (cf.run_settings(args)["H"], cf.run_settings(args)["D"]) == ([1, 2, 4, 8], [64, 128])
+    # one H and one D: plain labels, the key still carries them
+    keys, sweeps = cf.build_configs(cf.parse_args(["--H", "4", "--D", "64", "--L", "1024"]))
+    assert keys == [(2048, 64, 64, 1024, "bf16", "kv", "sorted", None, 4, 64)]
+    assert list(sweeps) == ["L (bf16, kv, sorted)"]
+    # several D alone name H too; jagged keeps its place before them
+    _, sweeps = cf.build_configs(cf.parse_args(["--D", "64", "128", "--jagged", "zipf", "--L", "1024"]))
+    assert list(sweeps) == [f"L (bf16, kv, sorted, jagged zipf, H=2 D={D})" for D in (64, 128)]
+    # a preset's H and D are lists too; given ones win
+    args = cf.parse_args(["--preset", "gr-cross", "--D", "64", "128"])
+    assert (args.H, args.D) == ([6], [64, 128])
+    assert [k[8:] for k in cf.build_configs(args)[0]] == [(6, 64), (6, 128)]
 
 
 def test_bad_arguments_exit_2():
@@ -341,6 +368,8 @@ def test_bad_arguments_exit_2():
     assert e.value.code == 2
     with pytest.raises(SystemExit):
         cf.parse_args(["--dtype", "fp8"])
+    with pytest.raises(SystemExit):
+        cf.parse_args(["--H", "two"])
 
 
 # --------------------------------------------------------------------------- no GPU
@@ -459,7 +488,7 @@ def test_s_q_fine_sweep_runs_at_both_L():
     keys, sweeps = cf.build_configs(args)
     s_q = [1, 2, 4, 8, 16, 17, 32, 48, 64, 100, 128]
     assert list(cf.SWEEPS["S_q_fine"].values) == s_q
-    assert keys == [(2048, 64, S, L, "bf16", "kv", "sorted", None) for L in (1024, 8192) for S in s_q]
+    assert keys == [(2048, 64, S, L, "bf16", "kv", "sorted", None, 2, 128) for L in (1024, 8192) for S in s_q]
     assert list(sweeps) == ["S_q_fine at L=1024 (bf16, kv, sorted)", "S_q_fine at L=8192 (bf16, kv, sorted)"]
     assert all(cf.sweep_var(label) == "S_q" for label in sweeps)
     # --L replaces the sweep's L; one L keeps the plain label
@@ -737,7 +766,7 @@ def test_ikbo_without_kv_offsets_is_skipped_on_jagged_inputs(monkeypatch):
 def test_jagged_arguments():
     args = cf.parse_args(["--jagged", "uniform", "zipf", "--L", "4096", "--S-q", "1"])
     keys, sweeps = cf.build_configs(args)
-    assert keys == [(2048, 64, 1, 4096, "bf16", "kv", "sorted", d) for d in ("uniform", "zipf")]
+    assert keys == [(2048, 64, 1, 4096, "bf16", "kv", "sorted", d, 2, 128) for d in ("uniform", "zipf")]
     assert list(sweeps) == ["L (bf16, kv, sorted, jagged uniform)", "L (bf16, kv, sorted, jagged zipf)"]
     settings = cf.run_settings(args)
     assert settings["preset"] is None and set(settings["jagged"]) == {"uniform", "zipf"}
@@ -761,19 +790,19 @@ def test_help_lists_the_new_options(capsys):
 def test_preset_gr_cross():
     args = cf.parse_args(["--preset", "gr-cross"])
     keys, sweeps = cf.build_configs(args)
-    assert keys == [(10400, 1300, 1, 32768, "bf16", "kv", "sorted", "lognormal")]
-    assert (args.H, args.D) == (6, 128)
+    assert keys == [(10400, 1300, 1, 32768, "bf16", "kv", "sorted", "lognormal", 6, 128)]
+    assert (args.H, args.D) == ([6], [128])
     settings = cf.run_settings(args)
     assert settings["preset"]["name"] == "gr-cross" and settings["preset"]["jagged"] == ["lognormal"]
     assert settings["jagged"] == {"lognormal": cf.LENGTHS["lognormal"][1]}
-    assert (settings["H"], settings["D"]) == (6, 128)
+    assert (settings["H"], settings["D"]) == ([6], [128])
     counts = cf.user_counts(10400, 1300, np.random.default_rng(0))
     assert len(counts) == 8 and sum(counts) == 10400
     # options given beside the preset win
     args = cf.parse_args(["--preset", "gr-cross", "--B", "2600", "--H", "2", "--jagged", "uniform",
                           "--timing", "sustained"])
     keys, _ = cf.build_configs(args)
-    assert keys == [(2600, 1300, 1, 32768, "bf16", "kv", "sorted", "uniform")] and args.H == 2
+    assert keys == [(2600, 1300, 1, 32768, "bf16", "kv", "sorted", "uniform", 2, 128)] and args.H == [2]
     assert args.timing == "sustained"
     with pytest.raises(SystemExit):
         cf.parse_args(["--preset", "gr-self"])
@@ -829,3 +858,44 @@ def test_main_dry_run_s_q_sweep(dry_run, tmp_path, capsys):
         assert r["total_keys"] == r["U"] * r["L"] and r["max_len"] == r["L"]
     out = capsys.readouterr().out
     assert "sweep S_q_fine at L=8 (bf16, kv, sorted)" in out and "sweep S_q_fine at L=128 (bf16, kv, sorted)" in out
+
+
+def test_main_dry_run_h_and_d_lists(dry_run, tmp_path, capsys):
+    """Two H and two D in one run: a problem per (L, H, D), rows of their own shape, a sweep
+    label per (H, D), and the settings' lists."""
+    data = _run_main(tmp_path, ["--H", "1", "2", "--D", "8", "16", "--timing", "interleaved",
+                                "--providers", "ikbo", "fa4 varlen packed", "sdpa materialized"])
+    assert (data["settings"]["H"], data["settings"]["D"]) == ([1, 2], [8, 16])
+    got = {(r["L"], r["H"], r["D"], r["provider"]): r for r in data["rows"]}
+    assert set(got) == {(L, H, D, n) for L in (8, 128) for H in (1, 2) for D in (8, 16)
+                        for n in ("ikbo", "fa4 varlen packed", "sdpa materialized")}
+    for (L, H, D, _), r in got.items():
+        assert r["status"] == "ok" and r["rel_err"] < 1e-2 and r["ms"] > 0
+        assert r["gflop"] == pytest.approx(4 * r["B"] * H * r["S_q"] * L * D / 1e9)
+    assert set(data["host_overhead_us"]) == {"ikbo", "fa4 varlen packed", "sdpa materialized"}
+    out = capsys.readouterr().out
+    for H in (1, 2):
+        for D in (8, 16):
+            assert f"sweep L (bf16, kv, sorted, H={H} D={D})" in out
+            assert f"H={H} D={D} bf16 broadcast=kv" in out  # the problem's title
+    assert "host time per call, tiny problem (B=4, ratio 2, L=128, H=1 D=8)" in out
+
+
+def test_plot_wraps_many_sweeps(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows, sweeps = [], {}
+    for H in range(1, 2 * cf.PLOT_COLUMNS + 2):  # three rows of panels, the last one partial
+        label = f"S_q (bf16, kv, sorted, H={H} D=128)"
+        for S_q in (1, 17):
+            key = (2048, 64, S_q, 1024, "bf16", "kv", "sorted", None, H, 128)
+            sweeps.setdefault(label, []).append(key)
+            for prov, tflops in (("ikbo", 100.0 + H), ("sdpa materialized", 50.0)):
+                rows.append(dict(zip(("B", "ratio", "S_q", "L", "dtype", "broadcast", "order", "jagged", "H", "D"),
+                                     key), provider=prov, status="ok", tflops=tflops,
+                                 ikbo_speedup=None if prov == "ikbo" else (100.0 + H) / 50.0))
+    path = tmp_path / "wrapped.png"
+    assert cf.plot(rows, sweeps, {"bf16": 700.0}, path) is None
+    from PIL import Image
+
+    width, height = Image.open(path).size
+    assert width == 6 * cf.PLOT_COLUMNS * 120 and height == 3 * 8 * 120
