@@ -54,7 +54,9 @@ def store_remote_v4(base: Pointer, offset: int, values, mbar: Pointer, rank, *, 
     """``st.async`` of 4 fp32 ``values`` to fp32 word ``offset`` (a compile-time count) past this
     CTA's shared-memory address ``base``, as mapped into CTA ``rank`` of the cluster, completing
     16 transaction bytes on mbarrier ``mbar`` there. The mapping is of ``base``, the offset an
-    immediate: one register per peer and base however many stores follow."""
+    immediate: one register per peer and base however many stores follow (mapping each store's
+    address spilled at 4-CTA splits). ``cute.arch.store_async_dsmem`` also fences after every
+    store, which the exchange, ordered by the mbarrier alone, does not need."""
     dsmem = llvm.PointerType.get(AddressSpace.dsmem)
     r = Int32(rank).ir_value(loc=loc, ip=ip)
     addr = nvvm.mapa(dsmem, base.to_llvm_ptr(loc=loc, ip=ip), r, loc=loc, ip=ip)

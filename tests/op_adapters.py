@@ -82,7 +82,48 @@ class _Adapter:
         return self.reference(**case.args, **kw)
 
 
-class LceAdapter(_Adapter):
+class _GemmAdapter(_Adapter):
+    """What the two GEMM ops' adapters share: a case rebuilt from its arguments, the emulation
+    module (``emulation``) that records each launch and its store target, two shipped
+    configurations (``shipped``) and the op's kernel cache."""
+
+    emulation = ""  # the module whose install() emulates the op's kernel on CPU tensors
+    users_input = ""  # the input whose batch idx looks up
+    shipped = ()
+
+    def with_input(self, case: Case, name: str, t: torch.Tensor) -> Case:
+        return self._case({**case.args, name: t})
+
+    def without_users(self, case: Case) -> Case:
+        """The batch that idx looks up made empty."""
+        return self.with_input(case, self.users_input, case.args[self.users_input][:0])
+
+    @staticmethod
+    def output(result):
+        return result
+
+    def emulate(self, monkeypatch):
+        return importlib.import_module(self.emulation).install(monkeypatch)
+
+    @staticmethod
+    def launches(emulation) -> int:
+        return len(emulation.launches)
+
+    @staticmethod
+    def stored_to(emulation) -> int:
+        """The address the last launch stored its output to."""
+        return emulation.launches[-1]["target"]
+
+    def configs(self):
+        """Two configurations of the kernel."""
+        return self.shipped[0], self.shipped[1]
+
+    def kernel_for(self, cfg):
+        """Look the kernel of ``cfg`` up as the op does."""
+        return self.module._kernel(cfg)
+
+
+class LceAdapter(_GemmAdapter):
     name = "lce"
     module = importlib.import_module("ikbo_gemm.lce")
     package = "ikbo_gemm"
@@ -90,6 +131,7 @@ class LceAdapter(_Adapter):
     reference = staticmethod(ikbo_gemm.lce_reference)
     op_name, reference_name = "ikbo_gemm.lce", "ikbo_gemm.lce_reference"
     looked_up = "the batch of e_user"  # what U is, in the range message
+    emulation, users_input, shipped = "lce_emulation", "e_user", ikbo_gemm.SHIPPED_CONFIGS
     empty_side = "e_user must not be empty"
     grad_input = "w_cand"
     # Options the shared tests run under (each a set of keyword arguments).
@@ -116,46 +158,13 @@ class LceAdapter(_Adapter):
         return Case(args=args, inputs=dict(args), out_shape=(B, M, N), dtype=args["e_cand"].dtype,
                     device=args["e_cand"].device, users=args["e_user"].shape[0])
 
-    def with_input(self, case: Case, name: str, t: torch.Tensor) -> Case:
-        return self._case({**case.args, name: t})
-
-    def without_users(self, case: Case) -> Case:
-        """The batch that idx looks up made empty."""
-        return self.with_input(case, "e_user", case.args["e_user"][:0])
-
-    @staticmethod
-    def output(result):
-        return result
-
-    def emulate(self, monkeypatch):
-        import lce_emulation
-
-        return lce_emulation.install(monkeypatch)
-
-    @staticmethod
-    def launches(emulation) -> int:
-        return len(emulation.launches)
-
-    @staticmethod
-    def stored_to(emulation) -> int:
-        """The address the last launch stored its output to."""
-        return emulation.launches[-1]["target"]
-
-    def configs(self):
-        """Two configurations of the kernel."""
-        return ikbo_gemm.SHIPPED_CONFIGS[0], ikbo_gemm.SHIPPED_CONFIGS[1]
-
-    def kernel_for(self, cfg):
-        """Look the kernel of ``cfg`` up as the op does."""
-        return self.module._kernel(cfg)
-
     def check_gpu_result(self, out, case: Case):
         from lce_accuracy import assert_matches_reference
 
         assert_matches_reference(out, case.args)
 
 
-class LinearAdapter(_Adapter):
+class LinearAdapter(_GemmAdapter):
     name = "linear"
     module = importlib.import_module("ikbo_gemm.linear")
     package = "ikbo_gemm"
@@ -164,6 +173,7 @@ class LinearAdapter(_Adapter):
     op_name, reference_name = "ikbo_gemm.linear", "ikbo_gemm.linear_reference"
     compile_name = "compile_linear_config"
     looked_up = "the batch of x_user"
+    emulation, users_input, shipped = "linear_emulation", "x_user", LINEAR_SHIPPED_CONFIGS
     empty_side = "x_user must not be empty"
     grad_input = "w_user"
     # The activation changes the result, which check_gpu_result could not tell: it is the case's.
@@ -193,37 +203,6 @@ class LinearAdapter(_Adapter):
         x_cand = args["x_cand"]
         return Case(args=args, inputs=inputs, out_shape=(x_cand.shape[0], args["w_cand"].shape[0]),
                     dtype=x_cand.dtype, device=x_cand.device, users=args["x_user"].shape[0])
-
-    def with_input(self, case: Case, name: str, t: torch.Tensor) -> Case:
-        return self._case({**case.args, name: t})
-
-    def without_users(self, case: Case) -> Case:
-        return self.with_input(case, "x_user", case.args["x_user"][:0])
-
-    @staticmethod
-    def output(result):
-        return result
-
-    def emulate(self, monkeypatch):
-        import linear_emulation
-
-        return linear_emulation.install(monkeypatch)
-
-    @staticmethod
-    def launches(emulation) -> int:
-        return len(emulation.launches)
-
-    @staticmethod
-    def stored_to(emulation) -> int:
-        """The address the candidate phase stored the output to."""
-        return emulation.launches[-1]["target"]
-
-    def configs(self):
-        """Two configurations of the kernel."""
-        return LINEAR_SHIPPED_CONFIGS[0], LINEAR_SHIPPED_CONFIGS[1]
-
-    def kernel_for(self, cfg):
-        return self.module._kernel(cfg)
 
     def check_gpu_result(self, out, case: Case):
         ref = fp32_linear(**case.args)
