@@ -1,0 +1,133 @@
+"""Where the GPU time of one attention call goes: each kernel's duration and the span of the call.
+
+    python tools/attention_timeline.py --S-q 1 --L 1024 2048 4096 [--B 2048 --ratio 64 --H 2 --D 128]
+    python tools/attention_timeline.py --preset gr-cross
+    python tools/attention_timeline.py --S-q 1 --L 1024 --set _SPLIT_KV=0
+
+For each shape, ikbo_fa.attention and FA4 varlen (when flash-attn-4 is installed) run eagerly
+with a device sync between calls, under torch.profiler; per provider it prints the median
+duration of every kernel and of the call's span (first kernel start to last kernel end, on the
+GPU). Launch gaps that CUDA graphs remove are in the span; host time is not. Writes JSON where
+``--out`` names a file.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+from perf import compare_fa4 as cf
+
+
+def summarize(calls: list, kernels: list) -> dict:
+    """Per-call timelines -> medians. ``calls``: (start, end) of each call on the host's clock;
+    ``kernels``: (name, start, duration) of each GPU kernel, in microseconds on the same clock.
+    A kernel belongs to the call during which it started."""
+    spans, per_kernel = [], defaultdict(list)
+    for c0, c1 in calls:
+        inside = [k for k in kernels if c0 <= k[1] <= c1]
+        if not inside:
+            continue
+        start = min(k[1] for k in inside)
+        spans.append(max(k[1] + k[2] for k in inside) - start)
+        for name, t0, dur in inside:
+            per_kernel[name[:60]].append((dur, t0 - start))
+    summary = {name: {"us": statistics.median(d for d, _ in v), "starts_at_us": statistics.median(s for _, s in v),
+                      "per_call": len(v) / max(1, len(spans))} for name, v in per_kernel.items()}
+    return {"span_us": statistics.median(spans) if spans else None, "kernels": summary}
+
+
+def _timeline(fn, iters: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for i in range(iters):
+            with torch.profiler.record_function(f"call{i}"):
+                fn()
+                torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+               if e.device_type == cuda and e.time_range.elapsed_us() > 0
+               and "Memcpy" not in e.name and "Memset" not in e.name]
+    calls = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.name.startswith("call") and e.device_type != cuda]
+    return summarize(calls, kernels)
+
+
+def set_flags(pairs: list) -> dict:
+    """``NAME=VALUE`` pairs -> module flags of ikbo_fa.attention set (ints; ``_SPLIT_KV=0``), for
+    A/B runs of its launch choices; an unknown name raises."""
+    mod = importlib.import_module("ikbo_fa.attention")
+    done = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if not name.startswith("_") or not hasattr(mod, name) or not value:
+            raise SystemExit(f"--set {pair!r}: not NAME=VALUE for a flag of ikbo_fa.attention")
+        setattr(mod, name, type(getattr(mod, name))(int(value)))
+        done[name] = getattr(mod, name)
+    return done
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(cf.PRESETS))
+    ap.add_argument("--S-q", type=int, nargs="+", default=[1])
+    ap.add_argument("--L", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--B", type=int, default=2048)
+    ap.add_argument("--ratio", type=int, default=64)
+    ap.add_argument("--H", type=int, default=2)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--jagged", default=None)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="flags of ikbo_fa.attention for an A/B run, e.g. _SPLIT_KV=0")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_timeline needs a CUDA GPU")
+    flags = set_flags(args.set)
+    if args.preset:
+        pre = cf.PRESETS[args.preset]
+        args.S_q, args.L, args.B, args.ratio = pre["S_q"], pre["L"], pre["B"][0], pre["ratio"][0]
+        args.H, args.D, args.jagged = pre["H"][0], pre["D"][0], pre["jagged"][0]
+    cf.load_fa4()
+    cf.load_ikbo()
+    provs = {p.name: p for p in cf.providers()}
+    results = []
+    for s_q in args.S_q:
+        for L in args.L:
+            rng = np.random.default_rng(0)
+            gen = torch.Generator(device=cf.DEVICE).manual_seed(0)
+            p = cf.make_problem(args.B, args.ratio, s_q, L, args.H, args.D, torch.bfloat16, "kv", "sorted", rng,
+                                jagged=args.jagged)
+            inp = cf.make_inputs(p, gen)
+            for name in ("ikbo", "fa4 varlen packed"):
+                prov = provs[name]
+                if cf._missing_library(prov):
+                    continue
+                st = prov.setup(p, inp)
+                res = _timeline(lambda: prov.run(p, st, inp), args.iters)
+                res.update(provider=name, S_q=s_q, L=L, B=args.B, ratio=args.ratio, H=args.H, D=args.D,
+                           jagged=args.jagged, flags=flags)
+                results.append(res)
+                print(f"S_q {s_q} L {L} B {args.B} H {args.H} D {args.D} {name}: span {res['span_us']:.1f} us")
+                for k, v in sorted(res["kernels"].items(), key=lambda kv: kv[1]["starts_at_us"]):
+                    print(f"    +{v['starts_at_us']:7.1f} us  {v['us']:7.1f} us  x{v['per_call']:.0f}  {k}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
