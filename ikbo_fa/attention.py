@@ -76,6 +76,9 @@ _SPLIT_KV = True
 # H200 (S_q 1, ratio 64, H 2, CUDA graphs: 21.0 against 22.9 us, 30.7 against 34.4 us):
 # docs/perf/2026-12-03-attention-longest-first.md.
 _SPLIT_MIN_KEYS = 512
+# KV broadcast: the producer warp finds each tile's user with all 32 lanes (AttentionConfig.
+# lane_search) instead of a binary search; off until timed on the H200.
+_LANE_SEARCH = False
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +177,7 @@ def attention(
         return evaluate(p, return_lse, out)
     try:
         key = plan_key(q, kv, idx, kv_lengths, kv_offsets, max_kv_len, out, broadcast, bool(return_lse),
-                       scale is None)
+                       scale is None, _launch_flags())
         plan = _plans.get(key)
     except TypeError:
         key = plan = None  # unhashable options: the full checks raise
@@ -212,6 +215,11 @@ def attention(
             (q, k, v),
             out,
         )
+
+
+def _launch_flags() -> tuple:
+    """The module's launch choices, part of a plan's key (tests and A/B runs change them)."""
+    return _WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _LANE_SEARCH
 
 
 def _no_keys(kv, kv_offsets) -> bool:
@@ -406,7 +414,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         tiles = (dense + max_tiles_per_head(p.batch, p.broadcast_batch, p.s_q)) // 2
         n_splits, split_keys = kv_splits(tiles, p.heads, p.kv_len, sm_count(device))
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
-                        jagged=p.jagged, split_kv=n_splits > 1)
+                        jagged=p.jagged, split_kv=n_splits > 1, lane_search=_LANE_SEARCH)
     _, _, chunks = row_packing(p.s_q)
     n_users = p.broadcast_batch
     idx_contiguous = p.idx.is_contiguous()

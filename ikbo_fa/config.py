@@ -34,6 +34,10 @@ class AttentionConfig:
     # A user's keys split over several CTAs (KV broadcast): each writes its partial output and
     # log-sum-exp per split into a workspace of n_splits x H heads, which the op merges.
     split_kv: bool = False
+    # KV broadcast: the producer finds a tile's user with every lane of its warp
+    # (cute_kernels.scheduler.warp_search, 32 entries of tile_start a load) instead of a binary
+    # search (one entry a load). The op picks it where ikbo_fa.attention._LANE_SEARCH says so.
+    lane_search: bool = False
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -48,6 +52,8 @@ class AttentionConfig:
             raise ValueError("AttentionConfig: split_kv needs direction 'kv' and return_lse (the merge reads the lse)")
         if self.jagged and self.has_kv_lengths:
             raise ValueError("AttentionConfig: jagged (kv_offsets) and has_kv_lengths exclude each other")
+        if self.lane_search and self.direction != "kv":
+            raise ValueError("AttentionConfig: lane_search needs direction 'kv' (Q broadcast searches nothing)")
 
     @property
     def ordered(self) -> bool:
@@ -58,7 +64,7 @@ class AttentionConfig:
     def __str__(self) -> str:
         flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-jagged", self.jagged),
                                           ("-lse", self.return_lse), ("-serial", not self.overlap),
-                                          ("-split", self.split_kv)) if on)
+                                          ("-split", self.split_kv), ("-lanes", self.lane_search)) if on)
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -83,10 +89,11 @@ def row_packing(s_q: int):
 
 
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
-                  return_lse: bool, jagged: bool = False, split_kv: bool = False) -> AttentionConfig:
+                  return_lse: bool, jagged: bool = False, split_kv: bool = False,
+                  lane_search: bool = False) -> AttentionConfig:
     """The configuration the op compiles for a problem."""
     return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
-                           split_kv=split_kv)
+                           split_kv=split_kv, lane_search=lane_search and direction == "kv")
 
 
 SHIPPED_CONFIGS = tuple(
@@ -108,6 +115,9 @@ SHIPPED_CONFIGS = tuple(
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_kv=True),
         AttentionConfig(torch.float16, 64, 17, "kv", True, True, split_kv=True),
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, jagged=True, split_kv=True),
+        # the tile's user found by all lanes of the producer warp: plain split, longest first
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_kv=True, lane_search=True),
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True, lane_search=True),
     ]
 )
 

@@ -13,7 +13,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels.accumulator import acc_as_frag_a, acc_mn_view, warpgroup_gemm
 from cute_kernels.interop import cutlass_dtype
-from cute_kernels.scheduler import strided_tiles
+from cute_kernels.scheduler import strided_tiles, warp_search
 from cute_kernels.warp_specialized import (
     Barrier,
     PingPong,
@@ -452,7 +452,8 @@ class IkboAttentionFwdSm90:
     @cute.jit
     def tile_info(self, t: Int32, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm,
                   sched: Schedule) -> TileInfo:
-        """Tile t -> its TileInfo (a binary search over the groups' first tiles for KV broadcast).
+        """Tile t -> its TileInfo (KV broadcast: a search over the groups' first tiles, binary or,
+        ``lane_search``, by the producer warp's 32 lanes at once; warp 0 calls it whole).
         split_kv: splits run slowest (t = split * tiles of all heads + ...). ordered: the walk
         turns back every other round, and heads run fastest over the groups in perm order."""
         if const_expr(self.ordered):
@@ -487,13 +488,16 @@ class IkboAttentionFwdSm90:
             # Group u with tile_start[u] <= rem < tile_start[u + 1]; group n_kv_batch
             # holds the candidates whose index is out of range.
             lo = Int32(0)
-            hi = sched.n_kv_batch + 1
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if mTileStart[mid] <= rem:
-                    lo = mid
-                else:
-                    hi = mid
+            if const_expr(self.cfg.lane_search):
+                lo = warp_search(mTileStart, rem, lo, sched.n_kv_batch + 1)
+            else:
+                hi = sched.n_kv_batch + 1
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if mTileStart[mid] <= rem:
+                        lo = mid
+                    else:
+                        hi = mid
             # The group's query rows are one run; this is its tile j. ordered: position lo of
             # tile_start holds group perm[lo].
             g = lo

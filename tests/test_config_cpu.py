@@ -45,6 +45,8 @@ ATTENTION_BAD_FIELDS = {
     "s_q-0": (dict(s_q=0), "AttentionConfig.s_q must be an int >= 1, got 0"),
     "s_q-float": (dict(s_q=64.0), "AttentionConfig.s_q must be an int >= 1, got 64.0"),
     "direction": (dict(direction="k"), "AttentionConfig.direction must be 'kv' or 'q', got 'k'"),
+    "lane_search-q": (dict(direction="q", has_kv_lengths=False, lane_search=True),
+                      "AttentionConfig: lane_search needs direction 'kv'"),
 }
 
 
@@ -66,6 +68,8 @@ def test_shipped_configs_are_valid_and_exported():
         assert dataclasses.replace(cfg) == cfg and cfg.dtype in (torch.float16, torch.bfloat16)
     assert kernel_config(torch.float16, 64, 3, "q", False, True) == AttentionConfig(torch.float16, 64, 3, "q", False,
                                                                                     True)
+    assert not kernel_config(torch.float16, 64, 3, "q", False, True, lane_search=True).lane_search
+    assert kernel_config(torch.float16, 64, 3, "kv", False, True, lane_search=True).lane_search
 
 
 @pytest.mark.parametrize("s_q", [1, 2, 7, 8, 9, 31, 33, 63, 64, 65, 100, 128, 129, 300])
