@@ -79,6 +79,9 @@ _SPLIT_MIN_KEYS = 512
 # KV broadcast: the producer warp finds each tile's user with all 32 lanes (AttentionConfig.
 # lane_search) instead of a binary search; off until timed on the H200.
 _LANE_SEARCH = False
+# KV broadcast: a tile of at most 64 query rows runs on one consumer warpgroup (AttentionConfig.
+# solo); off until timed on the H200.
+_SOLO_TILES = False
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +222,7 @@ def attention(
 
 def _launch_flags() -> tuple:
     """The module's launch choices, part of a plan's key (tests and A/B runs change them)."""
-    return _WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _LANE_SEARCH
+    return _WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _LANE_SEARCH, _SOLO_TILES
 
 
 def _no_keys(kv, kv_offsets) -> bool:
@@ -414,7 +417,8 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         tiles = (dense + max_tiles_per_head(p.batch, p.broadcast_batch, p.s_q)) // 2
         n_splits, split_keys = kv_splits(tiles, p.heads, p.kv_len, sm_count(device))
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
-                        jagged=p.jagged, split_kv=n_splits > 1, lane_search=_LANE_SEARCH)
+                        jagged=p.jagged, split_kv=n_splits > 1, lane_search=_LANE_SEARCH,
+                        solo=_SOLO_TILES)
     _, _, chunks = row_packing(p.s_q)
     n_users = p.broadcast_batch
     idx_contiguous = p.idx.is_contiguous()

@@ -38,6 +38,10 @@ class AttentionConfig:
     # (cute_kernels.scheduler.warp_search, 32 entries of tile_start a load) instead of a binary
     # search (one entry a load). The op picks it where ikbo_fa.attention._LANE_SEARCH says so.
     lane_search: bool = False
+    # KV broadcast: a tile whose query rows all lie in the first 64 (a user of few rows, a user's
+    # last tile) runs on consumer warpgroup 0 alone; warpgroup 1 passes its K/V stages on without
+    # a GEMM. The op picks it where ikbo_fa.attention._SOLO_TILES says so.
+    solo: bool = False
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -54,6 +58,8 @@ class AttentionConfig:
             raise ValueError("AttentionConfig: jagged (kv_offsets) and has_kv_lengths exclude each other")
         if self.lane_search and self.direction != "kv":
             raise ValueError("AttentionConfig: lane_search needs direction 'kv' (Q broadcast searches nothing)")
+        if self.solo and self.direction != "kv":
+            raise ValueError("AttentionConfig: solo needs direction 'kv' (a Q-broadcast tile fills both warpgroups)")
 
     @property
     def ordered(self) -> bool:
@@ -64,7 +70,8 @@ class AttentionConfig:
     def __str__(self) -> str:
         flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-jagged", self.jagged),
                                           ("-lse", self.return_lse), ("-serial", not self.overlap),
-                                          ("-split", self.split_kv), ("-lanes", self.lane_search)) if on)
+                                          ("-split", self.split_kv), ("-lanes", self.lane_search),
+                                          ("-solo", self.solo)) if on)
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -90,10 +97,11 @@ def row_packing(s_q: int):
 
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
                   return_lse: bool, jagged: bool = False, split_kv: bool = False,
-                  lane_search: bool = False) -> AttentionConfig:
+                  lane_search: bool = False, solo: bool = False) -> AttentionConfig:
     """The configuration the op compiles for a problem."""
+    kv = direction == "kv"
     return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
-                           split_kv=split_kv, lane_search=lane_search and direction == "kv")
+                           split_kv=split_kv, lane_search=lane_search and kv, solo=solo and kv)
 
 
 SHIPPED_CONFIGS = tuple(
@@ -118,6 +126,10 @@ SHIPPED_CONFIGS = tuple(
         # the tile's user found by all lanes of the producer warp: plain split, longest first
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_kv=True, lane_search=True),
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True, lane_search=True),
+        # tiles of at most 64 rows on one consumer warpgroup: plain, kv_lengths (the V tail), serial
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_kv=True, solo=True),
+        AttentionConfig(torch.float16, 64, 17, "kv", True, True, solo=True),
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True, overlap=False, solo=True),
     ]
 )
 

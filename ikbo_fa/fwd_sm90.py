@@ -140,6 +140,8 @@ class IkboAttentionFwdSm90:
         P V is in flight, the two warpgroups taking turns on the tensor cores (PingPong); rows
         whose max jumped are recomputed exactly; epilogue: O / row sum into the warpgroup's 64
         rows of sO (stmatrix), one TMA store per stored slot (or one for all 64 rows).
+        ``solo``: a tile whose rows all lie in the first 64 runs on warpgroup 0 alone, without
+        turns; warpgroup 1 waits for and releases each K/V stage (mainloop_idle) and stores nothing.
 
     Pipelines (PipelineTmaAsync; checked in ``__init__``):
 
@@ -158,12 +160,12 @@ class IkboAttentionFwdSm90:
     Named barriers (FwdBarrier):
       EPILOGUE + wg (128 threads): warpgroup wg, twice per tile around its sO writes.
       V_TAIL (256): both consumer warpgroups, once per tile after zeroing a V tail (kv_lengths
-        only), before the first P V of the tile.
+        or jagged only), before the first P V of the tile (an idle warpgroup of a solo tile too).
       GEMM_TURN + wg (256, ``overlap`` only): the ping-pong turn. Warpgroup wg waits on it right
         before issuing S = Q K^T and P V of a main-loop iteration and, once both are issued,
         hands the turn over (arrives on GEMM_TURN + 1 - wg); warpgroup 0 takes the first turn.
         Both warpgroups run the same tiles with the same block count, so the turns strictly
-        alternate 0, 1, 0, 1, ...; the first S of a tile and its last P V are issued outside
+        alternate 0, 1, 0, 1, ... (a solo tile takes none in either); the first S of a tile and its last P V are issued outside
         the turns. One arrive is left pending at exit (harmless).
     Before rewriting its sO rows a warpgroup waits (bulk wait_group.read) for its previous
     TMA stores.
@@ -718,12 +720,22 @@ class IkboAttentionFwdSm90:
             n_blocks = (info.n_keys + n - 1) // n
             acc_O.fill(0.0)
             softmax.reset()
+            # solo: a tile whose query rows all lie in warpgroup 0's 64 runs on warpgroup 0 alone,
+            # without turns; warpgroup 1 only passes the K/V stages on (mainloop_idle).
+            idle = False
+            turns = True
+            if const_expr(self.cfg.solo):
+                alone = info.n_valid <= 64
+                idle = alone and wg == 1
+                turns = not alone
             if n_blocks > 0:
                 # Blocks run last to first: only the first one processed needs the key mask.
                 n_cols = info.n_keys - (n_blocks - 1) * n
-                if const_expr(self.cfg.overlap):
+                if idle:
+                    kv_state = self.mainloop_idle(st, kv_state, n_blocks, n_cols, tidx)
+                elif const_expr(self.cfg.overlap):
                     kv_state = self.mainloop_overlapped(st, kv_state, q_state.index, n_blocks, n_cols,
-                                                        scale_log2, tidx)
+                                                        scale_log2, tidx, turns)
                 else:
                     kv_state = self.mainloop_serial(st, kv_state, q_state.index, n_blocks, n_cols,
                                                     scale_log2, tidx)
@@ -740,8 +752,9 @@ class IkboAttentionFwdSm90:
                                            info.head // sched.group(), info.kv_coord, scale_log2, tidx)
             pipe_q.consumer_release(q_state)
             q_state.advance()
-            self.epilogue(st, info, tiled_mma_pv, tidx, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sO, mCand,
-                          scale_log2, wg, warp_in_wg)
+            if not idle:  # an idle warpgroup has no row to store
+                self.epilogue(st, info, tiled_mma_pv, tidx, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sO, mCand,
+                              scale_log2, wg, warp_in_wg)
             t += walk.stride
         if warp_in_wg == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -765,23 +778,26 @@ class IkboAttentionFwdSm90:
 
     @cute.jit
     def mainloop_overlapped(self, st: ConsumerState, kv_state, q_stage: Int32, n_blocks: Int32, n_cols: Int32,
-                            scale_log2: Float32, tidx: Int32):
+                            scale_log2: Float32, tidx: Int32, turns=True):
         """S of block j is issued before P V of block j-1; the softmax of j runs while P V
         of j-1 is on the tensor cores. The end of the softmax is the path to this
         warpgroup's next GEMM turn, so after the tile's first block it exponentiates against
         the running max as it stands (``OnlineSoftmax.stale_max``) and O is rescaled only in
-        the rare block where a P may exceed 2^STALE_MAX (``stale_max_grew``)."""
+        the rare block where a P may exceed 2^STALE_MAX (``stale_max_grew``). ``turns``: false
+        where this warpgroup has the tensor cores to itself (a solo tile)."""
         self.first_block(st, kv_state, q_stage, n_cols, scale_log2, tidx)
         for i in cutlass.range(n_blocks - 1, unroll=1):
             v_state = kv_state.clone()
             kv_state.advance()
             st.pipe_k.consumer_wait(kv_state)
             # This warpgroup's turn: the other one is between its GEMM issues and its softmax.
-            self.ping_pong.wait(st.wg)
+            if turns:
+                self.ping_pong.wait(st.wg)
             acc_S = self.gemm_qk(st, q_stage, kv_state.index)
             st.pipe_v.consumer_wait(v_state)
             self.gemm_pv(st, v_state.index)
-            self.ping_pong.hand_over(st.wg)
+            if turns:
+                self.ping_pong.hand_over(st.wg)
             warpgroup.wait_group(1)
             st.pipe_k.consumer_release(kv_state)
             grew = st.softmax.stale_max(acc_S, scale_log2)
@@ -792,6 +808,28 @@ class IkboAttentionFwdSm90:
                 st.softmax.stale_max_grew(acc_S, scale_log2)
                 self.convert_p(st, acc_S)
         return self.pv_block(st, kv_state)
+
+    @cute.jit
+    def mainloop_idle(self, st: ConsumerState, kv_state, n_blocks: Int32, n_cols: Int32, tidx: Int32):
+        """Warpgroup 1 on a solo tile: each K and V stage waited for and released in the order
+        warpgroup 0 takes them (the producer refills a stage once both warpgroups have released
+        it), no GEMM; the first block's V tail zeroed with warpgroup 0 (V_TAIL takes both)."""
+        st.pipe_k.consumer_wait(kv_state)
+        st.pipe_k.consumer_release(kv_state)
+        if const_expr(self.tail_masked):
+            st.pipe_v.consumer_wait(kv_state)
+            self.zero_v_tail(st, kv_state.index, n_cols, tidx)
+        for i in cutlass.range(n_blocks - 1, unroll=1):
+            v_state = kv_state.clone()
+            kv_state.advance()
+            st.pipe_k.consumer_wait(kv_state)
+            st.pipe_k.consumer_release(kv_state)
+            st.pipe_v.consumer_wait(v_state)
+            st.pipe_v.consumer_release(v_state)
+        st.pipe_v.consumer_wait(kv_state)
+        st.pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
 
     @cute.jit
     def first_block(self, st: ConsumerState, kv_state, q_stage: Int32, n_cols: Int32, scale_log2: Float32,

@@ -47,6 +47,7 @@ ATTENTION_BAD_FIELDS = {
     "direction": (dict(direction="k"), "AttentionConfig.direction must be 'kv' or 'q', got 'k'"),
     "lane_search-q": (dict(direction="q", has_kv_lengths=False, lane_search=True),
                       "AttentionConfig: lane_search needs direction 'kv'"),
+    "solo-q": (dict(direction="q", has_kv_lengths=False, solo=True), "AttentionConfig: solo needs direction 'kv'"),
 }
 
 
@@ -70,6 +71,8 @@ def test_shipped_configs_are_valid_and_exported():
                                                                                     True)
     assert not kernel_config(torch.float16, 64, 3, "q", False, True, lane_search=True).lane_search
     assert kernel_config(torch.float16, 64, 3, "kv", False, True, lane_search=True).lane_search
+    assert not kernel_config(torch.float16, 64, 3, "q", False, True, solo=True).solo
+    assert kernel_config(torch.float16, 64, 3, "kv", False, True, solo=True).solo
 
 
 @pytest.mark.parametrize("s_q", [1, 2, 7, 8, 9, 31, 33, 63, 64, 65, 100, 128, 129, 300])

@@ -1,0 +1,167 @@
+"""GPU tests of the attention kernel's variants that the op does not pick yet, each against the
+default kernel (the same bits) and fp32 attention:
+- lane search (``AttentionConfig.lane_search``): every tile finds its user with the 32 lanes of
+  the producer warp, in one to three rounds, over users without candidates (repeated entries of
+  tile_start), an out-of-range group, longest-first order and splits;
+- solo tiles (``AttentionConfig.solo``): a tile of at most 64 query rows runs on consumer
+  warpgroup 0 alone, warpgroup 1 passing the K/V stages on; tiles of 1 to 64 rows next to full
+  ones, with kv_lengths (the V tail zeroed by both), jagged, split and serial.
+"""
+import importlib
+
+import pytest
+import torch
+
+import ikbo_fa
+from cute_kernels.plans import PlanCache
+
+pytestmark = pytest.mark.gpu
+attention_mod = importlib.import_module("ikbo_fa.attention")
+NAN = float("nan")
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans(monkeypatch):
+    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
+
+
+def _run(monkeypatch, lane_search: bool, q, kv, idx, flag="_LANE_SEARCH", **kw):
+    """The op with one launch flag set or not -> (out, lse, the config it compiled)."""
+    with monkeypatch.context() as m:
+        m.setattr(attention_mod, flag, lane_search)
+        m.setattr(attention_mod, "_plans", PlanCache())
+        out = torch.full_like(q, NAN)
+        _, lse = ikbo_fa.attention(q, kv, idx, out=out, return_lse=True, validate=False, **kw)
+        (plan,) = attention_mod._plans.values()
+        return out, lse, plan.config
+
+
+def _counts(U, seed):
+    """Candidates per user: some users without any (their tile_start entries repeat), one with
+    many (a long run of tiles), the rest a few."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 4, (U,), generator=g)
+    counts[torch.randperm(U, generator=g)[: max(1, U // 4)]] = 0
+    counts[torch.randint(0, U, (1,), generator=g)] = 300
+    return counts
+
+
+@pytest.mark.parametrize("U", [1, 2, 30, 31, 32, 33, 1000, 1023, 1500])
+@pytest.mark.parametrize("S_q", [1, 17])
+def test_same_bits_as_the_binary_search(monkeypatch, U, S_q):
+    counts = _counts(U, U + S_q)
+    idx = torch.repeat_interleave(torch.arange(U), counts)
+    idx = idx[torch.randperm(idx.shape[0])]
+    idx[:3] = torch.tensor([-1, U, 2**31 - 1])  # out of range: NaN rows, group U
+    B, H, D, L = idx.shape[0], 2, 64, 200
+    q = torch.randn(B, S_q, H, D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(U, L, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    idx = idx.cuda()
+    out, lse, cfg = _run(monkeypatch, True, q, (k, v), idx)
+    base, base_lse, base_cfg = _run(monkeypatch, False, q, (k, v), idx)
+    assert cfg.lane_search and not base_cfg.lane_search
+    bad = (idx < 0) | (idx >= U)
+    assert out[bad].isnan().all() and not out[~bad].isnan().any()
+    assert torch.equal(out[~bad], base[~bad]) and torch.equal(lse[~bad], base_lse[~bad])
+    ref, ref_lse = ikbo_fa.attention_reference(q[~bad].float(), (k.float(), v.float()), idx[~bad], return_lse=True)
+    assert ((out[~bad].float() - ref).norm() / ref.norm()).item() < 1e-2
+    torch.testing.assert_close(lse[~bad], ref_lse, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_longest_first_and_split(monkeypatch, split):
+    """Jagged histories longest first (the search over positions of perm), and with splits of 512
+    keys on a plain layout; on a grid of 7 CTAs, so every CTA walks many tiles."""
+    monkeypatch.setattr(attention_mod, "sm_count", lambda device: 7 if not split else 132)
+    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
+    U, S_q, H, D = 37, 1, 2, 128
+    counts = _counts(U, 5)
+    idx = torch.repeat_interleave(torch.arange(U), counts)
+    idx = idx[torch.randperm(idx.shape[0])].cuda()
+    B = idx.shape[0]
+    q = torch.randn(B, S_q, H, D, dtype=torch.bfloat16, device="cuda")
+    if split:
+        k, v = (torch.randn(U, 3000, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        kw = {}
+    else:
+        lengths = torch.randint(0, 3000, (U,))
+        lengths[:3] = torch.tensor([0, 1, 129])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).cuda()
+        k, v = (torch.randn(int(offsets[-1]), H, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        kw = dict(kv_offsets=offsets)
+    out, lse, cfg = _run(monkeypatch, True, q, (k, v), idx, **kw)
+    base, base_lse, _ = _run(monkeypatch, False, q, (k, v), idx, **kw)
+    assert cfg.split_kv == split and cfg.ordered == (not split)
+    assert torch.equal(out, base) and torch.equal(lse, base_lse)
+    ref, ref_lse = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, return_lse=True, **kw)
+    keep = ~torch.isneginf(ref_lse)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)
+
+
+def _solo(monkeypatch, q, kv, idx, **kw):
+    """The op with and without solo tiles: the same bits, and the solo one against fp32."""
+    out, lse, cfg = _run(monkeypatch, True, q, kv, idx, flag="_SOLO_TILES", **kw)
+    base, base_lse, base_cfg = _run(monkeypatch, False, q, kv, idx, flag="_SOLO_TILES", **kw)
+    assert cfg.solo and not base_cfg.solo
+    assert not out.isnan().any()
+    assert torch.equal(out, base) and torch.equal(lse, base_lse)
+    k, v = kv
+    ref, ref_lse = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, return_lse=True, **kw)
+    keep = ~torch.isneginf(ref_lse)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)
+    return cfg
+
+
+@pytest.mark.parametrize("S_q", [1, 2, 17, 64])
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_solo_tiles_same_bits(monkeypatch, S_q, order):
+    """Users whose runs end anywhere in a tile: 1 to 64 rows (solo), 65 to 128 (both), and long
+    runs whose last tile is solo or not; a grid of 7 CTAs, so solo and full tiles follow one
+    another in every CTA (the turns of the two warpgroups stay in step)."""
+    monkeypatch.setattr(attention_mod, "sm_count", lambda device: 7)
+    rows = [1, 63, 64, 65, 127, 128, 129, 192, 193, 300, 1000]
+    counts = torch.tensor([max(1, r // S_q) for r in rows])
+    idx = torch.repeat_interleave(torch.arange(len(rows)), counts)
+    if order == "shuffled":
+        idx = idx[torch.randperm(idx.shape[0])]
+    U, B, H, D, L = len(rows), idx.shape[0], 2, 128, 700
+    q = torch.randn(B, S_q, H, D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(U, L, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    _solo(monkeypatch, q, (k, v), idx.cuda())
+
+
+def test_solo_tiles_with_lengths_and_serial(monkeypatch):
+    """kv_lengths (both warpgroups zero a V tail, one of them idle), fp16, D 64; then the serial
+    main loop on jagged K/V."""
+    U, ratio, S_q, H, L = 9, 50, 1, 2, 400
+    idx = torch.arange(U).repeat_interleave(ratio).cuda()
+    q = torch.randn(U * ratio, S_q, H, 64, dtype=torch.float16, device="cuda")
+    k, v = (torch.randn(U, L, H, 64, dtype=torch.float16, device="cuda") for _ in range(2))
+    lengths = torch.tensor([0, 1, 127, 128, 129, 400, 255, 256, 3], device="cuda")
+    _solo(monkeypatch, q, (k, v), idx, kv_lengths=lengths)
+
+    monkeypatch.setattr(attention_mod, "kernel_config", _serial(attention_mod.kernel_config))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cpu().cumsum(0)]).cuda()
+    kj, vj = (torch.randn(int(offsets[-1]), H, 64, dtype=torch.float16, device="cuda") for _ in range(2))
+    cfg = _solo(monkeypatch, q, (kj, vj), idx, kv_offsets=offsets)
+    assert not cfg.overlap and cfg.jagged
+
+
+def _serial(kernel_config):
+    """kernel_config that builds the serial main loop (a diagnostic configuration)."""
+    import dataclasses
+
+    return lambda *a, **kw: dataclasses.replace(kernel_config(*a, **kw), overlap=False)
+
+
+def test_solo_tiles_split(monkeypatch):
+    """Users of 40 candidates at S_q 1 (one solo tile each), their keys over several CTAs."""
+    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
+    U, ratio, H, L = 20, 40, 2, 3000
+    idx = torch.arange(U).repeat_interleave(ratio)
+    idx = idx[torch.randperm(idx.shape[0])].cuda()
+    q = torch.randn(U * ratio, 1, H, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(U, L, H, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    assert _solo(monkeypatch, q, (k, v), idx).split_kv
