@@ -7,6 +7,7 @@
     python perf/compare_fa4.py --jagged lognormal --L 8192   # K/V of per-user lengths <= L
     python perf/compare_fa4.py --preset gr-cross    # generative-recommender cross attention
     python perf/compare_fa4.py --sweep S_q_fine --H 1 2 4 8 --D 64 128 --dtype bf16 fp16
+    python perf/compare_fa4.py --S-q 1 --L 1024 2048 --variant _SOLO_TILES=1 _LANE_SEARCH=1
 
 Workload (K/V broadcast): B candidates, U users, idx[b] = the user of candidate b;
 q [B, S_q, H, D] per candidate, k, v [U, L, H, D] per user;
@@ -40,6 +41,9 @@ timed (a wrong one is reported, never timed):
                            the copy and SDPA under torch.compile, compiled afresh for each
                            problem (static shapes, one graph, no Inductor disk cache)
   materialize              the broadcast copy on its own (no attention)
+  ikbo SPEC                (``--variant SPEC``) ikbo with launch flags of ikbo_fa.attention set,
+                           e.g. ``_SOLO_TILES=1``: choices the op does not make yet, timed in the
+                           same run as the default
 Index metadata (page table, cu_seqlens, the grouping permutation, the padding gather) is
 built once, untimed, which favors the peers. A provider whose materialized tensors would not
 fit in 80% of the free memory is skipped; so are the page table and FA4's dense kernel on
@@ -665,6 +669,51 @@ def _ikbo_run(p: Problem, st, inp: Inputs):
     return LIBS.ikbo.attention(inp.q, (inp.k, inp.v), p.idx, scale=p.scale, broadcast=p.broadcast, **jagged)
 
 
+def parse_variant(spec: str) -> dict:
+    """``NAME=VALUE[,NAME=VALUE...]`` -> launch flags of ikbo_fa.attention and their values (flags
+    the op reads when it builds a plan, e.g. ``_SOLO_TILES=1``); an unknown name raises ValueError."""
+    import importlib
+
+    mod = importlib.import_module("ikbo_fa.attention")
+    flags = {}
+    for pair in spec.split(","):
+        name, _, value = pair.strip().partition("=")
+        if not name.startswith("_") or not hasattr(mod, name) or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"variant {spec!r}: {pair!r} is not NAME=INTEGER for a flag of ikbo_fa.attention")
+        flags[name] = type(getattr(mod, name))(int(value))
+    return flags
+
+
+def with_flags(flags: dict, fn: Callable):
+    """fn() with ikbo_fa.attention's launch flags set (restored after; the op keys its plans by them)."""
+    import importlib
+
+    mod = importlib.import_module("ikbo_fa.attention")
+    old = {name: getattr(mod, name) for name in flags}
+    for name, value in flags.items():
+        setattr(mod, name, value)
+    try:
+        return fn()
+    finally:
+        for name, value in old.items():
+            setattr(mod, name, value)
+
+
+def variant_provider(spec: str) -> Provider:
+    """ikbo with launch flags set (``parse_variant``), named ``ikbo SPEC``: an A/B of the op's
+    choices in the same run as the default and the peers."""
+    flags = parse_variant(spec)
+    return Provider(f"ikbo {spec}", _ikbo_setup, lambda p, st, i: with_flags(flags, lambda: _ikbo_run(p, st, i)),
+                    needs="ikbo")
+
+
+def display_index(name: str) -> int:
+    """A provider's place in tables: DISPLAY_ORDER, variants of ikbo right after ikbo."""
+    if name.startswith("ikbo "):
+        return DISPLAY_ORDER.index("ikbo")
+    return DISPLAY_ORDER.index(name)
+
+
 def providers() -> list:
     """In check order: peers first, ikbo last (a failure there cannot spoil the peers' checks)."""
     return [
@@ -740,7 +789,7 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
             r["pct_cublas" + s] = 100.0 * r["tflops" + s] / ceiling
             if ikbo_ms and r["provider"] != "ikbo":
                 r["ikbo_speedup" + s] = ms / ikbo_ms
-    rows.sort(key=lambda r: DISPLAY_ORDER.index(r["provider"]))
+    rows.sort(key=lambda r: display_index(r["provider"]))
     p.cache.clear()
     return rows
 
@@ -849,6 +898,10 @@ def parse_args(argv=None):
                     help="candidates grouped by user, or shuffled")
     ap.add_argument("--providers", nargs="+", metavar="NAME",
                     help=f"subset of: {', '.join(DISPLAY_ORDER)}")
+    ap.add_argument("--variant", nargs="+", default=[], metavar="NAME=VALUE[,...]",
+                    help="also time ikbo with launch flags of ikbo_fa.attention set, one provider "
+                         "'ikbo SPEC' per SPEC (e.g. _SOLO_TILES=1 _LANE_SEARCH=1,_SOLO_TILES=1); "
+                         "its ikbo_speedup is its time over the default's")
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
     ap.add_argument("--graph-below-ms", type=float, default=1.0,
                     help="also time CUDA-graph replays of calls faster than this")
@@ -919,7 +972,8 @@ def summary(rows: list, sweeps: dict, mode: str = "interleaved") -> None:
                     line["materialize ms"] = r.get("ms" + s)
             table.append(line)
         cols = [x] + (["total_keys", "max_len"] if jagged else [])
-        cols += [c for c in DISPLAY_ORDER if c != "materialize" and any(c in t for t in table)]
+        names = sorted({r["provider"] for r in rows}, key=lambda n: (display_index(n), n))
+        cols += [c for c in names if c != "materialize" and any(c in t for t in table)]
         if any("materialize ms" in t for t in table):
             cols.append("materialize ms")
         print(f"sweep {name}")
@@ -1002,6 +1056,8 @@ def main(argv=None) -> int:
         if note:
             print(f"{NAME}: {note}", flush=True)
     provs = [pr for pr in providers() if not args.providers or pr.name in args.providers]
+    if LIBS.ikbo is not None:
+        provs += [variant_provider(spec) for spec in args.variant]
     keys, sweeps = build_configs(args)
     env = harness.environment()
     harness.print_environment(env, ("nvidia-cutlass-dsl", "flash-attn-4"))

@@ -54,7 +54,7 @@ def test_set_flags(timeline, monkeypatch):
                                                                          "_SPLIT_MIN_KEYS": 2048}
     assert mod._SPLIT_KV is False and mod._SPLIT_MIN_KEYS == 2048
     for bad in ("_NO_SUCH_FLAG=1", "_SPLIT_KV", "attention=1"):
-        with pytest.raises(SystemExit, match="--set"):
+        with pytest.raises(SystemExit, match="--set: variant"):
             timeline.set_flags([bad])
 
 

@@ -438,6 +438,37 @@ def test_main_dry_run(dry_run, tmp_path, capsys):
         assert (tmp_path / "compare_fa4-latest.png").stat().st_size > 0
 
 
+def test_main_dry_run_variants(dry_run, tmp_path, monkeypatch):
+    """--variant: one more ikbo provider per spec, run with the op's launch flags set (and put back
+    after each call), listed right after ikbo, timed against it."""
+    import importlib
+
+    mod = importlib.import_module("ikbo_fa.attention")
+    seen = []
+
+    def recording(q, kv, idx, **kw):
+        seen.append((mod._SOLO_TILES, mod._SPLIT_MIN_KEYS))
+        return ikbo_attention(q, kv, idx, **kw)
+
+    monkeypatch.setattr(cf.LIBS, "ikbo", types.SimpleNamespace(attention=recording))
+    before = (mod._SOLO_TILES, mod._SPLIT_MIN_KEYS)
+    data = _run_main(tmp_path, ["--no-plot", "--L", "8", "--providers", "ikbo", "sdpa materialized",
+                                "--variant", "_SOLO_TILES=1", "_SOLO_TILES=1,_SPLIT_MIN_KEYS=1024"])
+    names = [r["provider"] for r in data["rows"]]
+    assert names == ["ikbo", "ikbo _SOLO_TILES=1", "ikbo _SOLO_TILES=1,_SPLIT_MIN_KEYS=1024", "sdpa materialized"]
+    assert all(r["status"] == "ok" for r in data["rows"])
+    assert all(r["ikbo_speedup"] > 0 for r in data["rows"][1:])
+    assert {before, (True, before[1]), (True, 1024)} <= set(seen)
+    assert (mod._SOLO_TILES, mod._SPLIT_MIN_KEYS) == before
+    assert data["argv"][-2:] == ["_SOLO_TILES=1", "_SOLO_TILES=1,_SPLIT_MIN_KEYS=1024"]
+
+
+@pytest.mark.parametrize("spec", ["_NO_SUCH_FLAG=1", "_SOLO_TILES", "_SOLO_TILES=yes", "attention=1"])
+def test_bad_variant_names_the_pair(spec):
+    with pytest.raises(ValueError, match="not NAME=INTEGER for a flag of ikbo_fa.attention"):
+        cf.parse_variant(spec)
+
+
 def test_main_dry_run_wrong_and_missing(dry_run, tmp_path, monkeypatch):
     def wrong(q, kv, idx, **kw):
         return ikbo_attention(q, kv, (idx + 1) % kv[0].shape[0], **kw)

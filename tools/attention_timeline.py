@@ -66,17 +66,16 @@ def _timeline(fn, iters: int) -> dict:
 
 
 def set_flags(pairs: list) -> dict:
-    """``NAME=VALUE`` pairs -> module flags of ikbo_fa.attention set (ints; ``_SPLIT_KV=0``), for
-    A/B runs of its launch choices; an unknown name raises."""
+    """``NAME=VALUE`` pairs -> launch flags of ikbo_fa.attention set for the rest of the process
+    (``perf.compare_fa4.parse_variant``), for A/B runs of the op's choices."""
+    try:
+        flags = cf.parse_variant(",".join(pairs)) if pairs else {}
+    except ValueError as e:
+        raise SystemExit(f"--set: {e}") from None
     mod = importlib.import_module("ikbo_fa.attention")
-    done = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
-        if not name.startswith("_") or not hasattr(mod, name) or not value:
-            raise SystemExit(f"--set {pair!r}: not NAME=VALUE for a flag of ikbo_fa.attention")
-        setattr(mod, name, type(getattr(mod, name))(int(value)))
-        done[name] = getattr(mod, name)
-    return done
+    for name, value in flags.items():
+        setattr(mod, name, value)
+    return flags
 
 
 def main(argv=None) -> int:
