@@ -82,6 +82,9 @@ _LANE_SEARCH = False
 # KV broadcast: a tile of at most 64 query rows runs on one consumer warpgroup (AttentionConfig.
 # solo); off until timed on the H200.
 _SOLO_TILES = False
+# Score columns of every 8 exponentiated on the FMA units (AttentionConfig.poly_exp2); 0 until
+# timed on the H200.
+_POLY_EXP2 = 0
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +225,7 @@ def attention(
 
 def _launch_flags() -> tuple:
     """The module's launch choices, part of a plan's key (tests and A/B runs change them)."""
-    return _WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _LANE_SEARCH, _SOLO_TILES
+    return _WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _LANE_SEARCH, _SOLO_TILES, _POLY_EXP2
 
 
 def _no_keys(kv, kv_offsets) -> bool:
@@ -418,7 +421,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         n_splits, split_keys = kv_splits(tiles, p.heads, p.kv_len, sm_count(device))
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
                         jagged=p.jagged, split_kv=n_splits > 1, lane_search=_LANE_SEARCH,
-                        solo=_SOLO_TILES)
+                        solo=_SOLO_TILES, poly_exp2=_POLY_EXP2)
     _, _, chunks = row_packing(p.s_q)
     n_users = p.broadcast_batch
     idx_contiguous = p.idx.is_contiguous()

@@ -42,6 +42,10 @@ class AttentionConfig:
     # last tile) runs on consumer warpgroup 0 alone; warpgroup 1 passes its K/V stages on without
     # a GEMM. The op picks it where ikbo_fa.attention._SOLO_TILES says so.
     solo: bool = False
+    # Score columns of every 8 a thread exponentiates with a polynomial on the FMA units instead
+    # of the multi-function unit (ikbo_fa.softmax.exp2_poly), which caps the softmax at D = 64.
+    # The op takes it from ikbo_fa.attention._POLY_EXP2.
+    poly_exp2: int = 0
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -58,6 +62,8 @@ class AttentionConfig:
             raise ValueError("AttentionConfig: jagged (kv_offsets) and has_kv_lengths exclude each other")
         if self.lane_search and self.direction != "kv":
             raise ValueError("AttentionConfig: lane_search needs direction 'kv' (Q broadcast searches nothing)")
+        if not isinstance(self.poly_exp2, int) or not 0 <= self.poly_exp2 <= 8:
+            raise ValueError(f"AttentionConfig.poly_exp2 must be an int in [0, 8], got {self.poly_exp2!r}")
         if self.solo and self.direction != "kv":
             raise ValueError("AttentionConfig: solo needs direction 'kv' (a Q-broadcast tile fills both warpgroups)")
 
@@ -72,6 +78,7 @@ class AttentionConfig:
                                           ("-lse", self.return_lse), ("-serial", not self.overlap),
                                           ("-split", self.split_kv), ("-lanes", self.lane_search),
                                           ("-solo", self.solo)) if on)
+        flags += f"-poly{self.poly_exp2}" if self.poly_exp2 else ""
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -97,11 +104,11 @@ def row_packing(s_q: int):
 
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
                   return_lse: bool, jagged: bool = False, split_kv: bool = False,
-                  lane_search: bool = False, solo: bool = False) -> AttentionConfig:
+                  lane_search: bool = False, solo: bool = False, poly_exp2: int = 0) -> AttentionConfig:
     """The configuration the op compiles for a problem."""
     kv = direction == "kv"
     return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
-                           split_kv=split_kv, lane_search=lane_search and kv, solo=solo and kv)
+                           split_kv=split_kv, lane_search=lane_search and kv, solo=solo and kv, poly_exp2=poly_exp2)
 
 
 SHIPPED_CONFIGS = tuple(
@@ -130,6 +137,9 @@ SHIPPED_CONFIGS = tuple(
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_kv=True, solo=True),
         AttentionConfig(torch.float16, 64, 17, "kv", True, True, solo=True),
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True, overlap=False, solo=True),
+        # exp2 of 3 score columns in 8 on the FMA units: D 64 at the published shape, both directions
+        AttentionConfig(torch.bfloat16, 64, 64, "kv", False, False, poly_exp2=3),
+        AttentionConfig(torch.float16, 64, 64, "q", True, True, poly_exp2=3),
     ]
 )
 

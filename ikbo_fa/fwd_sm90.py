@@ -698,7 +698,7 @@ class IkboAttentionFwdSm90:
         # Columns as thread 0's (compile-time) plus this thread's offset: no column registers.
         tScS_mn = acc_mn_view(tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_m, n))))
         col_offset = acc_mn_view(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, n))))[0, 0][1]
-        softmax = OnlineSoftmax.create(cute.size(acc_S_mn, mode=[0]), acc_O_mn)
+        softmax = OnlineSoftmax.create(cute.size(acc_S_mn, mode=[0]), acc_O_mn, self.cfg.poly_exp2)
         st = ConsumerState(
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, tOrP=tOrP,
             acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, col_offset=col_offset, softmax=softmax,

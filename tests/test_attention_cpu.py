@@ -456,20 +456,23 @@ def test_gpu_path_splits_keys_where_tiles_are_few(emulated, monkeypatch, lengths
     torch.testing.assert_close(out, whole, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("flag, field", [("_LANE_SEARCH", "lane_search"), ("_SOLO_TILES", "solo")])
+@pytest.mark.parametrize("flag, field, value, q_too", [("_LANE_SEARCH", "lane_search", True, False),
+                                                     ("_SOLO_TILES", "solo", True, False),
+                                                     ("_POLY_EXP2", "poly_exp2", 3, True)])
 @pytest.mark.parametrize("direction", ["kv", "q"])
-def test_variant_flags_pick_the_config_and_a_new_plan(emulated, monkeypatch, direction, flag, field):
-    """A variant's flag reaches the compile key for KV broadcast only (Q broadcast neither searches
-    nor leaves a warpgroup idle); changing a launch flag builds a new plan instead of reusing
-    the old one."""
+def test_variant_flags_pick_the_config_and_a_new_plan(emulated, monkeypatch, direction, flag, field, value, q_too):
+    """A variant's flag reaches the compile key (lane search and solo tiles for KV broadcast only:
+    Q broadcast neither searches nor leaves a warpgroup idle); changing a launch flag builds a new
+    plan instead of reusing the old one."""
     q, kv, idx, _ = _gpu_path_problem(8, direction, B=9, U=4)
     configs = []
     monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd)
     first = ikbo_fa.attention(q, kv, idx)
-    monkeypatch.setattr(attention_mod, flag, True)
+    monkeypatch.setattr(attention_mod, flag, value)
     again = ikbo_fa.attention(q, kv, idx)
     assert len(emulated.builds) == 2 and len(attention_mod._plans) == 2
-    assert [getattr(c, field) for c in configs] == [False, direction == "kv"]
+    taken = value if direction == "kv" or q_too else type(value)(0)
+    assert [getattr(c, field) for c in configs] == [type(value)(0), taken]
     assert torch.equal(first, again)
     ikbo_fa.attention(q, kv, idx)
     assert len(emulated.builds) == 2  # the flag unchanged: the plan is reused

@@ -5,7 +5,10 @@ default kernel (the same bits) and fp32 attention:
   tile_start), an out-of-range group, longest-first order and splits;
 - solo tiles (``AttentionConfig.solo``): a tile of at most 64 query rows runs on consumer
   warpgroup 0 alone, warpgroup 1 passing the K/V stages on; tiles of 1 to 64 rows next to full
-  ones, with kv_lengths (the V tail zeroed by both), jagged, split and serial.
+  ones, with kv_lengths (the V tail zeroed by both), jagged, split and serial;
+- polynomial exp2 (``AttentionConfig.poly_exp2``): some score columns exponentiated on the FMA
+  units; not the same bits, so against fp32 with SDPA's error budget, in both directions, with
+  masked keys (kv_lengths), a NaN key and scores that move the running max far.
 """
 import importlib
 
@@ -25,12 +28,13 @@ def fresh_plans(monkeypatch):
     monkeypatch.setattr(attention_mod, "_plans", PlanCache())
 
 
-def _run(monkeypatch, lane_search: bool, q, kv, idx, flag="_LANE_SEARCH", **kw):
-    """The op with one launch flag set or not -> (out, lse, the config it compiled)."""
+def _run(monkeypatch, value, q, kv, idx, flag="_LANE_SEARCH", **kw):
+    """The op with one launch flag set to ``value`` -> (out, lse, the config it compiled); out
+    poisoned with NaN before the call."""
     with monkeypatch.context() as m:
-        m.setattr(attention_mod, flag, lane_search)
+        m.setattr(attention_mod, flag, value)
         m.setattr(attention_mod, "_plans", PlanCache())
-        out = torch.full_like(q, NAN)
+        out = torch.full((idx.shape[0], *q.shape[1:]), NAN, dtype=q.dtype, device=q.device)
         _, lse = ikbo_fa.attention(q, kv, idx, out=out, return_lse=True, validate=False, **kw)
         (plan,) = attention_mod._plans.values()
         return out, lse, plan.config
@@ -165,3 +169,50 @@ def test_solo_tiles_split(monkeypatch):
     q = torch.randn(U * ratio, 1, H, 128, dtype=torch.bfloat16, device="cuda")
     k, v = (torch.randn(U, L, H, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     assert _solo(monkeypatch, q, (k, v), idx).split_kv
+
+
+@pytest.mark.parametrize("poly", [3, 8])
+@pytest.mark.parametrize("direction, D, dtype", [("kv", 64, torch.bfloat16), ("kv", 128, torch.float16),
+                                                 ("q", 64, torch.bfloat16)])
+def test_poly_exp2_within_sdpa_error(monkeypatch, poly, direction, D, dtype):
+    from attention_inputs import materialize
+    from test_attention_gpu import _attention_fp32, _rel, _sdpa
+
+    g = torch.Generator().manual_seed(poly + D)
+    B, U, S_q, H, L = 300, 7, 64, 2, 700
+    idx = torch.randint(0, U, (B,), generator=g)
+    q_rows, kv_rows = (B, U) if direction == "kv" else (U, B)
+    q = torch.randn(q_rows, S_q, H, D, generator=g).to(dtype).cuda()
+    k, v = (torch.randn(kv_rows, L, H, D, generator=g).to(dtype).cuda() for _ in range(2))
+    lengths = torch.randint(1, L + 1, (kv_rows,), generator=g)
+    lengths[:2] = torch.tensor([1, 129])
+    lengths = lengths.cuda()
+    idx = idx.cuda()
+    out, lse, cfg = _run(monkeypatch, poly, q, (k, v), idx, flag="_POLY_EXP2", kv_lengths=lengths,
+                         broadcast=direction)
+    assert cfg.poly_exp2 == poly
+    qm, km, vm, lm = materialize(q, k, v, idx, direction, lengths)
+    scale = D ** -0.5
+    ref, ref_lse = _attention_fp32(qm, km, vm, scale, lm)
+    err, sdpa_err = _rel(out, ref), _rel(_sdpa(qm, km, vm, scale, lm), ref)
+    assert err <= 1.5 * sdpa_err + 1e-6, (err, sdpa_err)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_poly_exp2_nan_key_and_far_max(monkeypatch):
+    """A NaN key makes its user's rows NaN and no other's (whichever column it lands in); a
+    block whose scores jump far above the running max still gives the exact result."""
+    U, ratio, S_q, H, D, L = 4, 8, 16, 2, 64, 1000
+    idx = torch.arange(U).repeat_interleave(ratio).cuda()
+    q = torch.randn(U * ratio, S_q, H, D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(U, L, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k[0, 5:13, 0] = float("nan")  # eight neighbouring keys: every column class of a thread
+    k[1, :128] *= 40.0  # the first block processed last: its scores far above the rest
+    out, lse, _ = _run(monkeypatch, 3, q, (k, v), idx, flag="_POLY_EXP2")
+    user0 = idx == 0
+    assert out[user0][:, :, 0].isnan().all() and not out[user0][:, :, 1].isnan().any()
+    assert not out[~user0].isnan().any()
+    ref, ref_lse = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, return_lse=True)
+    keep = ~user0
+    assert ((out[keep].float() - ref[keep]).norm() / ref[keep].norm()).item() < 1e-2
+    torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)

@@ -48,6 +48,8 @@ ATTENTION_BAD_FIELDS = {
     "lane_search-q": (dict(direction="q", has_kv_lengths=False, lane_search=True),
                       "AttentionConfig: lane_search needs direction 'kv'"),
     "solo-q": (dict(direction="q", has_kv_lengths=False, solo=True), "AttentionConfig: solo needs direction 'kv'"),
+    "poly_exp2-9": (dict(poly_exp2=9), r"AttentionConfig.poly_exp2 must be an int in \[0, 8\], got 9"),
+    "poly_exp2-float": (dict(poly_exp2=1.0), r"AttentionConfig.poly_exp2 must be an int in \[0, 8\], got 1.0"),
 }
 
 
