@@ -85,6 +85,11 @@ _SOLO_TILES = False
 # Score columns of every 8 exponentiated on the FMA units (AttentionConfig.poly_exp2); 0 until
 # timed on the H200.
 _POLY_EXP2 = 0
+# KV broadcast over padded histories: each CTA of the forward kernel groups the candidates itself
+# and waits for the work list only where idx is not grouped (AttentionConfig.group_idx), for at
+# most this many candidates; off until timed on the H200.
+_GROUP_IN_KERNEL = False
+_GROUP_MAX_BATCH = 16384
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +230,8 @@ def attention(
 
 def _launch_flags() -> tuple:
     """The module's launch choices, part of a plan's key (tests and A/B runs change them)."""
-    return _WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _LANE_SEARCH, _SOLO_TILES, _POLY_EXP2
+    return (_WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _LANE_SEARCH, _SOLO_TILES, _POLY_EXP2, _GROUP_IN_KERNEL,
+            _GROUP_MAX_BATCH)
 
 
 def _no_keys(kv, kv_offsets) -> bool:
@@ -321,9 +327,9 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     s_q = plan.out_shape[1]
     dest, dest_lse = (target, lse) if plan.n_splits == 1 else _split_workspace(plan)
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
-    plan.kernel(q, k, v, dest, dest_lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm, scale * LOG2E,
-                scale,
-                plan.n_ctas, int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys)
+    own_idx = idx_k if plan.config.group_idx is not None else None  # the kernel groups it itself
+    plan.kernel(q, k, v, dest, dest_lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm, own_idx,
+                scale * LOG2E, scale, plan.n_ctas, int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys)
     if plan.n_splits > 1:
         plan.merge(dest, dest_lse, target, lse, plan.n_splits)
     copy_back(out, target)
@@ -398,6 +404,12 @@ def _worklist_kernel(idx_dtype: torch.dtype, keys: Optional[str]):
     return worklist_kernel(idx_dtype, keys).fn
 
 
+def _group_capacity(dtype: torch.dtype, head_dim: int) -> int:
+    from .fwd_sm90 import IkboAttentionFwdSm90
+
+    return IkboAttentionFwdSm90.group_capacity(dtype, head_dim)
+
+
 def _worklist_fits(num_users: int) -> bool:
     from .worklist_sm90 import fits
 
@@ -419,18 +431,23 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         dense = -(-p.batch * p.s_q // 128)
         tiles = (dense + max_tiles_per_head(p.batch, p.broadcast_batch, p.s_q)) // 2
         n_splits, split_keys = kv_splits(tiles, p.heads, p.kv_len, sm_count(device))
+    n_users = p.broadcast_batch
+    use_worklist_kernel = p.direction == "kv" and _WORKLIST_KERNEL and _worklist_fits(n_users)
+    group_idx = None
+    if (_GROUP_IN_KERNEL and use_worklist_kernel and p.kv_lengths is None and not p.jagged
+            and p.batch <= _GROUP_MAX_BATCH and n_users + 1 <= _group_capacity(p.q.dtype, p.head_dim)):
+        group_idx = p.idx.dtype
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
                         jagged=p.jagged, split_kv=n_splits > 1, lane_search=_LANE_SEARCH,
-                        solo=_SOLO_TILES, poly_exp2=_POLY_EXP2)
+                        solo=_SOLO_TILES, poly_exp2=_POLY_EXP2, group_idx=group_idx)
     _, _, chunks = row_packing(p.s_q)
-    n_users = p.broadcast_batch
     idx_contiguous = p.idx.is_contiguous()
     idx_int32 = p.idx.dtype == torch.int32
     worklist = None
     sizes = []
     if p.direction == "kv":
         bound = max_tiles_per_head(p.batch, n_users, p.s_q)
-        if _WORKLIST_KERNEL and _worklist_fits(n_users):
+        if use_worklist_kernel:
             worklist = _worklist_kernel(p.idx.dtype, ("lengths" if p.kv_lengths is not None else "offsets")
                                         if cfg.ordered else None)
             sizes += [p.batch, n_users + 2, n_users + 2, 1]  # order, cand_start, tile_start, grouped

@@ -46,6 +46,11 @@ class AttentionConfig:
     # of the multi-function unit (ikbo_fa.softmax.exp2_poly), which caps the softmax at D = 64.
     # The op takes it from ikbo_fa.attention._POLY_EXP2.
     poly_exp2: int = 0
+    # KV broadcast: the dtype of idx (torch.int32 / torch.int64) where the forward kernel groups
+    # the candidates by user itself, each CTA in a prologue (IkboAttentionFwdSm90.group_candidates),
+    # instead of waiting for the work-list kernel; None: the work list groups them. The op takes
+    # it where ikbo_fa.attention._GROUP_IN_KERNEL says so and the problem fits.
+    group_idx: object = None
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -64,6 +69,11 @@ class AttentionConfig:
             raise ValueError("AttentionConfig: lane_search needs direction 'kv' (Q broadcast searches nothing)")
         if not isinstance(self.poly_exp2, int) or not 0 <= self.poly_exp2 <= 8:
             raise ValueError(f"AttentionConfig.poly_exp2 must be an int in [0, 8], got {self.poly_exp2!r}")
+        if self.group_idx not in (None, torch.int32, torch.int64):
+            raise ValueError(f"AttentionConfig.group_idx must be None, torch.int32 or torch.int64, got {self.group_idx!r}")
+        if self.group_idx is not None and (self.direction != "kv" or self.ordered):
+            raise ValueError("AttentionConfig: group_idx needs direction 'kv' without kv_lengths or jagged K/V "
+                             "(their tiles run in the work list's longest-first order)")
         if self.solo and self.direction != "kv":
             raise ValueError("AttentionConfig: solo needs direction 'kv' (a Q-broadcast tile fills both warpgroups)")
 
@@ -79,6 +89,7 @@ class AttentionConfig:
                                           ("-split", self.split_kv), ("-lanes", self.lane_search),
                                           ("-solo", self.solo)) if on)
         flags += f"-poly{self.poly_exp2}" if self.poly_exp2 else ""
+        flags += f"-group{self.group_idx.itemsize * 8}" if self.group_idx is not None else ""
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -104,11 +115,13 @@ def row_packing(s_q: int):
 
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
                   return_lse: bool, jagged: bool = False, split_kv: bool = False,
-                  lane_search: bool = False, solo: bool = False, poly_exp2: int = 0) -> AttentionConfig:
+                  lane_search: bool = False, solo: bool = False, poly_exp2: int = 0,
+                  group_idx=None) -> AttentionConfig:
     """The configuration the op compiles for a problem."""
     kv = direction == "kv"
     return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
-                           split_kv=split_kv, lane_search=lane_search and kv, solo=solo and kv, poly_exp2=poly_exp2)
+                           split_kv=split_kv, lane_search=lane_search and kv, solo=solo and kv, poly_exp2=poly_exp2,
+                           group_idx=group_idx)
 
 
 SHIPPED_CONFIGS = tuple(
@@ -140,6 +153,9 @@ SHIPPED_CONFIGS = tuple(
         # exp2 of 3 score columns in 8 on the FMA units: D 64 at the published shape, both directions
         AttentionConfig(torch.bfloat16, 64, 64, "kv", False, False, poly_exp2=3),
         AttentionConfig(torch.float16, 64, 64, "q", True, True, poly_exp2=3),
+        # candidates grouped by each CTA itself: one row per candidate split, int64 idx; S_q 17
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_kv=True, group_idx=torch.int64),
+        AttentionConfig(torch.float16, 64, 17, "kv", False, False, group_idx=torch.int32),
     ]
 )
 
@@ -168,7 +184,8 @@ def compile_config(cfg: AttentionConfig, *, keep_ptx: bool = False, ptxas_report
     grouped = fake_tensor(Int32, (1,), align=4) if cfg.direction == "kv" else None
     offsets = fake_tensor(Int32, (None,), align=4) if cfg.jagged else None
     perm = fake_tensor(Int32, (None,), align=4) if cfg.ordered else None
+    idx = fake_tensor(cutlass_dtype(cfg.group_idx), (None,), align=cfg.group_idx.itemsize) if cfg.group_idx else None
     kernel = IkboAttentionFwdSm90(cfg)
-    return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len, grouped, offsets, perm,
+    return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len, grouped, offsets, perm, idx,
                           Float32(1.0), Float32(1.0), Int32(1), Int32(0), Int32(0), Int32(1), Int32(0), fake_stream(),
                           keep_ptx=keep_ptx, ptxas_report=ptxas_report)

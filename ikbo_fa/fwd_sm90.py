@@ -8,6 +8,7 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
@@ -27,6 +28,7 @@ from cute_kernels.warp_specialized import (
 
 from .config import AttentionConfig, box_rows, row_packing
 from .softmax import OnlineSoftmax
+from .worklist_sm90 import count_key, cta_exclusive_sums, group_key, group_tiles
 
 
 class FwdBarrier(Barrier):
@@ -126,6 +128,24 @@ class ConsumerState:
     wg: Int32  # consumer warpgroup, 0 or 1
 
 
+# Words of the group_candidates scratch besides its two tables: the scan's 64 and the flag.
+GROUP_SCRATCH_EXTRA = 65
+# idx entries each thread loads at once in group_candidates (384 threads: 3072 a step).
+GROUP_UNROLL = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """What a CTA's group_candidates prologue leaves: the groups' first candidates and first
+    tiles in shared memory (until the first K load), the tiles per head, and whether idx is
+    grouped already."""
+
+    cand_start: object
+    tile_start: object
+    tiles: Int32
+    grouped: cutlass.Boolean
+
+
 class IkboAttentionFwdSm90:
     """Persistent, warp-specialized IKBO attention forward.
 
@@ -179,7 +199,12 @@ class IkboAttentionFwdSm90:
 
     Launch: programmatic dependent launch, so the CTAs start and set up their barriers while
     the kernel before them (the work list) finishes; every thread waits for that grid
-    (griddepcontrol.wait) before touching global memory.
+    (griddepcontrol.wait) before touching global memory. ``group_idx`` (KV broadcast over
+    padded histories): all 384 threads of each CTA first group the candidates themselves
+    (group_candidates: counters in the K stages' shared memory, a CTA-wide scan, the work
+    list's starts written to global memory as the work-list kernel writes them) and wait for
+    the work list only where idx is not grouped (its order is then needed); the CTA's first
+    tile is looked up in shared memory.
 
     Tiles and order: a tile is (head, group, tile-in-group). KV broadcast: groups are users
     plus a last group of candidates whose index is out of range (written as NaN). A user's
@@ -237,6 +262,8 @@ class IkboAttentionFwdSm90:
         # Histories of different lengths (KV broadcast): the work list orders the groups longest
         # first, so that the walk's last rounds hold the short tiles.
         self.ordered = cfg.ordered
+        # KV broadcast, group_idx: the kernel groups the candidates itself (group_candidates).
+        self.group_idx = cfg.group_idx is not None
         self.num_threads = self.REGISTERS.threads
         self.ping_pong = PingPong(int(FwdBarrier.GEMM_TURN))
         check_barriers("IkboAttentionFwdSm90", FwdBarrier, {"EPILOGUE": 2, "GEMM_TURN": 2})
@@ -274,6 +301,7 @@ class IkboAttentionFwdSm90:
         mGrouped: cute.Tensor | None,  # kv: [1] int32, 1 where the work list's order is 0, 1, ...
         mKvOffsets: cute.Tensor | None,  # jagged: [Bkv + 1] int32 (k, v as [1, total_L, H_kv, D])
         mPerm: cute.Tensor | None,  # ordered: [U + 1] the groups longest first (tile_start by position)
+        mIdx: cute.Tensor | None,  # group_idx: idx [B] (int32 or int64), grouped here by each CTA
         scale_log2: Float32,
         scale: Float32,
         n_ctas: Int32,
@@ -343,7 +371,7 @@ class IkboAttentionFwdSm90:
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
             tma_atom_Qf, tma_Qf, tma_atom_Of, tma_Of,
-            mLSE, mCand, mCandStart, mTileStart, mKvLen, mGrouped, mKvOffsets, mPerm, mK, mV,
+            mLSE, mCand, mCandStart, mTileStart, mKvLen, mGrouped, mKvOffsets, mPerm, mIdx, mK, mV,
             mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
             mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
             q_flat, max_keys, n_splits, split_keys, scale_log2, scale,
@@ -375,6 +403,7 @@ class IkboAttentionFwdSm90:
         mGrouped: cute.Tensor | None,
         mKvOffsets: cute.Tensor | None,
         mPerm: cute.Tensor | None,
+        mIdx: cute.Tensor | None,
         mKg: cute.Tensor,  # (L, D, H_kv, batch) view of K in global memory, for exact_rows
         mVg: cute.Tensor,  # ... and of V
         n_q_batch: Int32,
@@ -415,7 +444,15 @@ class IkboAttentionFwdSm90:
         pipelines_init_wait(1)
         # Launched with programmatic dependent launch: everything above overlaps the kernel
         # before this one on the stream (the work list); no global memory is touched above.
-        cute.arch.griddepcontrol_wait()
+        # group_idx: the CTA groups the candidates itself from idx (which the work list does not
+        # write) and waits for the work list only where idx is not grouped (it needs its order).
+        sGroups = None
+        if const_expr(self.group_idx):
+            sGroups = self.group_candidates(mIdx, mCand, mCandStart, mTileStart, storage, n_kv_batch, tidx)
+            if not sGroups.grouped:
+                cute.arch.griddepcontrol_wait()
+        else:
+            cute.arch.griddepcontrol_wait()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -427,13 +464,18 @@ class IkboAttentionFwdSm90:
         sVt = cute.composition(
             sV, cute.make_ordered_layout((self.head_dim, self.tile_n, self.KV_STAGES), order=(1, 0, 2)))
 
-        if const_expr(self.cfg.direction == "kv"):
+        if const_expr(self.group_idx):
+            tiles_per_head = sGroups.tiles
+        elif const_expr(self.cfg.direction == "kv"):
             tiles_per_head = mTileStart[n_kv_batch + 1]
         else:
             tiles_per_head = n_out * self.chunks
         flat = False
         if const_expr(self.flat_path):
-            flat = q_flat != 0 and mGrouped[0] != 0
+            if const_expr(self.group_idx):
+                flat = q_flat != 0 and sGroups.grouped
+            else:
+                flat = q_flat != 0 and mGrouped[0] != 0
         total = tiles_per_head * n_heads
         if const_expr(self.cfg.split_kv):
             total = total * n_splits
@@ -444,13 +486,96 @@ class IkboAttentionFwdSm90:
             self.REGISTERS.enter_producer()
             if warp_idx == 0:
                 self.producer(tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
-                              pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched)
+                              pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched,
+                              sGroups)
         else:
             self.REGISTERS.enter_consumer()
             self.consumer(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
                           sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, sched, scale_log2, tidx - 128)
 
     # ------------------------------------------------------------ work list
+    @staticmethod
+    def group_capacity(dtype: torch.dtype, head_dim: int) -> int:
+        """Groups (users + 1) whose counters fit the K stages, where ``group_candidates`` keeps them."""
+        return (IkboAttentionFwdSm90.KV_STAGES * IkboAttentionFwdSm90.TILE_N * head_dim * dtype.itemsize // 4
+                - GROUP_SCRATCH_EXTRA) // 2 - 1
+
+    @cute.jit
+    def group_candidates(self, mIdx, mOrder, mCandStart, mTileStart, storage, n_users: Int32, tidx) -> "Groups":
+        """The work list's cand_start and tile_start (and, for a grouped idx, its order), built by
+        every thread of this CTA from idx before any load, in the K stages' shared memory:
+        counters per group (users, then the out-of-range group U) by warp-aggregated atomics,
+        with a flag where a key falls below its predecessor's; a CTA-wide exclusive scan of the
+        candidates and tiles of each thread's run of groups. Every CTA writes the same values
+        to the work list's arrays in global memory (for its later tiles; the work-list kernel
+        writes them too), and where idx is grouped, order = 0, 1, ..., B - 1. Returns the
+        starts in shared memory (valid until the first K load), the tiles per head and whether
+        idx is grouped (read by every thread before the last barrier)."""
+        nt = self.num_threads
+        words = self.KV_STAGES * self.tile_n * self.head_dim * self.dtype.width // 32
+        cap = (words - GROUP_SCRATCH_EXTRA) // 2
+        base = cute.recast_ptr(storage.sK.data_ptr(), dtype=Int32)
+        sCand = cute.make_tensor(base, cute.make_layout(cap))
+        sTile = cute.make_tensor(base + cap, cute.make_layout(cap))
+        sScan = cute.make_tensor(base + 2 * cap, cute.make_layout(64))
+        sFlag = cute.make_tensor(base + 2 * cap + 64, cute.make_layout(1))
+        lane = cute.arch.lane_idx()
+        warp = tidx // 32
+        n_cand = Int32(mIdx.shape[0])
+        n_groups = n_users + 1
+        for g in cutlass.range(tidx, n_groups, nt, unroll=1):
+            sCand[g] = Int32(0)
+        if tidx == 0:
+            sFlag[0] = Int32(0)
+        cute.arch.sync_threads()
+        below = cute.arch.lanemask_lt()
+        for start in cutlass.range(0, n_cand, nt * GROUP_UNROLL, unroll=1):
+            # The loads of a step first, all in flight together; then the counts.
+            keys = cute.make_rmem_tensor((GROUP_UNROLL,), Int32)
+            for j in cutlass.range_constexpr(GROUP_UNROLL):
+                i = start + j * nt + tidx
+                key = Int32(-1)  # past the end: a group of its own, never counted
+                if i < n_cand:
+                    key = group_key(mIdx[i], n_users)
+                    if i > 0:
+                        if key < group_key(mIdx[i - 1], n_users):
+                            sFlag[0] = Int32(1)
+                keys[j] = key
+            for j in cutlass.range_constexpr(GROUP_UNROLL):
+                count_key(sCand, keys[j], below)
+        cute.arch.sync_threads()
+        per = (n_groups + nt - 1) // nt
+        lo = cutlass.min(tidx * per, n_groups)
+        hi = cutlass.min(lo + per, n_groups)
+        c_sum = Int32(0)
+        t_sum = Int32(0)
+        for g in cutlass.range(lo, hi, 1, unroll=1):
+            c = sCand[g]
+            c_sum += c
+            t_sum += group_tiles(c, self.s_q)
+        c_off, t_off = cta_exclusive_sums(c_sum, t_sum, sScan, warp, lane)
+        for g in cutlass.range(lo, hi, 1, unroll=1):
+            c = sCand[g]
+            mCandStart[g] = c_off
+            mTileStart[g] = t_off
+            sCand[g] = c_off
+            sTile[g] = t_off
+            c_off += c
+            t_off += group_tiles(c, self.s_q)
+        if tidx == nt - 1:
+            mCandStart[n_groups] = c_off
+            mTileStart[n_groups] = t_off
+            sCand[n_groups] = c_off
+            sTile[n_groups] = t_off
+        cute.arch.sync_threads()
+        tiles = sTile[n_groups]
+        grouped = sFlag[0] == 0
+        if grouped:
+            for i in cutlass.range(tidx, n_cand, nt, unroll=1):
+                mOrder[i] = i
+        cute.arch.sync_threads()
+        return Groups(sCand, sTile, tiles, grouped)
+
     @cute.jit
     def tile_info(self, t: Int32, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm,
                   sched: Schedule) -> TileInfo:
@@ -571,73 +696,92 @@ class IkboAttentionFwdSm90:
     # ------------------------------------------------------------- producer
     @cute.jit
     def producer(self, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
-                 pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched: Schedule):
+                 pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched: Schedule,
+                 sGroups):
         """Warp 0: per tile its TileInfo and Q slots, then K/V blocks last to first."""
-        group = sched.group()
-        d = self.head_dim
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.Q_STAGES)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.KV_STAGES)
         walk = strided_tiles(Int32(0))
         t = walk.first
+        if const_expr(self.group_idx):
+            # The first tile from the group starts this CTA's prologue left in shared memory
+            # (read before the tile's first K load overwrites them); later ones from global memory.
+            if t < sched.total_tiles:
+                info = self.tile_info(t, mCand, sGroups.cand_start, sGroups.tile_start, mKvLen, mKvOffsets, mPerm,
+                                      sched)
+                q_state, kv_state = self.load_tile(info, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf,
+                                                   tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k,
+                                                   pipe_v, mCand, sched)
+                t += walk.stride
         while t < sched.total_tiles:
             info = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched)
-            h_kv = info.head // group
-            if const_expr(self.cfg.jagged or self.cfg.split_kv):
-                # The keys start at kv_base: the row's in the one packed batch row (jagged), plus
-                # the split's first (split_kv).
-                row = Int32(0) if const_expr(self.cfg.jagged) else info.kv_coord
-                gK = cute.local_tile(cute.domain_offset((info.kv_base, 0), mK[None, None, h_kv, row]),
-                                     (self.tile_n, d), (None, 0))
-                gV = cute.local_tile(cute.domain_offset((info.kv_base, 0), mV[None, None, h_kv, row]),
-                                     (self.tile_n, d), (None, 0))
-            else:
-                gK = cute.local_tile(mK[None, None, h_kv, info.kv_coord], (self.tile_n, d), (None, 0))
-                gV = cute.local_tile(mV[None, None, h_kv, info.kv_coord], (self.tile_n, d), (None, 0))
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-            n_blocks = (info.n_keys + self.tile_n - 1) // self.tile_n
-            # Q first: its other stage was released when the tile before the previous one
-            # ended, so this does not wait and the load runs under the previous tile's
-            # last blocks. The K stage below waits for the previous tile's K releases.
-            # The stage's TileInfo slot is free once its Q is: wait, write the info, then arrive
-            # (with the Q bytes to expect), so the consumers' Q wait also covers the info.
-            pipeline.PipelineAsync.producer_acquire(pipe_q, q_state)
-            info.store(sMeta, q_state.index)
-            pipe_q.producer_acquire(q_state, try_acquire_token=True)
-            if const_expr(self.flat_path):
-                if info.flat:
-                    self.load_q_halves(tma_atom_Qf, mQf, sQ, pipe_q, q_state, info)
-                else:
-                    self.load_q_slots(tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
+            q_state, kv_state = self.load_tile(info, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K,
+                                               mK, tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k, pipe_v, mCand,
+                                               sched)
+            t += walk.stride
+
+    @cute.jit
+    def load_tile(self, info: TileInfo, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK,
+                  tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k, pipe_v, mCand, sched: Schedule):
+        """One tile's loads: its TileInfo and Q slots, then its K/V blocks last to first."""
+        d = self.head_dim
+        h_kv = info.head // sched.group()
+        if const_expr(self.cfg.jagged or self.cfg.split_kv):
+            # The keys start at kv_base: the row's in the one packed batch row (jagged), plus
+            # the split's first (split_kv).
+            row = Int32(0) if const_expr(self.cfg.jagged) else info.kv_coord
+            gK = cute.local_tile(cute.domain_offset((info.kv_base, 0), mK[None, None, h_kv, row]),
+                                 (self.tile_n, d), (None, 0))
+            gV = cute.local_tile(cute.domain_offset((info.kv_base, 0), mV[None, None, h_kv, row]),
+                                 (self.tile_n, d), (None, 0))
+        else:
+            gK = cute.local_tile(mK[None, None, h_kv, info.kv_coord], (self.tile_n, d), (None, 0))
+            gV = cute.local_tile(mV[None, None, h_kv, info.kv_coord], (self.tile_n, d), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        n_blocks = (info.n_keys + self.tile_n - 1) // self.tile_n
+        # Q first: its other stage was released when the tile before the previous one
+        # ended, so this does not wait and the load runs under the previous tile's
+        # last blocks. The K stage below waits for the previous tile's K releases.
+        # The stage's TileInfo slot is free once its Q is: wait, write the info, then arrive
+        # (with the Q bytes to expect), so the consumers' Q wait also covers the info.
+        pipeline.PipelineAsync.producer_acquire(pipe_q, q_state)
+        info.store(sMeta, q_state.index)
+        pipe_q.producer_acquire(q_state, try_acquire_token=True)
+        if const_expr(self.flat_path):
+            if info.flat:
+                self.load_q_halves(tma_atom_Qf, mQf, sQ, pipe_q, q_state, info)
             else:
                 self.load_q_slots(tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
-            q_state.advance()
-            # Blocks last to first (the consumers' order); block j's K and V share a stage.
-            # K runs one block ahead of V (K(j-1) is issued before V(j)): the consumers
-            # need S of block j-1 together with P V of block j, and a K stage frees up
-            # earlier than a V stage, so the K load no longer waits behind a V release.
-            if n_blocks > 0:
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_atom_K, tKgK[None, n_blocks - 1], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-            for i in cutlass.range(n_blocks - 1, unroll=1):
-                blk = n_blocks - 2 - i
-                prev = kv_state.clone()  # block blk + 1, whose V is still to load
-                kv_state.advance()
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_atom_K, tKgK[None, blk], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                pipe_v.producer_acquire(prev)
-                cute.copy(tma_atom_V, tVgV[None, blk + 1], tVsV[None, prev.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(prev))
-            if n_blocks > 0:
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-                kv_state.advance()
-            t += walk.stride
+        else:
+            self.load_q_slots(tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
+        q_state.advance()
+        # Blocks last to first (the consumers' order); block j's K and V share a stage.
+        # K runs one block ahead of V (K(j-1) is issued before V(j)): the consumers
+        # need S of block j-1 together with P V of block j, and a K stage frees up
+        # earlier than a V stage, so the K load no longer waits behind a V release.
+        if n_blocks > 0:
+            pipe_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK[None, n_blocks - 1], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+        for i in cutlass.range(n_blocks - 1, unroll=1):
+            blk = n_blocks - 2 - i
+            prev = kv_state.clone()  # block blk + 1, whose V is still to load
+            kv_state.advance()
+            pipe_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK[None, blk], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            pipe_v.producer_acquire(prev)
+            cute.copy(tma_atom_V, tVgV[None, blk + 1], tVsV[None, prev.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(prev))
+        if n_blocks > 0:
+            pipe_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+        return q_state, kv_state
 
     @cute.jit
     def load_q_slots(self, tma_atom_Q, mQ, sQ, pipe_q, q_state, info: TileInfo, mCand):

@@ -1,4 +1,6 @@
-"""The KV-broadcast work list in one launch (sm_90a): class KvWorklistSm90.
+"""The KV-broadcast work list in one launch (sm_90a): class KvWorklistSm90, and the device
+helpers it shares with the attention kernel's own grouping (group_key, count_key, group_tiles,
+cta_exclusive_sums).
 
 Produces exactly what :func:`ikbo_fa.worklist.kv_worklist` produces (the
 torch reference), except that the order of candidates within a user is not
@@ -136,15 +138,15 @@ class KvWorklistSm90:
         for g in cutlass.range(lo, hi, 1):
             c = sHist[g]
             c_sum += c
-            t_sum += _tiles(c, rows_per_cand)
-        c_off, t_off = _cta_exclusive_sums(c_sum, t_sum, sScan, warp, lane)
+            t_sum += group_tiles(c, rows_per_cand)
+        c_off, t_off = cta_exclusive_sums(c_sum, t_sum, sScan, warp, lane)
         for g in cutlass.range(lo, hi, 1):
             c = sHist[g]
             mCandStart[g] = c_off
             mTileStart[g] = t_off
             sHist[g] = c_off
             c_off += c
-            t_off += _tiles(c, rows_per_cand)
+            t_off += group_tiles(c, rows_per_cand)
         if tidx == nt - 1:
             mCandStart[n_groups] = c_off
             mTileStart[n_groups] = t_off
@@ -211,12 +213,12 @@ class KvWorklistSm90:
         t_sum = Int32(0)
         for j in cutlass.range(lo, hi, 1):
             g = mPerm[j]
-            t_sum += _tiles(mCandStart[g + 1] - mCandStart[g], rows_per_cand)
-        _, t_off = _cta_exclusive_sums(Int32(0), t_sum, sScan, warp, lane)
+            t_sum += group_tiles(mCandStart[g + 1] - mCandStart[g], rows_per_cand)
+        _, t_off = cta_exclusive_sums(Int32(0), t_sum, sScan, warp, lane)
         for j in cutlass.range(lo, hi, 1):
             g = mPerm[j]
             mTileStart[j] = t_off
-            t_off += _tiles(mCandStart[g + 1] - mCandStart[g], rows_per_cand)
+            t_off += group_tiles(mCandStart[g + 1] - mCandStart[g], rows_per_cand)
 
     @cute.jit
     def sweep(self, mIdx, mOrder, sHist, sDescents, n_cand: Int32, n_users: Int32, tidx, lane,
@@ -232,21 +234,20 @@ class KvWorklistSm90:
                 i = base + j * nt + tidx
                 key = Int32(-1)  # lanes past the end: a group of their own, never counted
                 if i < n_cand:
-                    key = _group_key(mIdx[i], n_users)
+                    key = group_key(mIdx[i], n_users)
                     if const_expr(not scatter):
                         if i > 0:
-                            if key < _group_key(mIdx[i - 1], n_users):
+                            if key < group_key(mIdx[i - 1], n_users):
                                 sDescents[0] = Int32(1)
                 keys[j] = key
             for j in cutlass.range_constexpr(self.UNROLL):
                 key = keys[j]
-                peers = cute.arch.match_sync(FULL_MASK, key)
-                rank = Int32(cute.arch.popc(peers & below))
-                leader = rank == 0
                 if const_expr(not scatter):
-                    if leader and key >= 0:
-                        cute.arch.atomic_add(sHist.iterator + key, Int32(cute.arch.popc(peers)))
+                    count_key(sHist, key, below)
                 else:
+                    peers = cute.arch.match_sync(FULL_MASK, key)
+                    rank = Int32(cute.arch.popc(peers & below))
+                    leader = rank == 0
                     first = Int32(0)
                     if leader and key >= 0:
                         first = cute.arch.atomic_add(sHist.iterator + key, Int32(cute.arch.popc(peers)))
@@ -258,7 +259,7 @@ class KvWorklistSm90:
 
 
 @cute.jit
-def _group_key(v, n_users: Int32) -> Int32:
+def group_key(v, n_users: Int32) -> Int32:
     """A candidate's group: its user, or U for an index out of range."""
     key = n_users
     if v >= 0 and v < n_users:
@@ -267,7 +268,17 @@ def _group_key(v, n_users: Int32) -> Int32:
 
 
 @cute.jit
-def _tiles(count: Int32, rows_per_cand: Int32) -> Int32:
+def count_key(sHist, key: Int32, below) -> None:
+    """Add one to counter ``key`` (>= 0; a negative key counts nothing) for every lane of the
+    warp: the lanes with the same key are matched and the lowest adds their number, one
+    shared-memory atomic per key (``below``: this lane's lanemask_lt). Every lane calls it."""
+    peers = cute.arch.match_sync(FULL_MASK, key)
+    if Int32(cute.arch.popc(peers & below)) == 0 and key >= 0:
+        cute.arch.atomic_add(sHist.iterator + key, Int32(cute.arch.popc(peers)))
+
+
+@cute.jit
+def group_tiles(count: Int32, rows_per_cand: Int32) -> Int32:
     """Tiles of a group: its candidates' query rows, one run cut into TILE_ROWS-row tiles."""
     return (count * rows_per_cand + TILE_ROWS - 1) // TILE_ROWS
 
@@ -283,7 +294,7 @@ def _key_bucket(blocks: Int32) -> Int32:
 
 
 @cute.jit
-def _cta_exclusive_sums(a: Int32, b: Int32, sScan, warp, lane):
+def cta_exclusive_sums(a: Int32, b: Int32, sScan, warp, lane):
     """Exclusive CTA-wide prefix sums of two values per thread (thread order), through sScan
     (64 words); every thread must call it (it has CTA barriers)."""
     a_inc = _warp_inclusive_sum(a, lane)

@@ -11,7 +11,7 @@ import torch
 import ikbo_fa
 from attention_emulation import attention_mod, install
 from cute_kernels.plans import PlanCache
-from attention_inputs import assert_nan_rows_only, materialize, random_problem
+from attention_inputs import assert_nan_rows_only, materialize, random_jagged_problem, random_problem
 from ikbo_fa.config import MAX_SPLITS
 from ikbo_fa.reference import attention_reference, naive_attention
 
@@ -359,8 +359,6 @@ def test_gpu_path_large_sq_chunks(emulated):
 @pytest.mark.parametrize("offsets_dtype, packed, validate", [(torch.int32, False, True), (torch.int64, True, False)])
 def test_gpu_path_jagged(emulated, direction, offsets_dtype, packed, validate):
     """Jagged K/V reach the kernel as one packed batch row with int32 offsets and the length hint."""
-    from attention_inputs import random_jagged_problem
-
     B, U = 11, 4
     lengths = [0, 5, 1, 9] if direction == "kv" else [3, 0, 7, 1, 2, 9, 4, 1, 1, 5, 6]
     q, kv, k, v, idx, offsets = random_jagged_problem(41, direction, B, U, 3, 2, 1, 64, lengths, torch.bfloat16,
@@ -476,6 +474,40 @@ def test_variant_flags_pick_the_config_and_a_new_plan(emulated, monkeypatch, dir
     assert torch.equal(first, again)
     ikbo_fa.attention(q, kv, idx)
     assert len(emulated.builds) == 2  # the flag unchanged: the plan is reused
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_group_in_kernel_where_it_applies(emulated, monkeypatch, idx_dtype):
+    """_GROUP_IN_KERNEL: the forward kernel gets idx (and groups it itself) for KV broadcast over
+    padded histories of at most _GROUP_MAX_BATCH candidates whose users fit its scratch; not for
+    kv_lengths or jagged K/V (longest-first order), Q broadcast, or past those bounds. The work
+    list still runs (its order serves an idx that is not grouped)."""
+    monkeypatch.setattr(attention_mod, "_GROUP_IN_KERNEL", True)
+    configs = []
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd)
+
+    def run(direction, B=9, U=4, lengths=False, jagged=False):
+        q, kv, idx, kvl = _gpu_path_problem(8, direction, B=B, U=U, idx_dtype=idx_dtype, jagged=lengths)
+        kw = dict(kv_lengths=kvl) if lengths else {}
+        if jagged:
+            q, kv, _, _, idx, offsets = random_jagged_problem(8, direction, B, U, 3, 2, 1, 64, [0, 5, 9, 2][:U],
+                                                              torch.bfloat16)
+            idx = idx.to(idx_dtype)
+            kw = dict(kv_offsets=offsets)
+        out = ikbo_fa.attention(q, kv, idx, **kw)
+        torch.testing.assert_close(out, attention_reference(q, kv, idx, **kw), rtol=2e-2, atol=2e-2)
+        return configs[-1], emulated.fwd_calls[-1]
+
+    cfg, call = run("kv")
+    assert cfg.group_idx == idx_dtype and call["idx"] is not None and call["idx"].dtype == idx_dtype
+    assert emulated.worklist_calls == 1
+    for kw in (dict(direction="q"), dict(direction="kv", lengths=True), dict(direction="kv", jagged=True),
+               dict(direction="kv", B=attention_mod._GROUP_MAX_BATCH + 1)):
+        cfg, call = run(**kw)
+        assert cfg.group_idx is None and call["idx"] is None, kw
+    monkeypatch.setattr(attention_mod, "_group_capacity", lambda dtype, d: 4)
+    cfg, call = run("kv", U=4)  # U + 1 = 5 groups: one too many
+    assert cfg.group_idx is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

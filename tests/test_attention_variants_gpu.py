@@ -8,7 +8,11 @@ default kernel (the same bits) and fp32 attention:
   ones, with kv_lengths (the V tail zeroed by both), jagged, split and serial;
 - polynomial exp2 (``AttentionConfig.poly_exp2``): some score columns exponentiated on the FMA
   units; not the same bits, so against fp32 with SDPA's error budget, in both directions, with
-  masked keys (kv_lengths), a NaN key and scores that move the running max far.
+  masked keys (kv_lengths), a NaN key and scores that move the running max far;
+- grouping in the kernel (``AttentionConfig.group_idx``): every CTA groups the candidates itself
+  and waits for the work list only where idx is not grouped; the same bits as the default,
+  grouped and shuffled, int32 and int64 idx, out-of-range indices, users without candidates,
+  up to the scratch's capacity, split, and graph replays that switch between grouped and not.
 """
 import importlib
 
@@ -216,3 +220,88 @@ def test_poly_exp2_nan_key_and_far_max(monkeypatch):
     keep = ~user0
     assert ((out[keep].float() - ref[keep]).norm() / ref[keep].norm()).item() < 1e-2
     torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)
+
+
+def _group(monkeypatch, q, kv, idx, **kw):
+    """The op with and without grouping in the kernel: the same bits (and not NaN but where idx is
+    out of range)."""
+    out, lse, cfg = _run(monkeypatch, True, q, kv, idx, flag="_GROUP_IN_KERNEL", **kw)
+    base, base_lse, base_cfg = _run(monkeypatch, False, q, kv, idx, flag="_GROUP_IN_KERNEL", **kw)
+    assert cfg.group_idx == idx.dtype and base_cfg.group_idx is None
+    U = kv[0].shape[0]
+    bad = (idx < 0) | (idx >= U)
+    assert out[bad].isnan().all() and not out[~bad].isnan().any()
+    assert torch.equal(out[~bad], base[~bad]) and torch.equal(lse[~bad], base_lse[~bad])
+    return out, lse, cfg
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+@pytest.mark.parametrize("S_q, U, idx_dtype", [(1, 32, torch.int32), (1, 1, torch.int64), (17, 300, torch.int32),
+                                               (64, 5, torch.int64)])
+def test_group_in_kernel_same_bits(monkeypatch, order, S_q, U, idx_dtype):
+    g = torch.Generator().manual_seed(S_q + U)
+    counts = torch.randint(0, 40, (U,), generator=g)  # B stays below _GROUP_MAX_BATCH
+    counts[torch.randint(0, U, (1,), generator=g)] = 1000
+    if U > 2:
+        counts[:2] = 0  # users without candidates
+    idx = torch.repeat_interleave(torch.arange(U), counts)
+    idx = torch.cat([idx, torch.tensor([-1, U, U + 7])])  # out of range: group U, after the users
+    if order == "shuffled":
+        idx = idx[torch.randperm(idx.shape[0], generator=g)]
+    idx = idx.to(idx_dtype).cuda()
+    B, H, D = idx.shape[0], 2, 64
+    q = torch.randn(B, S_q, H, D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(U, 600, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    out, _, _ = _group(monkeypatch, q, (k, v), idx)
+    keep = (idx >= 0) & (idx < U)
+    ref = ikbo_fa.attention_reference(q[keep].float(), (k.float(), v.float()), idx[keep])
+    assert ((out[keep].float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_group_in_kernel_at_its_bounds(monkeypatch):
+    """As many users as the scratch holds (D 64: the smaller K stages), and the largest batch."""
+    from ikbo_fa.fwd_sm90 import IkboAttentionFwdSm90
+
+    U = IkboAttentionFwdSm90.group_capacity(torch.bfloat16, 64) - 1
+    B = attention_mod._GROUP_MAX_BATCH
+    idx = torch.randint(0, U, (B,)).sort().values.cuda()
+    q = torch.randn(B, 1, 1, 64, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(U, 130, 1, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    _group(monkeypatch, q, (k, v), idx)
+
+
+def test_group_in_kernel_split(monkeypatch):
+    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
+    U, ratio = 20, 64
+    idx = torch.arange(U).repeat_interleave(ratio).cuda()
+    q = torch.randn(U * ratio, 1, 2, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(U, 2000, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    _, _, cfg = _group(monkeypatch, q, (k, v), idx)
+    assert cfg.split_kv
+
+
+def test_group_in_kernel_graph_replay_switches_order(monkeypatch):
+    """A captured call replayed with idx grouped, then shuffled, then grouped again: the kernel
+    decides on the device whether it waits for the work list's order."""
+    monkeypatch.setattr(attention_mod, "_GROUP_IN_KERNEL", True)
+    U, ratio, S_q, H, D = 16, 50, 2, 2, 64
+    grouped = torch.arange(U).repeat_interleave(ratio)
+    B = grouped.shape[0]
+    idx = grouped.clone().cuda()
+    q = torch.randn(B, S_q, H, D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(U, 300, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    out = torch.empty_like(q)
+    ikbo_fa.attention(q, (k, v), idx, out=out)  # compile and plan outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ikbo_fa.attention(q, (k, v), idx, out=out)
+    (plan,) = attention_mod._plans.values()
+    assert plan.config.group_idx == torch.int64
+    for new in (grouped, grouped[torch.randperm(B)], grouped.flip(0), grouped):
+        idx.copy_(new)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx)
+        assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2

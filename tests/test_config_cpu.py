@@ -50,6 +50,10 @@ ATTENTION_BAD_FIELDS = {
     "solo-q": (dict(direction="q", has_kv_lengths=False, solo=True), "AttentionConfig: solo needs direction 'kv'"),
     "poly_exp2-9": (dict(poly_exp2=9), r"AttentionConfig.poly_exp2 must be an int in \[0, 8\], got 9"),
     "poly_exp2-float": (dict(poly_exp2=1.0), r"AttentionConfig.poly_exp2 must be an int in \[0, 8\], got 1.0"),
+    "group_idx-int16": (dict(has_kv_lengths=False, group_idx=torch.int16), "AttentionConfig.group_idx must be None"),
+    "group_idx-lengths": (dict(group_idx=torch.int32), "AttentionConfig: group_idx needs direction 'kv' without"),
+    "group_idx-q": (dict(has_kv_lengths=False, direction="q", group_idx=torch.int32),
+                    "AttentionConfig: group_idx needs direction 'kv' without"),
 }
 
 
