@@ -28,7 +28,7 @@ from cute_kernels.warp_specialized import (
 
 from .config import AttentionConfig, box_rows, row_packing
 from .softmax import OnlineSoftmax
-from .worklist_sm90 import count_key, cta_exclusive_sums, group_key, group_tiles
+from .worklist_sm90 import count_key, group_key, scan_groups
 
 
 class FwdBarrier(Barrier):
@@ -544,29 +544,7 @@ class IkboAttentionFwdSm90:
             for j in cutlass.range_constexpr(GROUP_UNROLL):
                 count_key(sCand, keys[j], below)
         cute.arch.sync_threads()
-        per = (n_groups + nt - 1) // nt
-        lo = cutlass.min(tidx * per, n_groups)
-        hi = cutlass.min(lo + per, n_groups)
-        c_sum = Int32(0)
-        t_sum = Int32(0)
-        for g in cutlass.range(lo, hi, 1, unroll=1):
-            c = sCand[g]
-            c_sum += c
-            t_sum += group_tiles(c, self.s_q)
-        c_off, t_off = cta_exclusive_sums(c_sum, t_sum, sScan, warp, lane)
-        for g in cutlass.range(lo, hi, 1, unroll=1):
-            c = sCand[g]
-            mCandStart[g] = c_off
-            mTileStart[g] = t_off
-            sCand[g] = c_off
-            sTile[g] = t_off
-            c_off += c
-            t_off += group_tiles(c, self.s_q)
-        if tidx == nt - 1:
-            mCandStart[n_groups] = c_off
-            mTileStart[n_groups] = t_off
-            sCand[n_groups] = c_off
-            sTile[n_groups] = t_off
+        scan_groups(sCand, mCandStart, mTileStart, sTile, n_groups, self.s_q, nt, sScan, tidx, warp, lane)
         cute.arch.sync_threads()
         tiles = sTile[n_groups]
         grouped = sFlag[0] == 0

@@ -1,6 +1,6 @@
 """The KV-broadcast work list in one launch (sm_90a): class KvWorklistSm90, and the device
-helpers it shares with the attention kernel's own grouping (group_key, count_key, group_tiles,
-cta_exclusive_sums).
+helpers it shares with the attention kernel's own grouping (group_key, count_key, scan_groups,
+group_tiles).
 
 Produces exactly what :func:`ikbo_fa.worklist.kv_worklist` produces (the
 torch reference), except that the order of candidates within a user is not
@@ -129,27 +129,7 @@ class KvWorklistSm90:
         self.sweep(mIdx, mOrder, sHist, sDescents, n_cand, n_users, tidx, lane, scatter=False)
         cute.arch.sync_threads()
 
-        # Contiguous run of groups per thread.
-        per = (n_groups + nt - 1) // nt
-        lo = cutlass.min(tidx * per, n_groups)
-        hi = cutlass.min(lo + per, n_groups)
-        c_sum = Int32(0)
-        t_sum = Int32(0)
-        for g in cutlass.range(lo, hi, 1):
-            c = sHist[g]
-            c_sum += c
-            t_sum += group_tiles(c, rows_per_cand)
-        c_off, t_off = cta_exclusive_sums(c_sum, t_sum, sScan, warp, lane)
-        for g in cutlass.range(lo, hi, 1):
-            c = sHist[g]
-            mCandStart[g] = c_off
-            mTileStart[g] = t_off
-            sHist[g] = c_off
-            c_off += c
-            t_off += group_tiles(c, rows_per_cand)
-        if tidx == nt - 1:
-            mCandStart[n_groups] = c_off
-            mTileStart[n_groups] = t_off
+        lo, hi = scan_groups(sHist, mCandStart, mTileStart, None, n_groups, rows_per_cand, nt, sScan, tidx, warp, lane)
         grouped = sDescents[0] == 0  # written before the barriers above, read after
         if tidx == 0:
             mGrouped[0] = Int32(1) if grouped else Int32(0)
@@ -275,6 +255,43 @@ def count_key(sHist, key: Int32, below) -> None:
     peers = cute.arch.match_sync(FULL_MASK, key)
     if Int32(cute.arch.popc(peers & below)) == 0 and key >= 0:
         cute.arch.atomic_add(sHist.iterator + key, Int32(cute.arch.popc(peers)))
+
+
+@cute.jit
+def scan_groups(sCount, mCandStart, mTileStart, sTile, n_groups: Int32, rows_per_cand: Int32, nt: int, sScan, tidx,
+                warp, lane):
+    """Each group's first candidate and first tile from its count (``sCount``, shared memory):
+    every thread takes a contiguous run of groups, a CTA-wide exclusive scan gives each run's
+    offsets, and the run is walked again writing ``mCandStart`` and ``mTileStart`` (n_groups + 1
+    entries) and leaving each group's first candidate in ``sCount`` (and its first tile in
+    ``sTile``, with the ends at n_groups, unless None). Every thread of the CTA (``nt``) calls it.
+    Returns the thread's run [lo, hi)."""
+    per = (n_groups + nt - 1) // nt
+    lo = cutlass.min(tidx * per, n_groups)
+    hi = cutlass.min(lo + per, n_groups)
+    c_sum = Int32(0)
+    t_sum = Int32(0)
+    for g in cutlass.range(lo, hi, 1):
+        c = sCount[g]
+        c_sum += c
+        t_sum += group_tiles(c, rows_per_cand)
+    c_off, t_off = cta_exclusive_sums(c_sum, t_sum, sScan, warp, lane)
+    for g in cutlass.range(lo, hi, 1):
+        c = sCount[g]
+        mCandStart[g] = c_off
+        mTileStart[g] = t_off
+        sCount[g] = c_off
+        if const_expr(sTile is not None):
+            sTile[g] = t_off
+        c_off += c
+        t_off += group_tiles(c, rows_per_cand)
+    if tidx == nt - 1:
+        mCandStart[n_groups] = c_off
+        mTileStart[n_groups] = t_off
+        if const_expr(sTile is not None):
+            sCount[n_groups] = c_off
+            sTile[n_groups] = t_off
+    return lo, hi
 
 
 @cute.jit
