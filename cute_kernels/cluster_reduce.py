@@ -49,22 +49,26 @@ VEC = 4  # fp32 values per st.async (16 bytes)
 
 
 @dsl_user_op
-def store_remote_v4(base: Pointer, offset: int, values, mbar: Pointer, rank, *, loc: Optional[ir.Location] = None,
-                    ip: Optional[ir.InsertionPoint] = None) -> None:
-    """``st.async`` of 4 fp32 ``values`` to fp32 word ``offset`` (a compile-time count) past this
-    CTA's shared-memory address ``base``, as mapped into CTA ``rank`` of the cluster, completing
-    16 transaction bytes on mbarrier ``mbar`` there. The mapping is of ``base``, the offset an
-    immediate: one register per peer and base however many stores follow (mapping each store's
-    address spilled at 4-CTA splits). ``cute.arch.store_async_dsmem`` also fences after every
-    store, which the exchange, ordered by the mbarrier alone, does not need."""
+def store_remote(base: Pointer, offset: int, values, mbar: Pointer, rank, *, loc: Optional[ir.Location] = None,
+                 ip: Optional[ir.InsertionPoint] = None) -> None:
+    """``st.async`` of 2 or 4 32-bit ``values`` (fp32, or their bits) to word ``offset`` (a
+    compile-time count) past this CTA's shared-memory address ``base``, as mapped into CTA
+    ``rank`` of the cluster, completing 8 or 16 transaction bytes on mbarrier ``mbar`` there.
+    The mapping is of ``base``, the offset an immediate: one register per peer and base however
+    many stores follow (mapping each store's address spilled at 4-CTA splits).
+    ``cute.arch.store_async_dsmem`` also fences after every store, which an exchange ordered by
+    the mbarrier alone does not need."""
+    if len(values) not in (2, 4):
+        raise ValueError(f"store_remote: 2 or 4 values a store, got {len(values)}")
     dsmem = llvm.PointerType.get(AddressSpace.dsmem)
     r = Int32(rank).ir_value(loc=loc, ip=ip)
     addr = nvvm.mapa(dsmem, base.to_llvm_ptr(loc=loc, ip=ip), r, loc=loc, ip=ip)
     if offset:
         addr = llvm.getelementptr(dsmem, addr, [], [offset * 4], T.i8(), no_wrap_flags="None", loc=loc, ip=ip)
     bar = nvvm.mapa(dsmem, mbar.to_llvm_ptr(loc=loc, ip=ip), r, loc=loc, ip=ip)
-    words = [llvm.bitcast(T.i32(), Float32(v).ir_value(loc=loc, ip=ip), loc=loc, ip=ip) for v in values]
-    vec = vector.from_elements(ir.VectorType.get([VEC], T.i32()), words, loc=loc, ip=ip)
+    words = [v.ir_value(loc=loc, ip=ip) if isinstance(v, Int32) else
+             llvm.bitcast(T.i32(), Float32(v).ir_value(loc=loc, ip=ip), loc=loc, ip=ip) for v in values]
+    vec = vector.from_elements(ir.VectorType.get([len(values)], T.i32()), words, loc=loc, ip=ip)
     nvvm.store_async(addr, vec, bar, loc=loc, ip=ip)
 
 
@@ -154,7 +158,7 @@ class ClusterReduce:
                 base = buf[(None, tidx, 0, 0, slot)].iterator
                 for m in cutlass.range_constexpr(self.rows):
                     offset = self.offset((0, 0, m, s // self.ctas, 0))
-                    store_remote_v4(base, offset, [acc_mn[m, s * self.cols + c] for c in range(VEC)], full, owner)
+                    store_remote(base, offset, [acc_mn[m, s * self.cols + c] for c in range(VEC)], full, owner)
         cute.arch.mbarrier_wait(full, tile_i % 2)
         for s in cutlass.range_constexpr(self.parts):
             if rank == self.owner(s):

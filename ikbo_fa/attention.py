@@ -55,7 +55,7 @@ from typing import Optional
 import torch
 
 from cute_kernels import checks
-from cute_kernels.arch import on_device, require_sm90, sm_count
+from cute_kernels.arch import max_active_clusters, on_device, require_sm90, sm_count
 from cute_kernels.compile import kernel_cache
 from cute_kernels.interop import copy_back, forward_only, into_out, library_op, store_target, tma_ready
 from cute_kernels.plans import PlanCache, on_gpu, plan_key
@@ -90,6 +90,9 @@ _POLY_EXP2 = 0
 # most this many candidates; off until timed on the H200.
 _GROUP_IN_KERNEL = False
 _GROUP_MAX_BATCH = 16384
+# Two splits of a row's keys run on the two CTAs of a cluster and merge there (AttentionConfig.
+# split_pair), with no workspace and no merge launch; off until timed on the H200.
+_SPLIT_PAIR = False
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +122,8 @@ class _Plan:
     kv_len: int  # L
     rows_per_cand: int  # KV: query rows of a candidate in its user's run (S_q)
     n_ctas: int
-    merge: object  # split_kv: the compiled merge of the splits (SplitMergeSm90); None without split
-    n_splits: int  # split_kv: splits of each row's keys (1: no split)
+    merge: object  # split_kv: the compiled merge of the splits (SplitMergeSm90); None otherwise
+    n_splits: int  # splits of each row's keys (1: no split; split_pair: 2, merged in the kernel)
     split_keys: int  # keys per split (a multiple of 128; 0 without split)
     default_scale: float
     # int32 work buffers, carved from one allocation: work list or idx copy, then kv_lengths
@@ -231,7 +234,7 @@ def attention(
 def _launch_flags() -> tuple:
     """The module's launch choices, part of a plan's key (tests and A/B runs change them)."""
     return (_WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _LANE_SEARCH, _SOLO_TILES, _POLY_EXP2, _GROUP_IN_KERNEL,
-            _GROUP_MAX_BATCH)
+            _GROUP_MAX_BATCH, _SPLIT_PAIR)
 
 
 def _no_keys(kv, kv_offsets) -> bool:
@@ -325,12 +328,14 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     # A tile of a grouped idx is consecutive rows of q and out where their batch stride is
     # S_q rows (one row per candidate: any stride); the kernel then moves it in two boxes.
     s_q = plan.out_shape[1]
-    dest, dest_lse = (target, lse) if plan.n_splits == 1 else _split_workspace(plan)
+    # split_kv: the splits' partial results go to a workspace the merge launch reads
+    workspace = plan.merge is not None
+    dest, dest_lse = _split_workspace(plan) if workspace else (target, lse)
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
     own_idx = idx_k if plan.config.group_idx is not None else None  # the kernel groups it itself
     plan.kernel(q, k, v, dest, dest_lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm, own_idx,
                 scale * LOG2E, scale, plan.n_ctas, int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys)
-    if plan.n_splits > 1:
+    if workspace:
         plan.merge(dest, dest_lse, target, lse, plan.n_splits)
     copy_back(out, target)
     return (out, lse) if return_lse else out
@@ -437,9 +442,10 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
     if (_GROUP_IN_KERNEL and use_worklist_kernel and p.kv_lengths is None and not p.jagged
             and p.batch <= _GROUP_MAX_BATCH and n_users + 1 <= _group_capacity(p.q.dtype, p.head_dim)):
         group_idx = p.idx.dtype
+    pair = _SPLIT_PAIR and n_splits == 2
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
-                        jagged=p.jagged, split_kv=n_splits > 1, lane_search=_LANE_SEARCH,
-                        solo=_SOLO_TILES, poly_exp2=_POLY_EXP2, group_idx=group_idx)
+                        jagged=p.jagged, split_kv=n_splits > 1 and not pair, lane_search=_LANE_SEARCH,
+                        solo=_SOLO_TILES, poly_exp2=_POLY_EXP2, group_idx=group_idx, split_pair=pair)
     _, _, chunks = row_packing(p.s_q)
     idx_contiguous = p.idx.is_contiguous()
     idx_int32 = p.idx.dtype == torch.int32
@@ -482,8 +488,9 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         n_users=n_users,
         kv_len=p.kv_len,
         rows_per_cand=p.s_q,
-        n_ctas=max(1, min(sm_count(device), bound * p.heads * n_splits)),
-        merge=_merge_kernel(p.q.dtype, return_lse) if n_splits > 1 else None,
+        n_ctas=(2 * max(1, min(max_active_clusters(device, 2), bound * p.heads)) if pair
+                else max(1, min(sm_count(device), bound * p.heads * n_splits))),
+        merge=_merge_kernel(p.q.dtype, return_lse) if n_splits > 1 and not pair else None,
         n_splits=n_splits,
         split_keys=split_keys,
         default_scale=1.0 / math.sqrt(p.head_dim),

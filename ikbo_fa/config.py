@@ -51,6 +51,11 @@ class AttentionConfig:
     # instead of waiting for the work-list kernel; None: the work list groups them. The op takes
     # it where ikbo_fa.attention._GROUP_IN_KERNEL says so and the problem fits.
     group_idx: object = None
+    # KV broadcast: each row's keys over the two CTAs of a cluster (CTA r over split r of
+    # split_keys keys), their partial outputs merged in distributed shared memory, with no
+    # workspace and no second launch. The op takes it for two splits where
+    # ikbo_fa.attention._SPLIT_PAIR says so.
+    split_pair: bool = False
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -74,6 +79,8 @@ class AttentionConfig:
         if self.group_idx is not None and (self.direction != "kv" or self.ordered):
             raise ValueError("AttentionConfig: group_idx needs direction 'kv' without kv_lengths or jagged K/V "
                              "(their tiles run in the work list's longest-first order)")
+        if self.split_pair and (self.direction != "kv" or self.split_kv):
+            raise ValueError("AttentionConfig: split_pair needs direction 'kv' and excludes split_kv")
         if self.solo and self.direction != "kv":
             raise ValueError("AttentionConfig: solo needs direction 'kv' (a Q-broadcast tile fills both warpgroups)")
 
@@ -87,7 +94,7 @@ class AttentionConfig:
         flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-jagged", self.jagged),
                                           ("-lse", self.return_lse), ("-serial", not self.overlap),
                                           ("-split", self.split_kv), ("-lanes", self.lane_search),
-                                          ("-solo", self.solo)) if on)
+                                          ("-solo", self.solo), ("-pair", self.split_pair)) if on)
         flags += f"-poly{self.poly_exp2}" if self.poly_exp2 else ""
         flags += f"-group{self.group_idx.itemsize * 8}" if self.group_idx is not None else ""
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
@@ -116,12 +123,12 @@ def row_packing(s_q: int):
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
                   return_lse: bool, jagged: bool = False, split_kv: bool = False,
                   lane_search: bool = False, solo: bool = False, poly_exp2: int = 0,
-                  group_idx=None) -> AttentionConfig:
+                  group_idx=None, split_pair: bool = False) -> AttentionConfig:
     """The configuration the op compiles for a problem."""
     kv = direction == "kv"
     return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
                            split_kv=split_kv, lane_search=lane_search and kv, solo=solo and kv, poly_exp2=poly_exp2,
-                           group_idx=group_idx)
+                           group_idx=group_idx, split_pair=split_pair)
 
 
 SHIPPED_CONFIGS = tuple(
@@ -156,6 +163,10 @@ SHIPPED_CONFIGS = tuple(
         # candidates grouped by each CTA itself: one row per candidate split, int64 idx; S_q 17
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_kv=True, group_idx=torch.int64),
         AttentionConfig(torch.float16, 64, 17, "kv", False, False, group_idx=torch.int32),
+        # a row's keys over the two CTAs of a cluster: S_q 1 with lse, kv_lengths, jagged
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_pair=True),
+        AttentionConfig(torch.float16, 64, 17, "kv", True, False, split_pair=True),
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True, split_pair=True),
     ]
 )
 

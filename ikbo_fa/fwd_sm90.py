@@ -10,9 +10,11 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels.accumulator import acc_as_frag_a, acc_mn_view, warpgroup_gemm
+from cute_kernels.cluster_reduce import store_remote
 from cute_kernels.interop import cutlass_dtype
 from cute_kernels.scheduler import strided_tiles, warp_search
 from cute_kernels.warp_specialized import (
@@ -27,7 +29,7 @@ from cute_kernels.warp_specialized import (
 )
 
 from .config import AttentionConfig, box_rows, row_packing
-from .softmax import OnlineSoftmax
+from .softmax import LN_2, LOG2_E, OnlineSoftmax
 from .worklist_sm90 import count_key, group_key, scan_groups
 
 
@@ -53,7 +55,8 @@ class Schedule:
     max_keys: Int32  # jagged: the longest history a row may have (the op's max_kv_len)
     q_flat: cutlass.Boolean  # q and out hold a user's query rows at one stride (checked by the op)
     n_splits: Int32  # split_kv: CTAs per (tile, head), each over split_keys of the row's keys
-    split_keys: Int32  # split_kv: keys per split, a multiple of TILE_N
+    split_keys: Int32  # split_kv, split_pair: keys per split, a multiple of TILE_N
+    rank: Int32  # split_pair: this CTA's split (its rank in the cluster); 0 otherwise
 
     def group(self):
         """Query heads per K/V head."""
@@ -190,6 +193,21 @@ class IkboAttentionFwdSm90:
     Before rewriting its sO rows a warpgroup waits (bulk wait_group.read) for its previous
     TMA stores.
 
+    Split pairs (``split_pair``, a cluster of 2 CTAs on the same tiles, CTA r over split r of each
+    row's keys): CTA r stores the rows of consumer warpgroup r. After its main loop the other
+    warpgroup sends its normalized O (in the dtype) and its rows' lse by ``st.async`` into the
+    peer's sO rows of that warpgroup (which the peer never stores) and its lse buffer; the owner
+    merges them into its own O in fp32 and runs the epilogue. Rows past a tile's (warpgroup 1's
+    of a tile of at most 64 rows) are exchanged by neither. Barriers (one each per CTA):
+
+        | barrier | arrives | completes when |
+        | --- | --- | --- |
+        | pair full | 1 (the owner, arming the bytes) + 128 x (D / 2 + 2) x 4 bytes | the peer's rows have landed |
+        | pair free | 1 (the peer's owner, remotely) | the peer has read the previous exchange |
+
+    The sender waits on free before every exchange but the first; the kernel ends with a
+    cluster barrier, so no CTA exits while its peer may still arrive on or store into it.
+
     Timeline of a consumer warpgroup per tile (overlap): wait Q -> first block: S, mask,
     softmax, P -> for each later block: [turn: S(j), P V(j-1), hand over] softmax(j) against
     the stale max -> last P V -> exact rows (rare) -> release Q -> epilogue.
@@ -264,12 +282,20 @@ class IkboAttentionFwdSm90:
         self.ordered = cfg.ordered
         # KV broadcast, group_idx: the kernel groups the candidates itself (group_candidates).
         self.group_idx = cfg.group_idx is not None
+        # Keys split over CTAs: split_kv (a workspace the op merges) or split_pair (the two CTAs
+        # of a cluster merge them in distributed shared memory: pair_send / pair_receive).
+        self.pair = cfg.split_pair
+        self.cluster_size = 2 if self.pair else 1
+        self.key_split = cfg.split_kv or cfg.split_pair
         self.num_threads = self.REGISTERS.threads
         self.ping_pong = PingPong(int(FwdBarrier.GEMM_TURN))
         check_barriers("IkboAttentionFwdSm90", FwdBarrier, {"EPILOGUE": 2, "GEMM_TURN": 2})
 
         elt = self.dtype.width // 8
         d, r = self.head_dim, self.slot_rows
+        # split_pair: per exchange each sending thread's O in the dtype, and its two rows' lse.
+        self.pair_words = d // 4  # 32-bit words of a thread's 64 x D / 128 values, two a word
+        self.pair_tx = self.CONSUMER_THREADS // 2 * (self.pair_words + 2) * 4
         # Transaction bytes per stage, counted from the boxes (cute.size_in_bytes would take
         # the cosize of the strided slot layout, which spans more than the slot).
         q_bytes = self.slots * r * d * elt
@@ -281,8 +307,10 @@ class IkboAttentionFwdSm90:
             for name, stages, tx in (("Q", self.Q_STAGES, q_bytes), ("K", self.KV_STAGES, kv_bytes),
                                      ("V", self.KV_STAGES, kv_bytes))
         }
-        smem = (1024 + (self.Q_STAGES + 1) * self.tile_m * d * elt + 2 * self.KV_STAGES * self.tile_n * d * elt)
-        if smem > 227 * 1024:  # barriers (padded to 1024) + sQ stages + sO + sK + sV
+        # barriers, tile info and (split_pair) the lse exchange, padded to 1024; sQ stages, sO, sK, sV
+        smem = ((2048 if self.pair else 1024) + (self.Q_STAGES + 1) * self.tile_m * d * elt
+                + 2 * self.KV_STAGES * self.tile_n * d * elt)
+        if smem > 227 * 1024:
             raise ValueError(f"IkboAttentionFwdSm90: {smem} bytes of shared memory exceed 227 KiB (D = {d})")
 
     # ------------------------------------------------------------------ host
@@ -361,6 +389,8 @@ class IkboAttentionFwdSm90:
             mbar_k: cute.struct.MemRange[cutlass.Int64, self.KV_STAGES * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.KV_STAGES * 2]
             tile_meta: cute.struct.MemRange[Int32, self.Q_STAGES * TileInfo.FIELDS]
+            pair_bars: cute.struct.MemRange[cutlass.Int64, 2]  # split_pair: full, free
+            pair_lse: cute.struct.Align[cute.struct.MemRange[Float32, 256 if self.pair else 2], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -377,7 +407,7 @@ class IkboAttentionFwdSm90:
             q_flat, max_keys, n_splits, split_keys, scale_log2, scale,
             tiled_mma_qk, tiled_mma_pv, sQ_layout, sO_layout, slot_layout, sK_layout, sV_layout,
         ).launch(grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
-                 use_pdl=True)
+                 use_pdl=True, **({"cluster": [self.cluster_size, 1, 1]} if self.pair else {}))
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -440,8 +470,16 @@ class IkboAttentionFwdSm90:
         pipe_q = self.pipelines["Q"].make(storage.mbar_q.data_ptr())
         pipe_k = self.pipelines["K"].make(storage.mbar_k.data_ptr())
         pipe_v = self.pipelines["V"].make(storage.mbar_v.data_ptr())
-        pipelines_init_arrive(1)
-        pipelines_init_wait(1)
+        pair_bars = storage.pair_bars.data_ptr()
+        rank = Int32(0)
+        if const_expr(self.pair):
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(pair_bars, 1)  # full: the owner's arm, plus the bytes
+                    cute.arch.mbarrier_init(pair_bars + 1, 1)  # free: the peer owner's release
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        pipelines_init_arrive(self.cluster_size)
+        pipelines_init_wait(self.cluster_size)
         # Launched with programmatic dependent launch: everything above overlaps the kernel
         # before this one on the stream (the work list); no global memory is touched above.
         # group_idx: the CTA groups the candidates itself from idx (which the work list does not
@@ -480,7 +518,7 @@ class IkboAttentionFwdSm90:
         if const_expr(self.cfg.split_kv):
             total = total * n_splits
         sched = Schedule(total, tiles_per_head, n_q_batch, n_kv_batch, n_heads, n_kv_heads, kv_len, max_keys, flat,
-                         n_splits, split_keys)
+                         n_splits, split_keys, rank)
 
         if warp_idx < 4:
             self.REGISTERS.enter_producer()
@@ -491,7 +529,11 @@ class IkboAttentionFwdSm90:
         else:
             self.REGISTERS.enter_consumer()
             self.consumer(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
-                          sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, sched, scale_log2, tidx - 128)
+                          sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, sched, scale_log2, tidx - 128, storage)
+        if const_expr(self.pair):
+            # No CTA exits while its peer may still arrive on its barriers or store into it.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     # ------------------------------------------------------------ work list
     @staticmethod
@@ -563,13 +605,13 @@ class IkboAttentionFwdSm90:
         turns back every other round, and heads run fastest over the groups in perm order."""
         if const_expr(self.ordered):
             grid, _, _ = cute.arch.grid_dim()
-            G = Int32(grid)
+            G = Int32(grid) // self.cluster_size  # the walk's width, in clusters
             r = t // G
             c = t - r * G
             if r % 2 == 1:
                 c = cutlass.min(G, sched.total_tiles - r * G) - 1 - c
             t = r * G + c
-        split = Int32(0)
+        split = sched.rank
         if const_expr(self.cfg.split_kv):
             per_split = sched.tiles_per_head * sched.n_heads
             split = t // per_split
@@ -635,10 +677,11 @@ class IkboAttentionFwdSm90:
             end = cutlass.min(cutlass.max(mKvOffsets[kv_coord + 1], kv_base), sched.kv_len)
             n_keys = cutlass.min(end - kv_base, sched.max_keys)
         out_head = h
-        if const_expr(self.cfg.split_kv):
+        if const_expr(self.key_split):
             start = split * sched.split_keys
             n_keys = cutlass.min(cutlass.max(n_keys - start, 0), sched.split_keys)
             kv_base = kv_base + start
+        if const_expr(self.cfg.split_kv):
             out_head = split * sched.n_heads + h
         if invalid:
             n_keys = Int32(0)
@@ -679,7 +722,7 @@ class IkboAttentionFwdSm90:
         """Warp 0: per tile its TileInfo and Q slots, then K/V blocks last to first."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.Q_STAGES)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.KV_STAGES)
-        walk = strided_tiles(Int32(0))
+        walk = strided_tiles(Int32(0), cluster=self.cluster_size)
         t = walk.first
         if const_expr(self.group_idx):
             # The first tile from the group starts this CTA's prologue left in shared memory
@@ -704,9 +747,9 @@ class IkboAttentionFwdSm90:
         """One tile's loads: its TileInfo and Q slots, then its K/V blocks last to first."""
         d = self.head_dim
         h_kv = info.head // sched.group()
-        if const_expr(self.cfg.jagged or self.cfg.split_kv):
+        if const_expr(self.cfg.jagged or self.key_split):
             # The keys start at kv_base: the row's in the one packed batch row (jagged), plus
-            # the split's first (split_kv).
+            # the split's first (split_kv, split_pair).
             row = Int32(0) if const_expr(self.cfg.jagged) else info.kv_coord
             gK = cute.local_tile(cute.domain_offset((info.kv_base, 0), mK[None, None, h_kv, row]),
                                  (self.tile_n, d), (None, 0))
@@ -800,7 +843,7 @@ class IkboAttentionFwdSm90:
     @cute.jit
     def consumer(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
                  sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, sched: Schedule, scale_log2: Float32,
-                 tidx: Int32):
+                 tidx: Int32, storage):
         """Consumer warpgroups: per tile the main loop over its key blocks, then the epilogue."""
         d, n = self.head_dim, self.tile_n
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -831,8 +874,9 @@ class IkboAttentionFwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.KV_STAGES)
         if const_expr(self.cfg.overlap):
             self.ping_pong.start(wg)
-        walk = strided_tiles(Int32(0))
+        walk = strided_tiles(Int32(0), cluster=self.cluster_size)
         t = walk.first
+        n_ex = Int32(0)  # split_pair: exchanges of this warpgroup's rows so far
         while t < sched.total_tiles:
             # The producer looked the tile up (a binary search over dependent loads, off the
             # consumers' path); its info arrives with the tile's Q and stays in registers for
@@ -863,7 +907,7 @@ class IkboAttentionFwdSm90:
                                                     scale_log2, tidx)
             if const_expr(self.cfg.overlap):
                 if softmax.any_row_to_redo():
-                    if const_expr(self.cfg.jagged or self.cfg.split_kv):  # the keys from kv_base on
+                    if const_expr(self.cfg.jagged or self.key_split):  # the keys from kv_base on
                         key0 = sMeta[TileInfo.KV_BASE, q_state.index]
                         batch = Int32(0) if const_expr(self.cfg.jagged) else info.kv_coord  # jagged: one row
                         softmax.exact_rows(sQ, q_state.index, cute.domain_offset((key0, 0, 0, 0), mKg),
@@ -874,9 +918,23 @@ class IkboAttentionFwdSm90:
                                            info.head // sched.group(), info.kv_coord, scale_log2, tidx)
             pipe_q.consumer_release(q_state)
             q_state.advance()
-            if not idle:  # an idle warpgroup has no row to store
-                self.epilogue(st, info, tiled_mma_pv, tidx, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sO, mCand,
-                              scale_log2, wg, warp_in_wg)
+            lse = softmax.finish(info.invalid, scale_log2)
+            store = not idle  # an idle warpgroup has no row to store
+            if const_expr(self.pair):
+                # CTA r stores warpgroup r's rows, merged with the peer's split of them; rows past
+                # the tile's (warpgroup 1's of a tile of at most 64) are exchanged by neither.
+                if wg == 0 or info.n_valid > 64:
+                    if wg == sched.rank:
+                        self.pair_receive(st, lse, storage, n_ex, sched.rank, tidx % 128, wg)
+                    else:
+                        self.pair_send(st, lse, storage, n_ex, sched.rank, tidx % 128)
+                        store = False
+                    n_ex += 1
+                else:
+                    store = False
+            if store:
+                self.epilogue(st, info, lse, tiled_mma_pv, tidx, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sO, mCand,
+                              wg, warp_in_wg)
             t += walk.stride
         if warp_in_wg == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1013,15 +1071,87 @@ class IkboAttentionFwdSm90:
                 cute.arch.fence_view_async_shared()
                 bar_sync(FwdBarrier.V_TAIL, self.CONSUMER_THREADS)
 
+    def pair_buffer(self, storage, rows_of: Int32, t: Int32):
+        """Thread t's slot of the exchange buffer: the sO rows of warpgroup ``rows_of`` (the one
+        that never stores in the receiving CTA), as 32-bit words, word k at ``pair_offset(k)``.
+        Each 64-column panel of sO holds a warpgroup's 64 rows in 8 KiB."""
+        base = cute.recast_ptr(storage.sO.data_ptr(), dtype=Int32) + (rows_of * (64 * 64 // 2) + t * 4)
+        return cute.make_tensor(base, cute.make_layout(self.pair_offset(self.pair_words - 1) + 1))
+
+    def pair_offset(self, k: int) -> int:
+        """Word k (compile time) of a thread's slot: panel k // 16, 16-byte group (k % 16) // 4 of
+        the warpgroup's 128 (so a warp's stores cover 512 neighbouring bytes)."""
+        return (k // 16) * (self.tile_m * 64 // 2) + ((k % 16) // 4) * 128 * 4 + k % 4
+
+    def pair_lse(self, storage, t: Int32):
+        """Thread t's two lse words of the exchange (its two rows)."""
+        return cute.make_tensor(cute.recast_ptr(storage.pair_lse.data_ptr(), dtype=Float32) + t * 2,
+                                cute.make_layout(2))
+
     @cute.jit
-    def epilogue(self, st: ConsumerState, info: TileInfo, tiled_mma_pv, tidx: Int32, tma_atom_O, mO, tma_atom_Of,
-                 mOf, mLSE, sO, mCand, scale_log2: Float32, wg: Int32, warp_in_wg: Int32):
+    def pair_send(self, st: ConsumerState, lse, storage, n_ex: Int32, rank: Int32, t: Int32):
+        """split_pair, the warpgroup whose rows the peer CTA stores: once the peer has read the
+        previous exchange (``free``), its normalized O (in the dtype) and its rows' lse, by
+        ``st.async`` into the peer's buffer, completing on the peer's ``full``."""
+        bars = storage.pair_bars.data_ptr()
+        if n_ex > 0:
+            cute.arch.mbarrier_wait(bars + 1, (n_ex - 1) % 2)
+        rO = cute.make_rmem_tensor_like(st.acc_O, self.dtype)
+        rO.store(st.acc_O.load().to(self.dtype))
+        words = cute.recast_tensor(rO, Int32)
+        peer = 1 - rank
+        base = self.pair_buffer(storage, rank, t).iterator
+        for k in cutlass.range_constexpr(0, self.pair_words, 4):
+            store_remote(base, self.pair_offset(k), [words[k + e] for e in range(4)], bars, peer)
+        store_remote(self.pair_lse(storage, t).iterator, 0, [lse[0], lse[1]], bars, peer)
+
+    @cute.jit
+    def pair_receive(self, st: ConsumerState, lse, storage, n_ex: Int32, rank: Int32, t: Int32, wg: Int32):
+        """split_pair, the warpgroup whose rows this CTA stores: the peer's split of them arrives
+        (``full``, armed here with the bytes) and is merged into O in fp32, each split weighed by
+        exp(its lse - the rows' lse), which replaces ``lse`` (-inf without a key in either split;
+        NaN stays NaN); the buffer is released to the peer once every thread has read it."""
+        bars = storage.pair_bars.data_ptr()
+        if t == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bars, self.pair_tx)
+        cute.arch.mbarrier_wait(bars, n_ex % 2)
+        rP = cute.make_rmem_tensor_like(st.acc_O, self.dtype)
+        words = cute.recast_tensor(rP, Int32)
+        buf = self.pair_buffer(storage, 1 - rank, t)
+        for k in cutlass.range_constexpr(self.pair_words):
+            words[k] = buf[self.pair_offset(k)]
+        lse_buf = self.pair_lse(storage, t)
+        peer_lse = [lse_buf[0], lse_buf[1]]
+        # Every thread has its words: the peer may overwrite them.
+        bar_sync(FwdBarrier.EPILOGUE + wg, 128)
+        if t == 0:
+            cute.arch.mbarrier_arrive(bars + 1, 1 - rank, scope=nvvm.MemScopeKind.CLUSTER)
+        pO = cute.make_rmem_tensor_like(st.acc_O, Float32)
+        pO.store(rP.load().to(Float32))
+        pO_mn = acc_mn_view(pO)
+        for m in cutlass.range_constexpr(2):
+            a = lse[m]
+            b = peer_lse[m]
+            top = cute.arch.fmax(a, b, nan=True)
+            none = top == -Float32.inf  # neither split has a key: O stays 0
+            wa = Float32(0.0) if none else cute.math.exp2((a - top) * LOG2_E, fastmath=True)
+            wb = Float32(0.0) if none else cute.math.exp2((b - top) * LOG2_E, fastmath=True)
+            total = wa + wb
+            inv = Float32(0.0) if none else cute.arch.rcp_approx(total)
+            lse[m] = top if none else top + cute.math.log2(total, fastmath=True) * LN_2
+            wa = wa * inv
+            wb = wb * inv
+            for c in cutlass.range_constexpr(cute.size(st.acc_O_mn, mode=[1])):
+                st.acc_O_mn[m, c] = st.acc_O_mn[m, c] * wa + pO_mn[m, c] * wb
+
+    @cute.jit
+    def epilogue(self, st: ConsumerState, info: TileInfo, lse, tiled_mma_pv, tidx: Int32, tma_atom_O, mO,
+                 tma_atom_Of, mOf, mLSE, sO, mCand, wg: Int32, warp_in_wg: Int32):
         """O / row_sum (and the lse) to sO, then one TMA store per stored slot of this warpgroup
         (or, for a flat tile whose 64 rows here are all stored, one box). No keys: O = 0,
         lse = -inf. Out-of-range index: NaN."""
         d, r = self.head_dim, self.slot_rows
         n_rows = cute.size(st.acc_O_mn, mode=[0])
-        lse = st.softmax.finish(info.invalid, scale_log2)
         rO = cute.make_rmem_tensor_like(st.acc_O, self.dtype)
         rO.store(st.acc_O.load().to(self.dtype))
 

@@ -79,6 +79,11 @@ class EmulatedKernels:
             starts = torch.cat([torch.zeros(1, dtype=torch.long), tiles[perm.long()].cumsum(0)])
             assert tile_start.tolist() == starts.tolist()
         H = q.shape[2]
+        # split_pair: two splits merged in the kernel, written as one (out has the H heads)
+        pair = n_splits == 2 and out.shape[2] == H
+        if pair:
+            assert split_keys % 128 == 0 and split_keys > 0 and n_ctas % 2 == 0 and cand_start is not None
+            n_splits, split_keys = 1, 0
         assert out.shape[2] == n_splits * H and (lse is None or lse.shape[1] == n_splits * H)
         if n_splits > 1:  # split_kv: split i holds keys i * split_keys : (i + 1) * split_keys of a row
             assert cand_start is not None and lse is not None and split_keys % 128 == 0 and split_keys > 0
@@ -154,6 +159,7 @@ def install(monkeypatch) -> EmulatedKernels:
     monkeypatch.setattr(attention_mod, "_plans", PlanCache())
     monkeypatch.setattr(attention_mod, "on_gpu", lambda q: isinstance(q, torch.Tensor))
     monkeypatch.setattr(attention_mod, "sm_count", lambda device: 132)
+    monkeypatch.setattr(attention_mod, "max_active_clusters", lambda device, size: 132 // size)
     monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: kernels.fwd)
     monkeypatch.setattr(attention_mod, "_worklist_kernel", lambda dtype, keys: kernels.worklist)
     monkeypatch.setattr(attention_mod, "_merge_kernel", lambda dtype, with_lse: kernels.merge)

@@ -510,6 +510,51 @@ def test_group_in_kernel_where_it_applies(emulated, monkeypatch, idx_dtype):
     assert cfg.group_idx is None
 
 
+@pytest.mark.parametrize("lengths_kind", ["none", "kv_lengths", "jagged"])
+@pytest.mark.parametrize("return_lse", [True, False])
+def test_split_pair_where_two_splits(emulated, monkeypatch, lengths_kind, return_lse):
+    """_SPLIT_PAIR: where a problem splits in two, the kernel takes both splits in a cluster
+    (split_pair) and writes out and lse itself: no workspace, no merge launch, an even grid of at
+    most two CTAs per resident cluster; where it splits in more, the workspace path stays."""
+    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
+    monkeypatch.setattr(attention_mod, "_SPLIT_PAIR", True)
+    configs = []
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd)
+    B, U, L = 2048, 32, 1024  # 64 (user, head) tiles on 132 SMs: two splits of 512 keys
+    q, kv, idx, _ = _gpu_path_problem(43, "kv", B, U, S_q=1, L=L)
+    kw = {}
+    if lengths_kind == "kv_lengths":
+        kw["kv_lengths"] = torch.randint(0, L + 1, (U,), dtype=torch.int32)
+    elif lengths_kind == "jagged":
+        lens = torch.randint(0, L + 1, (U,))
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        g = torch.Generator().manual_seed(42)
+        kv = tuple(torch.randn(int(offsets[-1]), 1, 64, generator=g).bfloat16() for _ in range(2))
+        kw.update(kv_offsets=offsets, max_kv_len=L)
+    res = ikbo_fa.attention(q, kv, idx, return_lse=return_lse, **kw)
+    (cfg,), call = configs, emulated.fwd_calls[-1]
+    assert cfg.split_pair and not cfg.split_kv and cfg.return_lse == return_lse
+    assert call["n_splits"] == 2 and call["split_keys"] == 512 and call["out"].shape[2] == 2
+    assert call["n_ctas"] % 2 == 0 and emulated.merge_calls == 0
+    ref = attention_reference(q, kv, idx, return_lse=return_lse, **kw)
+    for got, want in zip(res if return_lse else (res,), ref if return_lse else (ref,)):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(attention_mod, "max_active_clusters", lambda device, size: 5)
+    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
+    ikbo_fa.attention(q, kv, idx, return_lse=return_lse, **kw)
+    assert emulated.fwd_calls[-1]["n_ctas"] == 10  # as many clusters as can be resident
+
+
+def test_split_pair_not_past_two_splits(emulated, monkeypatch):
+    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
+    monkeypatch.setattr(attention_mod, "_SPLIT_PAIR", True)
+    configs = []
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd)
+    q, kv, idx, _ = _gpu_path_problem(41, "kv", 256, 4, S_q=1, L=2048)  # four splits
+    ikbo_fa.attention(q, kv, idx)
+    assert configs[-1].split_kv and not configs[-1].split_pair and emulated.merge_calls == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_lse", [True, False])
 def test_merge_kernel_compiles_for_sm90a(dtype, with_lse):

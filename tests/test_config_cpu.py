@@ -54,6 +54,10 @@ ATTENTION_BAD_FIELDS = {
     "group_idx-lengths": (dict(group_idx=torch.int32), "AttentionConfig: group_idx needs direction 'kv' without"),
     "group_idx-q": (dict(has_kv_lengths=False, direction="q", group_idx=torch.int32),
                     "AttentionConfig: group_idx needs direction 'kv' without"),
+    "split_pair-q": (dict(has_kv_lengths=False, direction="q", split_pair=True),
+                     "AttentionConfig: split_pair needs direction 'kv' and excludes split_kv"),
+    "split_pair-split_kv": (dict(split_kv=True, split_pair=True),
+                            "AttentionConfig: split_pair needs direction 'kv' and excludes split_kv"),
 }
 
 
