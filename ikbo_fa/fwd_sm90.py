@@ -720,6 +720,7 @@ class IkboAttentionFwdSm90:
                  pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched: Schedule,
                  sGroups):
         """Warp 0: per tile its TileInfo and Q slots, then K/V blocks last to first."""
+        group = sched.group()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.Q_STAGES)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.KV_STAGES)
         walk = strided_tiles(Int32(0), cluster=self.cluster_size)
@@ -732,21 +733,21 @@ class IkboAttentionFwdSm90:
                                       sched)
                 q_state, kv_state = self.load_tile(info, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf,
                                                    tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k,
-                                                   pipe_v, mCand, sched)
+                                                   pipe_v, mCand, group)
                 t += walk.stride
         while t < sched.total_tiles:
             info = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched)
             q_state, kv_state = self.load_tile(info, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K,
                                                mK, tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k, pipe_v, mCand,
-                                               sched)
+                                               group)
             t += walk.stride
 
     @cute.jit
     def load_tile(self, info: TileInfo, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK,
-                  tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k, pipe_v, mCand, sched: Schedule):
+                  tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k, pipe_v, mCand, group: Int32):
         """One tile's loads: its TileInfo and Q slots, then its K/V blocks last to first."""
         d = self.head_dim
-        h_kv = info.head // sched.group()
+        h_kv = info.head // group
         if const_expr(self.cfg.jagged or self.key_split):
             # The keys start at kv_base: the row's in the one packed batch row (jagged), plus
             # the split's first (split_kv, split_pair).
