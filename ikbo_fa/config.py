@@ -167,6 +167,9 @@ SHIPPED_CONFIGS = tuple(
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_pair=True),
         AttentionConfig(torch.float16, 64, 17, "kv", True, False, split_pair=True),
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True, split_pair=True),
+        # every variant at once
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, lane_search=True, solo=True, group_idx=torch.int32,
+                        split_pair=True, poly_exp2=3),
     ]
 )
 

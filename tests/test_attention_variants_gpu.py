@@ -399,3 +399,27 @@ def test_split_pair_graph_replay(monkeypatch):
         torch.cuda.synchronize()
         ref = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx)
         assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+@pytest.mark.parametrize("S_q, U, ratio, L", [(1, 32, 64, 1024), (1, 31, 65, 4096), (17, 6, 30, 1100)])
+def test_every_variant_at_once(monkeypatch, order, S_q, U, ratio, L):
+    """Lane search, grouping in the kernel, split pairs, solo tiles and polynomial exp2 together,
+    against fp32 and the default kernel."""
+    q, k, v, idx = _pair_problem(7 + S_q, U, ratio, S_q, L, order=order)
+    idx[3] = -1
+    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
+    with monkeypatch.context() as m:
+        for flag, value in (("_LANE_SEARCH", True), ("_GROUP_IN_KERNEL", True), ("_SPLIT_PAIR", True),
+                            ("_SOLO_TILES", True), ("_POLY_EXP2", 3)):
+            m.setattr(attention_mod, flag, value)
+        out, lse, cfg = _run(m, True, q, (k, v), idx, flag="_LANE_SEARCH")
+    base, base_lse, base_cfg = _run(monkeypatch, False, q, (k, v), idx, flag="_LANE_SEARCH")
+    assert cfg.group_idx == torch.int64 and cfg.solo and cfg.poly_exp2 == 3 and not base_cfg.solo
+    assert cfg.split_pair == base_cfg.split_kv  # two splits where the default splits
+    keep = idx >= 0
+    assert out[~keep].isnan().all() and not out[keep].isnan().any()
+    ref, ref_lse = ikbo_fa.attention_reference(q[keep].float(), (k.float(), v.float()), idx[keep], return_lse=True)
+    for o in (out, base):
+        assert ((o[keep].float() - ref).norm() / ref.norm()).item() < 1e-2
+    torch.testing.assert_close(lse[keep], ref_lse, rtol=1e-4, atol=1e-4)
