@@ -1,4 +1,6 @@
 """A tile's K split over the CTAs of a cluster: the partial accumulators summed in shared memory.
+The exchange's pieces (``store_remote``, ``init_exchange``, ``release_peers``, ``cluster_end``)
+also serve other exchanges between the CTAs of a cluster (the attention kernel's split pairs).
 
 The ``ctas`` CTAs of a cluster compute one output tile, CTA r over the r-th slice of K, each
 in the accumulator of one consumer warpgroup. The tile's epilogue sub-tiles are dealt out:
@@ -72,6 +74,31 @@ def store_remote(base: Pointer, offset: int, values, mbar: Pointer, rank, *, loc
     nvvm.store_async(addr, vec, bar, loc=loc, ip=ip)
 
 
+def init_exchange(full, free, ctas: int) -> None:
+    """One thread, before the pipelines' init fence: the two mbarriers of a buffer that the
+    other CTAs of a cluster of ``ctas`` fill by ``store_remote``. ``full`` (where the buffer
+    is): one arrive, its owner arming the bytes it expects; ``free`` (in each sender): one
+    arrive per owner it sends to, remotely, once that owner has read the previous exchange."""
+    cute.arch.mbarrier_init(full, 1)
+    cute.arch.mbarrier_init(free, ctas - 1)
+
+
+@cute.jit
+def release_peers(free, rank: Int32, ctas: int) -> None:
+    """One thread of an owner, once every thread has read the exchange: arrive on ``free`` in
+    every other CTA of the cluster."""
+    for peer in cutlass.range_constexpr(ctas):
+        if peer != rank:
+            cute.arch.mbarrier_arrive(free, peer, scope=nvvm.MemScopeKind.CLUSTER)
+
+
+def cluster_end() -> None:
+    """Every thread of the CTA, last: no CTA of the cluster exits while a peer may still arrive
+    on its barriers or write into its shared memory."""
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterReduce:
     """The exchange of one consumer warpgroup's partial accumulators across a K-split cluster."""
@@ -135,8 +162,7 @@ class ClusterReduce:
     # ------------------------------------------------------------------ device
     def init_barriers(self, full, free) -> None:
         """One thread, before the pipelines' init fence (``pipelines_init_arrive``)."""
-        cute.arch.mbarrier_init(full, 1)
-        cute.arch.mbarrier_init(free, self.ctas - 1)
+        init_exchange(full, free, self.ctas)
 
     @cute.jit
     def exchange(self, acc_mn, buf: cute.Tensor, full, free, rank: Int32, tile_i: Int32, more, tidx: Int32,
@@ -171,13 +197,9 @@ class ClusterReduce:
             # Every thread has read its words: the senders may overwrite them.
             bar_sync(barrier_id, self.threads)
             if tidx == 0:
-                for peer in cutlass.range_constexpr(self.ctas):
-                    if peer != rank:
-                        cute.arch.mbarrier_arrive(free, peer, scope=nvvm.MemScopeKind.CLUSTER)
+                release_peers(free, rank, self.ctas)
 
     @staticmethod
     def end() -> None:
-        """Every thread of the CTA, last: no CTA of the cluster exits while a peer may still write
-        into its shared memory."""
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+        """Every thread of the CTA, last (``cluster_end``)."""
+        cluster_end()

@@ -190,8 +190,9 @@ def attention(
         require_sm90(p.q.device, "attention")
         return evaluate(p, return_lse, out)
     try:
-        key = plan_key(q, kv, idx, kv_lengths, kv_offsets, max_kv_len, out, broadcast, bool(return_lse),
-                       scale is None, _launch_flags())
+        # The launch flags beside the signature, as one tuple (not walked item by item: 0.2 us).
+        key = (plan_key(q, kv, idx, kv_lengths, kv_offsets, max_kv_len, out, broadcast, bool(return_lse),
+                        scale is None), _launch_flags())
         plan = _plans.get(key)
     except TypeError:
         key = plan = None  # unhashable options: the full checks raise

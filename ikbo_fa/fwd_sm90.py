@@ -10,11 +10,10 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels.accumulator import acc_as_frag_a, acc_mn_view, warpgroup_gemm
-from cute_kernels.cluster_reduce import store_remote
+from cute_kernels.cluster_reduce import cluster_end, init_exchange, release_peers, store_remote
 from cute_kernels.interop import cutlass_dtype
 from cute_kernels.scheduler import strided_tiles, warp_search
 from cute_kernels.warp_specialized import (
@@ -30,7 +29,7 @@ from cute_kernels.warp_specialized import (
 
 from .config import AttentionConfig, box_rows, row_packing
 from .softmax import LN_2, LOG2_E, OnlineSoftmax
-from .worklist_sm90 import count_key, group_key, scan_groups
+from .worklist_sm90 import count_groups, scan_groups
 
 
 class FwdBarrier(Barrier):
@@ -188,8 +187,8 @@ class IkboAttentionFwdSm90:
         before issuing S = Q K^T and P V of a main-loop iteration and, once both are issued,
         hands the turn over (arrives on GEMM_TURN + 1 - wg); warpgroup 0 takes the first turn.
         Both warpgroups run the same tiles with the same block count, so the turns strictly
-        alternate 0, 1, 0, 1, ... (a solo tile takes none in either); the first S of a tile and its last P V are issued outside
-        the turns. One arrive is left pending at exit (harmless).
+        alternate 0, 1, 0, 1, ... (a solo tile takes none in either); the first S of a tile and
+        its last P V are issued outside the turns. One arrive is left pending at exit (harmless).
     Before rewriting its sO rows a warpgroup waits (bulk wait_group.read) for its previous
     TMA stores.
 
@@ -475,8 +474,7 @@ class IkboAttentionFwdSm90:
         if const_expr(self.pair):
             if warp_idx == 0:
                 with cute.arch.elect_one():
-                    cute.arch.mbarrier_init(pair_bars, 1)  # full: the owner's arm, plus the bytes
-                    cute.arch.mbarrier_init(pair_bars + 1, 1)  # free: the peer owner's release
+                    init_exchange(pair_bars, pair_bars + 1, self.cluster_size)  # full, free
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         pipelines_init_arrive(self.cluster_size)
         pipelines_init_wait(self.cluster_size)
@@ -531,9 +529,7 @@ class IkboAttentionFwdSm90:
             self.consumer(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
                           sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, sched, scale_log2, tidx - 128, storage)
         if const_expr(self.pair):
-            # No CTA exits while its peer may still arrive on its barriers or store into it.
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+            cluster_end()
 
     # ------------------------------------------------------------ work list
     @staticmethod
@@ -570,21 +566,7 @@ class IkboAttentionFwdSm90:
         if tidx == 0:
             sFlag[0] = Int32(0)
         cute.arch.sync_threads()
-        below = cute.arch.lanemask_lt()
-        for start in cutlass.range(0, n_cand, nt * GROUP_UNROLL, unroll=1):
-            # The loads of a step first, all in flight together; then the counts.
-            keys = cute.make_rmem_tensor((GROUP_UNROLL,), Int32)
-            for j in cutlass.range_constexpr(GROUP_UNROLL):
-                i = start + j * nt + tidx
-                key = Int32(-1)  # past the end: a group of its own, never counted
-                if i < n_cand:
-                    key = group_key(mIdx[i], n_users)
-                    if i > 0:
-                        if key < group_key(mIdx[i - 1], n_users):
-                            sFlag[0] = Int32(1)
-                keys[j] = key
-            for j in cutlass.range_constexpr(GROUP_UNROLL):
-                count_key(sCand, keys[j], below)
+        count_groups(mIdx, sCand, sFlag, n_cand, n_users, tidx, nt, GROUP_UNROLL)
         cute.arch.sync_threads()
         scan_groups(sCand, mCandStart, mTileStart, sTile, n_groups, self.s_q, nt, sScan, tidx, warp, lane)
         cute.arch.sync_threads()
@@ -1126,7 +1108,7 @@ class IkboAttentionFwdSm90:
         # Every thread has its words: the peer may overwrite them.
         bar_sync(FwdBarrier.EPILOGUE + wg, 128)
         if t == 0:
-            cute.arch.mbarrier_arrive(bars + 1, 1 - rank, scope=nvvm.MemScopeKind.CLUSTER)
+            release_peers(bars + 1, rank, self.cluster_size)
         pO = cute.make_rmem_tensor_like(st.acc_O, Float32)
         pO.store(rP.load().to(Float32))
         pO_mn = acc_mn_view(pO)

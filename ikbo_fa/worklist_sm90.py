@@ -1,6 +1,5 @@
 """The KV-broadcast work list in one launch (sm_90a): class KvWorklistSm90, and the device
-helpers it shares with the attention kernel's own grouping (group_key, count_key, scan_groups,
-group_tiles).
+helpers it shares with the attention kernel's own grouping (count_groups, scan_groups).
 
 Produces exactly what :func:`ikbo_fa.worklist.kv_worklist` produces (the
 torch reference), except that the order of candidates within a user is not
@@ -126,7 +125,7 @@ class KvWorklistSm90:
             sDescents[0] = Int32(0)
         cute.arch.sync_threads()
 
-        self.sweep(mIdx, mOrder, sHist, sDescents, n_cand, n_users, tidx, lane, scatter=False)
+        count_groups(mIdx, sHist, sDescents, n_cand, n_users, tidx, nt, self.UNROLL)
         cute.arch.sync_threads()
 
         lo, hi = scan_groups(sHist, mCandStart, mTileStart, None, n_groups, rows_per_cand, nt, sScan, tidx, warp, lane)
@@ -139,7 +138,7 @@ class KvWorklistSm90:
             for i in cutlass.range(tidx, n_cand, nt):
                 mOrder[i] = i
         else:
-            self.sweep(mIdx, mOrder, sHist, sDescents, n_cand, n_users, tidx, lane, scatter=True)
+            self.scatter(mIdx, mOrder, sHist, n_cand, n_users, tidx)
         if const_expr(self.keys is not None):
             sBuckets = storage.buckets.get_tensor(cute.make_layout(self.BUCKETS))
             cute.arch.sync_threads()
@@ -201,10 +200,9 @@ class KvWorklistSm90:
             t_off += group_tiles(mCandStart[g + 1] - mCandStart[g], rows_per_cand)
 
     @cute.jit
-    def sweep(self, mIdx, mOrder, sHist, sDescents, n_cand: Int32, n_users: Int32, tidx, lane,
-              scatter: cutlass.Constexpr):
-        """Histogram (scatter=False; it also flags a key below its predecessor's) or scatter pass
-        over all indices."""
+    def scatter(self, mIdx, mOrder, sHist, n_cand: Int32, n_users: Int32, tidx):
+        """Phase 4: each candidate to its slot in ``order``, as in ``count_groups`` the lowest
+        lane of each key claiming its peers' slots with one atomic."""
         nt = self.NUM_THREADS
         step = nt * self.UNROLL
         below = cute.arch.lanemask_lt()
@@ -215,27 +213,41 @@ class KvWorklistSm90:
                 key = Int32(-1)  # lanes past the end: a group of their own, never counted
                 if i < n_cand:
                     key = group_key(mIdx[i], n_users)
-                    if const_expr(not scatter):
-                        if i > 0:
-                            if key < group_key(mIdx[i - 1], n_users):
-                                sDescents[0] = Int32(1)
                 keys[j] = key
             for j in cutlass.range_constexpr(self.UNROLL):
                 key = keys[j]
-                if const_expr(not scatter):
-                    count_key(sHist, key, below)
-                else:
-                    peers = cute.arch.match_sync(FULL_MASK, key)
-                    rank = Int32(cute.arch.popc(peers & below))
-                    leader = rank == 0
-                    first = Int32(0)
-                    if leader and key >= 0:
-                        first = cute.arch.atomic_add(sHist.iterator + key, Int32(cute.arch.popc(peers)))
-                    low_bit = peers & (Uint32(0) - peers)
-                    leader_lane = Int32(cute.arch.popc(low_bit - Uint32(1)))
-                    first = cute.arch.shuffle_sync(first, leader_lane)
-                    if key >= 0:
-                        mOrder[first + rank] = base + j * nt + tidx
+                peers = cute.arch.match_sync(FULL_MASK, key)
+                rank = Int32(cute.arch.popc(peers & below))
+                first = Int32(0)
+                if rank == 0 and key >= 0:
+                    first = cute.arch.atomic_add(sHist.iterator + key, Int32(cute.arch.popc(peers)))
+                low_bit = peers & (Uint32(0) - peers)
+                leader_lane = Int32(cute.arch.popc(low_bit - Uint32(1)))
+                first = cute.arch.shuffle_sync(first, leader_lane)
+                if key >= 0:
+                    mOrder[first + rank] = base + j * nt + tidx
+
+
+@cute.jit
+def count_groups(mIdx, sHist, sFlag, n_cand: Int32, n_users: Int32, tidx, nt: int, unroll: int) -> None:
+    """Phase 2 of the work list (and the attention kernel's own grouping): every index's group
+    counted in ``sHist`` (``count_key``), and ``sFlag[0]`` set where a key falls below its
+    predecessor's (idx not grouped). Each thread loads ``unroll`` indices at a stride of ``nt``
+    (the CTA's threads) before it counts them, so the loads are in flight together."""
+    below = cute.arch.lanemask_lt()
+    for base in cutlass.range(0, n_cand, nt * unroll):
+        keys = cute.make_rmem_tensor((unroll,), Int32)
+        for j in cutlass.range_constexpr(unroll):
+            i = base + j * nt + tidx
+            key = Int32(-1)  # lanes past the end: a group of their own, never counted
+            if i < n_cand:
+                key = group_key(mIdx[i], n_users)
+                if i > 0:
+                    if key < group_key(mIdx[i - 1], n_users):
+                        sFlag[0] = Int32(1)
+            keys[j] = key
+        for j in cutlass.range_constexpr(unroll):
+            count_key(sHist, keys[j], below)
 
 
 @cute.jit
