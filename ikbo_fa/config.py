@@ -143,6 +143,9 @@ SHIPPED_CONFIGS = tuple(
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True),
         AttentionConfig(torch.float16, 64, 17, "kv", False, False),
         AttentionConfig(torch.bfloat16, 128, 100, "kv", True, False),
+        # boxes of 8 and 16 rows: the producer's Q slots in unrolled groups of four
+        AttentionConfig(torch.bfloat16, 128, 8, "kv", False, True),
+        AttentionConfig(torch.float16, 64, 48, "kv", False, False),
         # jagged histories, both directions
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True),
         AttentionConfig(torch.bfloat16, 128, 64, "q", False, True, jagged=True),

@@ -130,6 +130,9 @@ class ConsumerState:
     wg: Int32  # consumer warpgroup, 0 or 1
 
 
+# Q slots whose lookups the producer (24 registers) keeps in flight together: at 8 or 16 they
+# spilled (S_q 8, 16, 24, 40, ...: boxes of 8 or 16 rows).
+Q_SLOTS_UNROLLED = 4
 # Words of the group_candidates scratch besides its two tables: the scan's 64 and the flag.
 GROUP_SCRATCH_EXTRA = 65
 # idx entries each thread loads at once in group_candidates (384 threads: 3072 a step).
@@ -201,7 +204,7 @@ class IkboAttentionFwdSm90:
 
         | barrier | arrives | completes when |
         | --- | --- | --- |
-        | pair full | 1 (the owner, arming the bytes) + 128 x (D / 2 + 2) x 4 bytes | the peer's rows have landed |
+        | pair full | 1 (the owner, arming the bytes) + 128 x (D / 4 + 2) x 4 bytes | the peer's rows have landed |
         | pair free | 1 (the peer's owner, remotely) | the peer has read the previous exchange |
 
     The sender waits on free before every exchange but the first; the kernel ends with a
@@ -790,11 +793,16 @@ class IkboAttentionFwdSm90:
     @cute.jit
     def load_q_slots(self, tma_atom_Q, mQ, sQ, pipe_q, q_state, info: TileInfo, mCand):
         """The tile's Q, one (R, D) box per slot, each from its candidate's rows. Unrolled where
-        slots are few; a loop where there are dozens (unrolled, their lookups would not fit the
-        producer's registers)."""
-        if const_expr(self.slots <= 16):
+        slots are few (their lookups in flight together) and for Q broadcast (no lookup); up to
+        16 in unrolled groups of Q_SLOTS_UNROLLED; a loop where there are dozens."""
+        if const_expr(self.slots <= Q_SLOTS_UNROLLED or (not self.dense and self.slots <= 16)):
             for s in cutlass.range_constexpr(self.slots):
                 self.load_q_slot(s, tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
+        elif const_expr(self.slots <= 16):
+            per = Q_SLOTS_UNROLLED
+            for h in cutlass.range(self.slots // per, unroll=1):
+                for s in cutlass.range_constexpr(per):
+                    self.load_q_slot(h * per + s, tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
         else:
             for s in cutlass.range(self.slots, unroll=1):
                 self.load_q_slot(s, tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
@@ -1084,9 +1092,15 @@ class IkboAttentionFwdSm90:
         words = cute.recast_tensor(rO, Int32)
         peer = 1 - rank
         base = self.pair_buffer(storage, rank, t).iterator
+        sent = 0  # bytes this thread stores (compile time): what the peer arms its barrier with
         for k in cutlass.range_constexpr(0, self.pair_words, 4):
             store_remote(base, self.pair_offset(k), [words[k + e] for e in range(4)], bars, peer)
+            sent += 16
         store_remote(self.pair_lse(storage, t).iterator, 0, [lse[0], lse[1]], bars, peer)
+        sent += 8
+        if const_expr(sent * (self.CONSUMER_THREADS // 2) != self.pair_tx):
+            raise ValueError(f"IkboAttentionFwdSm90: a split pair sends {sent} bytes a thread, the peer expects "
+                             f"{self.pair_tx} from 128 threads")
 
     @cute.jit
     def pair_receive(self, st: ConsumerState, lse, storage, n_ex: Int32, rank: Int32, t: Int32, wg: Int32):

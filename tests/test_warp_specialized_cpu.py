@@ -135,3 +135,19 @@ def test_a_wrong_arrive_count_fails_when_the_kernel_is_built(monkeypatch):
     monkeypatch.setattr(IkboAttentionFwdSm90, "CONSUMER_THREADS", 128)
     with pytest.raises(ValueError, match=r"IkboAttentionFwdSm90: Q pipeline declares 8 consumer arrives"):
         IkboAttentionFwdSm90(ikbo_fa.SHIPPED_CONFIGS[0])
+
+
+def test_a_split_pair_exchange_of_other_bytes_fails_when_the_kernel_is_traced(monkeypatch):
+    """The bytes a split pair's sender stores are counted as its stores are traced: where they
+    differ from those the receiver arms its barrier with (which would hang the GPU), the
+    compile raises."""
+    build = IkboAttentionFwdSm90.__init__
+
+    def off_by_16(self, cfg):
+        build(self, cfg)
+        self.pair_tx += 16
+
+    monkeypatch.setattr(IkboAttentionFwdSm90, "__init__", off_by_16)
+    cfg = next(c for c in ikbo_fa.SHIPPED_CONFIGS if c.split_pair)
+    with pytest.raises(Exception, match=r"a split pair sends 136 bytes a thread, the peer expects 17424"):
+        ikbo_fa.compile_config(cfg)
