@@ -77,22 +77,26 @@ _SPLIT_KV = True
 # docs/perf/2026-12-03-attention-longest-first.md.
 _SPLIT_MIN_KEYS = 512
 # KV broadcast: the producer warp finds each tile's user with all 32 lanes (AttentionConfig.
-# lane_search) instead of a binary search; off until timed on the H200.
+# lane_search) instead of a binary search; off: no faster on the H200 (the variants' timings:
+# docs/perf/2026-12-05-attention-variants-timed.md).
 _LANE_SEARCH = False
 # KV broadcast: a tile of at most 64 query rows runs on one consumer warpgroup (AttentionConfig.
-# solo); off until timed on the H200.
+# solo); off: 2 to 6% slower on the H200 wherever tiles are full.
 _SOLO_TILES = False
-# Score columns of every 8 exponentiated on the FMA units (AttentionConfig.poly_exp2); 0 until
-# timed on the H200.
+# Score columns of every 8 exponentiated on the FMA units (AttentionConfig.poly_exp2); 0: at D 64
+# each share tried (2, 3, 4 of 8) was slower on the H200.
 _POLY_EXP2 = 0
 # KV broadcast over padded histories: each CTA of the forward kernel groups the candidates itself
 # and waits for the work list only where idx is not grouped (AttentionConfig.group_idx), for at
-# most this many candidates; off until timed on the H200.
+# most this many candidates; off: 2 to 3 us slower on the H200 at S_q 1 (the work list it
+# replaces already overlaps the forward kernel's setup).
 _GROUP_IN_KERNEL = False
 _GROUP_MAX_BATCH = 16384
 # Two splits of a row's keys run on the two CTAs of a cluster and merge there (AttentionConfig.
-# split_pair), with no workspace and no merge launch; off until timed on the H200.
-_SPLIT_PAIR = False
+# split_pair), with no workspace and no merge launch. On the H200 (S_q 1, B 2048, ratio 64, H 2,
+# CUDA graphs) 20.2 against 22.3 us at L 1024 and 30.0 against 30.9 at L 2048, the same from
+# L 4096 and over the S_q sweep: docs/perf/2026-12-05-attention-variants-timed.md.
+_SPLIT_PAIR = True
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)

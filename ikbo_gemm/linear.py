@@ -15,8 +15,8 @@ contiguous or not 16-byte aligned are copied.
 Grids of few tiles. Where the candidate tiles fill at most half the SMs, each CTA runs one
 tile and the phase takes one tile's time: the op then takes a smaller tile
 (``config.pick_cand_tile``). Where the candidate grid is one partial wave, the user phase runs
-on the SMs it leaves idle. ``PlanRules`` adds two choices, off until timed: the tiles' K loop
-split over clusters of 2 or 4 CTAs that add their partial sums in shared memory
+on the SMs it leaves idle. ``PlanRules`` adds two choices, off (slower on the whole, timed): the
+tiles' K loop split over clusters of 2 or 4 CTAs that add their partial sums in shared memory
 (``config.pick_cand_split``), and the user phase as K-split pairs on the 2-CTA slots that
 candidate clusters leave.
 
@@ -65,8 +65,10 @@ class PlanRules:
     """Launch-plan choices for grids of few tiles, each timed against the plan without it in one
     run (``perf/bench_linear.py``, provider "ikbo linear, small-grid rules").
 
-    Off in the op (``DEFAULT_RULES``) until those runs show where they pay on an H200: the
-    kernels they pick (LinearConfig.split_k) are compiled and tested, but not yet timed."""
+    Off in the op (``DEFAULT_RULES``): on the H200 they were faster at 2 of the 13 points of
+    the small-grid sweep where they change the plan and slower at most others
+    (docs/perf/2026-12-05-linear-split-k-timed.md). The kernels they pick (LinearConfig.split_k)
+    stay compiled and tested."""
 
     split_k: bool = False  # candidate tiles that fill at most half the SMs: K over clusters (pick_cand_split)
     user_pairs: bool = False  # the user phase on the 2-CTA slots a partial candidate wave leaves, K-split pairs
