@@ -793,9 +793,9 @@ class IkboAttentionFwdSm90:
     @cute.jit
     def load_q_slots(self, tma_atom_Q, mQ, sQ, pipe_q, q_state, info: TileInfo, mCand):
         """The tile's Q, one (R, D) box per slot, each from its candidate's rows. Unrolled where
-        slots are few (their lookups in flight together) and for Q broadcast (no lookup); up to
-        16 in unrolled groups of Q_SLOTS_UNROLLED; a loop where there are dozens."""
-        if const_expr(self.slots <= Q_SLOTS_UNROLLED or (not self.dense and self.slots <= 16)):
+        slots are few (their lookups in flight together) and for Q broadcast (no lookup, at most
+        16 slots); up to 16 in unrolled groups of Q_SLOTS_UNROLLED; a loop where there are dozens."""
+        if const_expr(not self.dense or self.slots <= Q_SLOTS_UNROLLED):
             for s in cutlass.range_constexpr(self.slots):
                 self.load_q_slot(s, tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
         elif const_expr(self.slots <= 16):
