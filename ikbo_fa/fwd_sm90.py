@@ -128,6 +128,7 @@ class ConsumerState:
     mKg: object  # (L, D, H_kv, batch) view of K in global memory, for the exact recompute
     mVg: object
     wg: Int32  # consumer warpgroup, 0 or 1
+    mOg: object  # direct_rows: (S_q, D, H, B) view of out in global memory, for store_rows
 
 
 # Q slots whose lookups the producer (24 registers) keeps in flight together: at 8 or 16 they
@@ -278,6 +279,10 @@ class IkboAttentionFwdSm90:
         # Small boxes: a tile whose rows are consecutive rows of q (idx grouped) moves each
         # warpgroup's 64 rows in one box instead.
         self.flat_path = self.dense and self.slot_rows < 64
+        # Boxes of 1, 2 or 4 rows (S_q odd, 2 mod 4, 4 mod 8): a warpgroup's rows that are not one
+        # box of consecutive rows go from registers to out directly, a candidate lookup per row,
+        # instead of 16 to 64 TMA stores, each after its own lookup.
+        self.direct_rows = self.dense and self.slots_per_wg > 8
         self.tail_masked = cfg.has_kv_lengths or cfg.jagged  # keys past a row's end are read
         # Histories of different lengths (KV broadcast): the work list orders the groups longest
         # first, so that the walk's last rounds hold the short tiles.
@@ -404,6 +409,7 @@ class IkboAttentionFwdSm90:
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
             tma_atom_Qf, tma_Qf, tma_atom_Of, tma_Of,
             mLSE, mCand, mCandStart, mTileStart, mKvLen, mGrouped, mKvOffsets, mPerm, mIdx, mK, mV,
+            mO if const_expr(self.direct_rows) else None,
             mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
             mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
             q_flat, max_keys, n_splits, split_keys, scale_log2, scale,
@@ -438,6 +444,7 @@ class IkboAttentionFwdSm90:
         mIdx: cute.Tensor | None,
         mKg: cute.Tensor,  # (L, D, H_kv, batch) view of K in global memory, for exact_rows
         mVg: cute.Tensor,  # ... and of V
+        mOg: cute.Tensor | None,  # direct_rows: (S_q, D, H, B) view of out, for store_rows
         n_q_batch: Int32,
         n_kv_batch: Int32,
         n_heads: Int32,
@@ -530,7 +537,7 @@ class IkboAttentionFwdSm90:
         else:
             self.REGISTERS.enter_consumer()
             self.consumer(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
-                          sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, sched, scale_log2, tidx - 128, storage)
+                          sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, mOg, sched, scale_log2, tidx - 128, storage)
         if const_expr(self.pair):
             cluster_end()
 
@@ -833,7 +840,7 @@ class IkboAttentionFwdSm90:
     # ------------------------------------------------------------ consumers
     @cute.jit
     def consumer(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
-                 sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, sched: Schedule, scale_log2: Float32,
+                 sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, mOg, sched: Schedule, scale_log2: Float32,
                  tidx: Int32, storage):
         """Consumer warpgroups: per tile the main loop over its key blocks, then the epilogue."""
         d, n = self.head_dim, self.tile_n
@@ -859,7 +866,7 @@ class IkboAttentionFwdSm90:
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, tOrP=tOrP,
             acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, col_offset=col_offset, softmax=softmax,
             tOcO_mn=acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, d)))),
-            pipe_k=pipe_k, pipe_v=pipe_v, sQ=sQ, sV=sV, mKg=mKg, mVg=mVg, wg=wg)
+            pipe_k=pipe_k, pipe_v=pipe_v, sQ=sQ, sV=sV, mKg=mKg, mVg=mVg, wg=wg, mOg=mOg)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.Q_STAGES)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.KV_STAGES)
@@ -1145,22 +1152,28 @@ class IkboAttentionFwdSm90:
     def epilogue(self, st: ConsumerState, info: TileInfo, lse, tiled_mma_pv, tidx: Int32, tma_atom_O, mO,
                  tma_atom_Of, mOf, mLSE, sO, mCand, wg: Int32, warp_in_wg: Int32):
         """O / row_sum (and the lse) to sO, then one TMA store per stored slot of this warpgroup
-        (or, for a flat tile whose 64 rows here are all stored, one box). No keys: O = 0,
+        (or, for a flat tile whose 64 rows here are all stored, one box); with ``direct_rows``,
+        rows that are not such a box go from registers to out (store_rows). No keys: O = 0,
         lse = -inf. Out-of-range index: NaN."""
         d, r = self.head_dim, self.slot_rows
         n_rows = cute.size(st.acc_O_mn, mode=[0])
         rO = cute.make_rmem_tensor_like(st.acc_O, self.dtype)
         rO.store(st.acc_O.load().to(self.dtype))
 
-        bar = FwdBarrier.EPILOGUE + wg
-        # This warpgroup's previous TMA stores must have read sO before it is rewritten.
-        if warp_in_wg == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        bar_sync(bar, 128)
-        store_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                         self.dtype)
-        thr_copy_O = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
-        cute.copy(store_atom, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
+        staged = True
+        if const_expr(self.direct_rows):
+            staged = info.flat and info.n_valid >= (wg + 1) * 64
+            if not staged:
+                self.store_rows(info, rO, tiled_mma_pv, tidx, st.mOg, mCand)
+        if staged:
+            # This warpgroup's previous TMA stores must have read sO before it is rewritten.
+            if warp_in_wg == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            bar_sync(FwdBarrier.EPILOGUE + wg, 128)
+            store_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                             self.dtype)
+            thr_copy_O = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
+            cute.copy(store_atom, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
 
         if const_expr(self.cfg.return_lse):
             tOcO_mn = acc_mn_view(tiled_mma_pv.get_slice(tidx).partition_C(
@@ -1179,22 +1192,55 @@ class IkboAttentionFwdSm90:
                         if valid and q_row < self.s_q:
                             mLSE[out_b, info.out_head, q_row] = lse[m]
 
+        if staged:
+            self.store_staged(info, tma_atom_O, mO, tma_atom_Of, mOf, sO, mCand, wg, warp_in_wg)
+
+    @cute.jit
+    def store_staged(self, info: TileInfo, tma_atom_O, mO, tma_atom_Of, mOf, sO, mCand, wg: Int32,
+                     warp_in_wg: Int32):
+        """The warpgroup's rows of sO to out by TMA: one box where they are 64 consecutive rows
+        of out (always, with ``direct_rows``), else one per stored slot."""
         cute.arch.fence_view_async_shared()
-        bar_sync(bar, 128)
+        bar_sync(FwdBarrier.EPILOGUE + wg, 128)
         if warp_in_wg == 0:
-            if const_expr(self.flat_path):
+            if const_expr(self.direct_rows):
+                self.store_box(info, tma_atom_Of, mOf, sO, wg)
+            elif const_expr(self.flat_path):
                 if info.flat and info.n_valid >= (wg + 1) * 64:
-                    gO = cute.local_tile(cute.domain_offset((info.q_coord + wg * 64, 0), mOf[None, None, info.out_head]),
-                                         (64, d), (0, 0))
-                    sO_h = cute.local_tile(sO, (64, d), (wg, 0))
-                    tOsO_h, tOgO = cpasync.tma_partition(
-                        tma_atom_Of, 0, cute.make_layout(1), cute.group_modes(sO_h, 0, 2), cute.group_modes(gO, 0, 2))
-                    cute.copy(tma_atom_Of, tOsO_h, tOgO)
+                    self.store_box(info, tma_atom_Of, mOf, sO, wg)
                 else:
                     self.store_o_slots(info, tma_atom_O, mO, sO, mCand, wg)
             else:
                 self.store_o_slots(info, tma_atom_O, mO, sO, mCand, wg)
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def store_box(self, info: TileInfo, tma_atom_Of, mOf, sO, wg: Int32):
+        """Warpgroup wg's 64 rows of sO as one box of consecutive rows of out."""
+        d = self.head_dim
+        gO = cute.local_tile(cute.domain_offset((info.q_coord + wg * 64, 0), mOf[None, None, info.out_head]),
+                             (64, d), (0, 0))
+        sO_h = cute.local_tile(sO, (64, d), (wg, 0))
+        tOsO_h, tOgO = cpasync.tma_partition(
+            tma_atom_Of, 0, cute.make_layout(1), cute.group_modes(sO_h, 0, 2), cute.group_modes(gO, 0, 2))
+        cute.copy(tma_atom_Of, tOsO_h, tOgO)
+
+    @cute.jit
+    def store_rows(self, info: TileInfo, rO, tiled_mma_pv, tidx: Int32, mO, mCand):
+        """Each thread's stored rows of rO straight to out [S_q, D, H, B]: a row's candidate is
+        looked up once, its values stored as they lie in the thread's registers."""
+        tOcO_mn = acc_mn_view(tiled_mma_pv.get_slice(tidx).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        rO_mn = acc_mn_view(rO)
+        for m in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
+            row = tOcO_mn[m, 0][0]
+            if row < info.n_valid:
+                run_row = info.row0 + row
+                c = run_row // self.s_q
+                b = mCand[info.first + c]
+                s = run_row - c * self.s_q
+                for j in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):
+                    mO[s, tOcO_mn[m, j][1], info.out_head, b] = rO_mn[m, j]
 
     @cute.jit
     def store_o_slots(self, info: TileInfo, tma_atom_O, mO, sO, mCand, wg: Int32):
