@@ -76,22 +76,6 @@ _SPLIT_KV = True
 # H200 (S_q 1, ratio 64, H 2, CUDA graphs: 21.0 against 22.9 us, 30.7 against 34.4 us):
 # docs/perf/2026-12-03-attention-longest-first.md.
 _SPLIT_MIN_KEYS = 512
-# KV broadcast: the producer warp finds each tile's user with all 32 lanes (AttentionConfig.
-# lane_search) instead of a binary search; off: no faster on the H200 (the variants' timings:
-# docs/perf/2026-12-05-attention-variants-timed.md).
-_LANE_SEARCH = False
-# KV broadcast: a tile of at most 64 query rows runs on one consumer warpgroup (AttentionConfig.
-# solo); off: 2 to 6% slower on the H200 wherever tiles are full.
-_SOLO_TILES = False
-# Score columns of every 8 exponentiated on the FMA units (AttentionConfig.poly_exp2); 0: at D 64
-# each share tried (2, 3, 4 of 8) was slower on the H200.
-_POLY_EXP2 = 0
-# KV broadcast over padded histories: each CTA of the forward kernel groups the candidates itself
-# and waits for the work list only where idx is not grouped (AttentionConfig.group_idx), for at
-# most this many candidates; off: 2 to 3 us slower on the H200 at S_q 1 (the work list it
-# replaces already overlaps the forward kernel's setup).
-_GROUP_IN_KERNEL = False
-_GROUP_MAX_BATCH = 16384
 # Two splits of a row's keys run on the two CTAs of a cluster and merge there (AttentionConfig.
 # split_pair), with no workspace and no merge launch. On the H200 (S_q 1, B 2048, ratio 64, H 2,
 # CUDA graphs) 20.2 against 22.3 us at L 1024 and 30.0 against 30.9 at L 2048, the same from
@@ -238,8 +222,7 @@ def attention(
 
 def _launch_flags() -> tuple:
     """The module's launch choices, part of a plan's key (tests and A/B runs change them)."""
-    return (_WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _LANE_SEARCH, _SOLO_TILES, _POLY_EXP2, _GROUP_IN_KERNEL,
-            _GROUP_MAX_BATCH, _SPLIT_PAIR)
+    return (_WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _SPLIT_PAIR)
 
 
 def _no_keys(kv, kv_offsets) -> bool:
@@ -337,8 +320,7 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     workspace = plan.merge is not None
     dest, dest_lse = _split_workspace(plan) if workspace else (target, lse)
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
-    own_idx = idx_k if plan.config.group_idx is not None else None  # the kernel groups it itself
-    plan.kernel(q, k, v, dest, dest_lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm, own_idx,
+    plan.kernel(q, k, v, dest, dest_lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm,
                 scale * LOG2E, scale, plan.n_ctas, int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys)
     if workspace:
         plan.merge(dest, dest_lse, target, lse, plan.n_splits)
@@ -414,12 +396,6 @@ def _worklist_kernel(idx_dtype: torch.dtype, keys: Optional[str]):
     return worklist_kernel(idx_dtype, keys).fn
 
 
-def _group_capacity(dtype: torch.dtype, head_dim: int) -> int:
-    from .fwd_sm90 import IkboAttentionFwdSm90
-
-    return IkboAttentionFwdSm90.group_capacity(dtype, head_dim)
-
-
 def _worklist_fits(num_users: int) -> bool:
     from .worklist_sm90 import fits
 
@@ -443,14 +419,9 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         n_splits, split_keys = kv_splits(tiles, p.heads, p.kv_len, sm_count(device))
     n_users = p.broadcast_batch
     use_worklist_kernel = p.direction == "kv" and _WORKLIST_KERNEL and _worklist_fits(n_users)
-    group_idx = None
-    if (_GROUP_IN_KERNEL and use_worklist_kernel and p.kv_lengths is None and not p.jagged
-            and p.batch <= _GROUP_MAX_BATCH and n_users + 1 <= _group_capacity(p.q.dtype, p.head_dim)):
-        group_idx = p.idx.dtype
     pair = _SPLIT_PAIR and n_splits == 2
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
-                        jagged=p.jagged, split_kv=n_splits > 1 and not pair, lane_search=_LANE_SEARCH,
-                        solo=_SOLO_TILES, poly_exp2=_POLY_EXP2, group_idx=group_idx, split_pair=pair)
+                        jagged=p.jagged, split_kv=n_splits > 1 and not pair, split_pair=pair)
     _, _, chunks = row_packing(p.s_q)
     idx_contiguous = p.idx.is_contiguous()
     idx_int32 = p.idx.dtype == torch.int32

@@ -34,23 +34,6 @@ class AttentionConfig:
     # A user's keys split over several CTAs (KV broadcast): each writes its partial output and
     # log-sum-exp per split into a workspace of n_splits x H heads, which the op merges.
     split_kv: bool = False
-    # KV broadcast: the producer finds a tile's user with every lane of its warp
-    # (cute_kernels.scheduler.warp_search, 32 entries of tile_start a load) instead of a binary
-    # search (one entry a load). The op picks it where ikbo_fa.attention._LANE_SEARCH says so.
-    lane_search: bool = False
-    # KV broadcast: a tile whose query rows all lie in the first 64 (a user of few rows, a user's
-    # last tile) runs on consumer warpgroup 0 alone; warpgroup 1 passes its K/V stages on without
-    # a GEMM. The op picks it where ikbo_fa.attention._SOLO_TILES says so.
-    solo: bool = False
-    # Score columns of every 8 a thread exponentiates with a polynomial on the FMA units instead
-    # of the multi-function unit (ikbo_fa.softmax.exp2_poly), which caps the softmax at D = 64.
-    # The op takes it from ikbo_fa.attention._POLY_EXP2.
-    poly_exp2: int = 0
-    # KV broadcast: the dtype of idx (torch.int32 / torch.int64) where the forward kernel groups
-    # the candidates by user itself, each CTA in a prologue (IkboAttentionFwdSm90.group_candidates),
-    # instead of waiting for the work-list kernel; None: the work list groups them. The op takes
-    # it where ikbo_fa.attention._GROUP_IN_KERNEL says so and the problem fits.
-    group_idx: object = None
     # KV broadcast: each row's keys over the two CTAs of a cluster (CTA r over split r of
     # split_keys keys), their partial outputs merged in distributed shared memory, with no
     # workspace and no second launch. The op takes it for two splits where
@@ -70,19 +53,8 @@ class AttentionConfig:
             raise ValueError("AttentionConfig: split_kv needs direction 'kv' and return_lse (the merge reads the lse)")
         if self.jagged and self.has_kv_lengths:
             raise ValueError("AttentionConfig: jagged (kv_offsets) and has_kv_lengths exclude each other")
-        if self.lane_search and self.direction != "kv":
-            raise ValueError("AttentionConfig: lane_search needs direction 'kv' (Q broadcast searches nothing)")
-        if not isinstance(self.poly_exp2, int) or not 0 <= self.poly_exp2 <= 8:
-            raise ValueError(f"AttentionConfig.poly_exp2 must be an int in [0, 8], got {self.poly_exp2!r}")
-        if self.group_idx not in (None, torch.int32, torch.int64):
-            raise ValueError(f"AttentionConfig.group_idx must be None, torch.int32 or torch.int64, got {self.group_idx!r}")
-        if self.group_idx is not None and (self.direction != "kv" or self.ordered):
-            raise ValueError("AttentionConfig: group_idx needs direction 'kv' without kv_lengths or jagged K/V "
-                             "(their tiles run in the work list's longest-first order)")
         if self.split_pair and (self.direction != "kv" or self.split_kv):
             raise ValueError("AttentionConfig: split_pair needs direction 'kv' and excludes split_kv")
-        if self.solo and self.direction != "kv":
-            raise ValueError("AttentionConfig: solo needs direction 'kv' (a Q-broadcast tile fills both warpgroups)")
 
     @property
     def ordered(self) -> bool:
@@ -93,10 +65,7 @@ class AttentionConfig:
     def __str__(self) -> str:
         flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-jagged", self.jagged),
                                           ("-lse", self.return_lse), ("-serial", not self.overlap),
-                                          ("-split", self.split_kv), ("-lanes", self.lane_search),
-                                          ("-solo", self.solo), ("-pair", self.split_pair)) if on)
-        flags += f"-poly{self.poly_exp2}" if self.poly_exp2 else ""
-        flags += f"-group{self.group_idx.itemsize * 8}" if self.group_idx is not None else ""
+                                          ("-split", self.split_kv), ("-pair", self.split_pair)) if on)
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -122,13 +91,10 @@ def row_packing(s_q: int):
 
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
                   return_lse: bool, jagged: bool = False, split_kv: bool = False,
-                  lane_search: bool = False, solo: bool = False, poly_exp2: int = 0,
-                  group_idx=None, split_pair: bool = False) -> AttentionConfig:
+                  split_pair: bool = False) -> AttentionConfig:
     """The configuration the op compiles for a problem."""
-    kv = direction == "kv"
     return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
-                           split_kv=split_kv, lane_search=lane_search and kv, solo=solo and kv, poly_exp2=poly_exp2,
-                           group_idx=group_idx, split_pair=split_pair)
+                           split_kv=split_kv, split_pair=split_pair)
 
 
 SHIPPED_CONFIGS = tuple(
@@ -153,26 +119,13 @@ SHIPPED_CONFIGS = tuple(
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_kv=True),
         AttentionConfig(torch.float16, 64, 17, "kv", True, True, split_kv=True),
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, jagged=True, split_kv=True),
-        # the tile's user found by all lanes of the producer warp: plain split, longest first
-        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_kv=True, lane_search=True),
-        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True, lane_search=True),
-        # tiles of at most 64 rows on one consumer warpgroup: plain, kv_lengths (the V tail), serial
-        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_kv=True, solo=True),
-        AttentionConfig(torch.float16, 64, 17, "kv", True, True, solo=True),
-        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True, overlap=False, solo=True),
-        # exp2 of 3 score columns in 8 on the FMA units: D 64 at the published shape, both directions
-        AttentionConfig(torch.bfloat16, 64, 64, "kv", False, False, poly_exp2=3),
-        AttentionConfig(torch.float16, 64, 64, "q", True, True, poly_exp2=3),
-        # candidates grouped by each CTA itself: one row per candidate split, int64 idx; S_q 17
-        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_kv=True, group_idx=torch.int64),
-        AttentionConfig(torch.float16, 64, 17, "kv", False, False, group_idx=torch.int32),
+        # the serial main loop on jagged histories; Q broadcast with kv_lengths
+        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True, overlap=False),
+        AttentionConfig(torch.float16, 64, 64, "q", True, True),
         # a row's keys over the two CTAs of a cluster: S_q 1 with lse, kv_lengths, jagged
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_pair=True),
         AttentionConfig(torch.float16, 64, 17, "kv", True, False, split_pair=True),
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True, split_pair=True),
-        # every variant at once
-        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, lane_search=True, solo=True, group_idx=torch.int32,
-                        split_pair=True, poly_exp2=3),
     ]
 )
 
@@ -201,8 +154,7 @@ def compile_config(cfg: AttentionConfig, *, keep_ptx: bool = False, ptxas_report
     grouped = fake_tensor(Int32, (1,), align=4) if cfg.direction == "kv" else None
     offsets = fake_tensor(Int32, (None,), align=4) if cfg.jagged else None
     perm = fake_tensor(Int32, (None,), align=4) if cfg.ordered else None
-    idx = fake_tensor(cutlass_dtype(cfg.group_idx), (None,), align=cfg.group_idx.itemsize) if cfg.group_idx else None
     kernel = IkboAttentionFwdSm90(cfg)
-    return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len, grouped, offsets, perm, idx,
+    return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len, grouped, offsets, perm,
                           Float32(1.0), Float32(1.0), Int32(1), Int32(0), Int32(0), Int32(1), Int32(0), fake_stream(),
                           keep_ptx=keep_ptx, ptxas_report=ptxas_report)

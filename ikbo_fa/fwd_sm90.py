@@ -8,14 +8,13 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-import torch
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_kernels.accumulator import acc_as_frag_a, acc_mn_view, warpgroup_gemm
 from cute_kernels.cluster_reduce import cluster_end, init_exchange, release_peers, store_remote
 from cute_kernels.interop import cutlass_dtype
-from cute_kernels.scheduler import strided_tiles, warp_search
+from cute_kernels.scheduler import strided_tiles
 from cute_kernels.warp_specialized import (
     Barrier,
     PingPong,
@@ -29,7 +28,6 @@ from cute_kernels.warp_specialized import (
 
 from .config import AttentionConfig, box_rows, row_packing
 from .softmax import LN_2, LOG2_E, OnlineSoftmax
-from .worklist_sm90 import count_groups, scan_groups
 
 
 class FwdBarrier(Barrier):
@@ -134,28 +132,13 @@ class ConsumerState:
 # Q slots whose lookups the producer (24 registers) keeps in flight together: at 8 or 16 they
 # spilled (S_q 8, 16, 24, 40, ...: boxes of 8 or 16 rows).
 Q_SLOTS_UNROLLED = 4
-# Words of the group_candidates scratch besides its two tables: the scan's 64 and the flag.
-GROUP_SCRATCH_EXTRA = 65
-# idx entries each thread loads at once in group_candidates (384 threads: 3072 a step).
-GROUP_UNROLL = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class Groups:
-    """What a CTA's group_candidates prologue leaves: the groups' first candidates and first
-    tiles in shared memory (until the first K load), the tiles per head, and whether idx is
-    grouped already."""
-
-    cand_start: object
-    tile_start: object
-    tiles: Int32
-    grouped: cutlass.Boolean
 
 
 class IkboAttentionFwdSm90:
     """Persistent, warp-specialized IKBO attention forward.
 
-    Warp roles (384 threads, one CTA per SM, grid = min(#SMs, tiles)):
+    Warp roles (384 threads, one CTA per SM, grid = min(#SMs, tiles); split pairs: clusters of 2,
+    min(resident clusters, tiles) of them):
       warpgroup 0, producer (setmaxnreg 24): warp 0 walks the tile list and issues every TMA
         load; warps 1-3 idle. Per tile: wait for a free Q stage, write the tile's TileInfo
         beside it, load the Q slots; then K/V blocks last to first, K one block ahead of V.
@@ -166,8 +149,6 @@ class IkboAttentionFwdSm90:
         P V is in flight, the two warpgroups taking turns on the tensor cores (PingPong); rows
         whose max jumped are recomputed exactly; epilogue: O / row sum into the warpgroup's 64
         rows of sO (stmatrix), one TMA store per stored slot (or one for all 64 rows).
-        ``solo``: a tile whose rows all lie in the first 64 runs on warpgroup 0 alone, without
-        turns; warpgroup 1 waits for and releases each K/V stage (mainloop_idle) and stores nothing.
 
     Pipelines (PipelineTmaAsync; checked in ``__init__``):
 
@@ -184,15 +165,16 @@ class IkboAttentionFwdSm90:
       released after S of its block, V after its P V.
 
     Named barriers (FwdBarrier):
-      EPILOGUE + wg (128 threads): warpgroup wg, twice per tile around its sO writes.
+      EPILOGUE + wg (128 threads): warpgroup wg, twice per tile around its sO writes, and
+        (``split_pair``) once in ``pair_receive``, when every thread has read the peer's rows.
       V_TAIL (256): both consumer warpgroups, once per tile after zeroing a V tail (kv_lengths
-        or jagged only), before the first P V of the tile (an idle warpgroup of a solo tile too).
+        or jagged only), before the first P V of the tile.
       GEMM_TURN + wg (256, ``overlap`` only): the ping-pong turn. Warpgroup wg waits on it right
         before issuing S = Q K^T and P V of a main-loop iteration and, once both are issued,
         hands the turn over (arrives on GEMM_TURN + 1 - wg); warpgroup 0 takes the first turn.
         Both warpgroups run the same tiles with the same block count, so the turns strictly
-        alternate 0, 1, 0, 1, ... (a solo tile takes none in either); the first S of a tile and
-        its last P V are issued outside the turns. One arrive is left pending at exit (harmless).
+        alternate 0, 1, 0, 1, ...; the first S of a tile and its last P V are issued outside
+        the turns. One arrive is left pending at exit (harmless).
     Before rewriting its sO rows a warpgroup waits (bulk wait_group.read) for its previous
     TMA stores.
 
@@ -220,12 +202,7 @@ class IkboAttentionFwdSm90:
 
     Launch: programmatic dependent launch, so the CTAs start and set up their barriers while
     the kernel before them (the work list) finishes; every thread waits for that grid
-    (griddepcontrol.wait) before touching global memory. ``group_idx`` (KV broadcast over
-    padded histories): all 384 threads of each CTA first group the candidates themselves
-    (group_candidates: counters in the K stages' shared memory, a CTA-wide scan, the work
-    list's starts written to global memory as the work-list kernel writes them) and wait for
-    the work list only where idx is not grouped (its order is then needed); the CTA's first
-    tile is looked up in shared memory.
+    (griddepcontrol.wait) before touching global memory.
 
     Tiles and order: a tile is (head, group, tile-in-group). KV broadcast: groups are users
     plus a last group of candidates whose index is out of range (written as NaN). A user's
@@ -246,10 +223,11 @@ class IkboAttentionFwdSm90:
     decreasing key count and ``tile_start`` their tiles in that order; heads run fastest, and
     the walk turns back every other round (round r of the grid's G CTAs hands CTA c position
     r G + c, or r G + n - 1 - c on odd rounds of n positions), so the CTAs that took the
-    longest tiles of one round take the shortest of the next. Split-KV (``split_kv``, KV broadcast): every tile runs ``n_splits`` times,
-    split slowest, split i over keys i * split_keys : (i + 1) * split_keys of its row (K/V
-    offset by kv_base, the keys past the row's end masked as above), writing its output and
-    lse as head i * H + h of a workspace the op merges (``ikbo_fa.attention.merge_splits``).
+    longest tiles of one round take the shortest of the next. Split-KV (``split_kv``, KV
+    broadcast): every tile runs ``n_splits`` times, split slowest, split i over keys
+    i * split_keys : (i + 1) * split_keys of its row (K/V offset by kv_base, the keys past the
+    row's end masked as above), writing its output and lse as head i * H + h of a workspace the
+    op merges (``ikbo_fa.attention.merge_splits``).
     """
 
     TILE_M = 128
@@ -287,8 +265,6 @@ class IkboAttentionFwdSm90:
         # Histories of different lengths (KV broadcast): the work list orders the groups longest
         # first, so that the walk's last rounds hold the short tiles.
         self.ordered = cfg.ordered
-        # KV broadcast, group_idx: the kernel groups the candidates itself (group_candidates).
-        self.group_idx = cfg.group_idx is not None
         # Keys split over CTAs: split_kv (a workspace the op merges) or split_pair (the two CTAs
         # of a cluster merge them in distributed shared memory: pair_send / pair_receive).
         self.pair = cfg.split_pair
@@ -336,7 +312,6 @@ class IkboAttentionFwdSm90:
         mGrouped: cute.Tensor | None,  # kv: [1] int32, 1 where the work list's order is 0, 1, ...
         mKvOffsets: cute.Tensor | None,  # jagged: [Bkv + 1] int32 (k, v as [1, total_L, H_kv, D])
         mPerm: cute.Tensor | None,  # ordered: [U + 1] the groups longest first (tile_start by position)
-        mIdx: cute.Tensor | None,  # group_idx: idx [B] (int32 or int64), grouped here by each CTA
         scale_log2: Float32,
         scale: Float32,
         n_ctas: Int32,
@@ -408,7 +383,7 @@ class IkboAttentionFwdSm90:
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
             tma_atom_Qf, tma_Qf, tma_atom_Of, tma_Of,
-            mLSE, mCand, mCandStart, mTileStart, mKvLen, mGrouped, mKvOffsets, mPerm, mIdx, mK, mV,
+            mLSE, mCand, mCandStart, mTileStart, mKvLen, mGrouped, mKvOffsets, mPerm, mK, mV,
             mO if const_expr(self.direct_rows) else None,
             mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
             mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
@@ -441,7 +416,6 @@ class IkboAttentionFwdSm90:
         mGrouped: cute.Tensor | None,
         mKvOffsets: cute.Tensor | None,
         mPerm: cute.Tensor | None,
-        mIdx: cute.Tensor | None,
         mKg: cute.Tensor,  # (L, D, H_kv, batch) view of K in global memory, for exact_rows
         mVg: cute.Tensor,  # ... and of V
         mOg: cute.Tensor | None,  # direct_rows: (S_q, D, H, B) view of out, for store_rows
@@ -490,15 +464,7 @@ class IkboAttentionFwdSm90:
         pipelines_init_wait(self.cluster_size)
         # Launched with programmatic dependent launch: everything above overlaps the kernel
         # before this one on the stream (the work list); no global memory is touched above.
-        # group_idx: the CTA groups the candidates itself from idx (which the work list does not
-        # write) and waits for the work list only where idx is not grouped (it needs its order).
-        sGroups = None
-        if const_expr(self.group_idx):
-            sGroups = self.group_candidates(mIdx, mCand, mCandStart, mTileStart, storage, n_kv_batch, tidx)
-            if not sGroups.grouped:
-                cute.arch.griddepcontrol_wait()
-        else:
-            cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_wait()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -510,18 +476,13 @@ class IkboAttentionFwdSm90:
         sVt = cute.composition(
             sV, cute.make_ordered_layout((self.head_dim, self.tile_n, self.KV_STAGES), order=(1, 0, 2)))
 
-        if const_expr(self.group_idx):
-            tiles_per_head = sGroups.tiles
-        elif const_expr(self.cfg.direction == "kv"):
+        if const_expr(self.cfg.direction == "kv"):
             tiles_per_head = mTileStart[n_kv_batch + 1]
         else:
             tiles_per_head = n_out * self.chunks
         flat = False
         if const_expr(self.flat_path):
-            if const_expr(self.group_idx):
-                flat = q_flat != 0 and sGroups.grouped
-            else:
-                flat = q_flat != 0 and mGrouped[0] != 0
+            flat = q_flat != 0 and mGrouped[0] != 0
         total = tiles_per_head * n_heads
         if const_expr(self.cfg.split_kv):
             total = total * n_splits
@@ -532,8 +493,7 @@ class IkboAttentionFwdSm90:
             self.REGISTERS.enter_producer()
             if warp_idx == 0:
                 self.producer(tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
-                              pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched,
-                              sGroups)
+                              pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched)
         else:
             self.REGISTERS.enter_consumer()
             self.consumer(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
@@ -542,57 +502,10 @@ class IkboAttentionFwdSm90:
             cluster_end()
 
     # ------------------------------------------------------------ work list
-    @staticmethod
-    def group_capacity(dtype: torch.dtype, head_dim: int) -> int:
-        """Groups (users + 1) whose counters fit the K stages, where ``group_candidates`` keeps them."""
-        return (IkboAttentionFwdSm90.KV_STAGES * IkboAttentionFwdSm90.TILE_N * head_dim * dtype.itemsize // 4
-                - GROUP_SCRATCH_EXTRA) // 2 - 1
-
-    @cute.jit
-    def group_candidates(self, mIdx, mOrder, mCandStart, mTileStart, storage, n_users: Int32, tidx) -> "Groups":
-        """The work list's cand_start and tile_start (and, for a grouped idx, its order), built by
-        every thread of this CTA from idx before any load, in the K stages' shared memory:
-        counters per group (users, then the out-of-range group U) by warp-aggregated atomics,
-        with a flag where a key falls below its predecessor's; a CTA-wide exclusive scan of the
-        candidates and tiles of each thread's run of groups. Every CTA writes the same values
-        to the work list's arrays in global memory (for its later tiles; the work-list kernel
-        writes them too), and where idx is grouped, order = 0, 1, ..., B - 1. Returns the
-        starts in shared memory (valid until the first K load), the tiles per head and whether
-        idx is grouped (read by every thread before the last barrier)."""
-        nt = self.num_threads
-        words = self.KV_STAGES * self.tile_n * self.head_dim * self.dtype.width // 32
-        cap = (words - GROUP_SCRATCH_EXTRA) // 2
-        base = cute.recast_ptr(storage.sK.data_ptr(), dtype=Int32)
-        sCand = cute.make_tensor(base, cute.make_layout(cap))
-        sTile = cute.make_tensor(base + cap, cute.make_layout(cap))
-        sScan = cute.make_tensor(base + 2 * cap, cute.make_layout(64))
-        sFlag = cute.make_tensor(base + 2 * cap + 64, cute.make_layout(1))
-        lane = cute.arch.lane_idx()
-        warp = tidx // 32
-        n_cand = Int32(mIdx.shape[0])
-        n_groups = n_users + 1
-        for g in cutlass.range(tidx, n_groups, nt, unroll=1):
-            sCand[g] = Int32(0)
-        if tidx == 0:
-            sFlag[0] = Int32(0)
-        cute.arch.sync_threads()
-        count_groups(mIdx, sCand, sFlag, n_cand, n_users, tidx, nt, GROUP_UNROLL)
-        cute.arch.sync_threads()
-        scan_groups(sCand, mCandStart, mTileStart, sTile, n_groups, self.s_q, nt, sScan, tidx, warp, lane)
-        cute.arch.sync_threads()
-        tiles = sTile[n_groups]
-        grouped = sFlag[0] == 0
-        if grouped:
-            for i in cutlass.range(tidx, n_cand, nt, unroll=1):
-                mOrder[i] = i
-        cute.arch.sync_threads()
-        return Groups(sCand, sTile, tiles, grouped)
-
     @cute.jit
     def tile_info(self, t: Int32, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm,
                   sched: Schedule) -> TileInfo:
-        """Tile t -> its TileInfo (KV broadcast: a search over the groups' first tiles, binary or,
-        ``lane_search``, by the producer warp's 32 lanes at once; warp 0 calls it whole).
+        """Tile t -> its TileInfo (KV broadcast: a binary search over the groups' first tiles).
         split_kv: splits run slowest (t = split * tiles of all heads + ...). ordered: the walk
         turns back every other round, and heads run fastest over the groups in perm order."""
         if const_expr(self.ordered):
@@ -627,16 +540,13 @@ class IkboAttentionFwdSm90:
             # Group u with tile_start[u] <= rem < tile_start[u + 1]; group n_kv_batch
             # holds the candidates whose index is out of range.
             lo = Int32(0)
-            if const_expr(self.cfg.lane_search):
-                lo = warp_search(mTileStart, rem, lo, sched.n_kv_batch + 1)
-            else:
-                hi = sched.n_kv_batch + 1
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    if mTileStart[mid] <= rem:
-                        lo = mid
-                    else:
-                        hi = mid
+            hi = sched.n_kv_batch + 1
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if mTileStart[mid] <= rem:
+                    lo = mid
+                else:
+                    hi = mid
             # The group's query rows are one run; this is its tile j. ordered: position lo of
             # tile_start holds group perm[lo].
             g = lo
@@ -709,24 +619,13 @@ class IkboAttentionFwdSm90:
     # ------------------------------------------------------------- producer
     @cute.jit
     def producer(self, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
-                 pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched: Schedule,
-                 sGroups):
+                 pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched: Schedule):
         """Warp 0: per tile its TileInfo and Q slots, then K/V blocks last to first."""
         group = sched.group()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.Q_STAGES)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.KV_STAGES)
         walk = strided_tiles(Int32(0), cluster=self.cluster_size)
         t = walk.first
-        if const_expr(self.group_idx):
-            # The first tile from the group starts this CTA's prologue left in shared memory
-            # (read before the tile's first K load overwrites them); later ones from global memory.
-            if t < sched.total_tiles:
-                info = self.tile_info(t, mCand, sGroups.cand_start, sGroups.tile_start, mKvLen, mKvOffsets, mPerm,
-                                      sched)
-                q_state, kv_state = self.load_tile(info, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf,
-                                                   tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k,
-                                                   pipe_v, mCand, group)
-                t += walk.stride
         while t < sched.total_tiles:
             info = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched)
             q_state, kv_state = self.load_tile(info, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K,
@@ -861,7 +760,7 @@ class IkboAttentionFwdSm90:
         # Columns as thread 0's (compile-time) plus this thread's offset: no column registers.
         tScS_mn = acc_mn_view(tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_m, n))))
         col_offset = acc_mn_view(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, n))))[0, 0][1]
-        softmax = OnlineSoftmax.create(cute.size(acc_S_mn, mode=[0]), acc_O_mn, self.cfg.poly_exp2)
+        softmax = OnlineSoftmax.create(cute.size(acc_S_mn, mode=[0]), acc_O_mn)
         st = ConsumerState(
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, tOrP=tOrP,
             acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, col_offset=col_offset, softmax=softmax,
@@ -884,22 +783,12 @@ class IkboAttentionFwdSm90:
             n_blocks = (info.n_keys + n - 1) // n
             acc_O.fill(0.0)
             softmax.reset()
-            # solo: a tile whose query rows all lie in warpgroup 0's 64 runs on warpgroup 0 alone,
-            # without turns; warpgroup 1 only passes the K/V stages on (mainloop_idle).
-            idle = False
-            turns = True
-            if const_expr(self.cfg.solo):
-                alone = info.n_valid <= 64
-                idle = alone and wg == 1
-                turns = not alone
             if n_blocks > 0:
                 # Blocks run last to first: only the first one processed needs the key mask.
                 n_cols = info.n_keys - (n_blocks - 1) * n
-                if idle:
-                    kv_state = self.mainloop_idle(st, kv_state, n_blocks, n_cols, tidx)
-                elif const_expr(self.cfg.overlap):
+                if const_expr(self.cfg.overlap):
                     kv_state = self.mainloop_overlapped(st, kv_state, q_state.index, n_blocks, n_cols,
-                                                        scale_log2, tidx, turns)
+                                                        scale_log2, tidx)
                 else:
                     kv_state = self.mainloop_serial(st, kv_state, q_state.index, n_blocks, n_cols,
                                                     scale_log2, tidx)
@@ -917,7 +806,7 @@ class IkboAttentionFwdSm90:
             pipe_q.consumer_release(q_state)
             q_state.advance()
             lse = softmax.finish(info.invalid, scale_log2)
-            store = not idle  # an idle warpgroup has no row to store
+            store = True
             if const_expr(self.pair):
                 # CTA r stores warpgroup r's rows, merged with the peer's split of them; rows past
                 # the tile's (warpgroup 1's of a tile of at most 64) are exchanged by neither.
@@ -956,26 +845,23 @@ class IkboAttentionFwdSm90:
 
     @cute.jit
     def mainloop_overlapped(self, st: ConsumerState, kv_state, q_stage: Int32, n_blocks: Int32, n_cols: Int32,
-                            scale_log2: Float32, tidx: Int32, turns=True):
+                            scale_log2: Float32, tidx: Int32):
         """S of block j is issued before P V of block j-1; the softmax of j runs while P V
         of j-1 is on the tensor cores. The end of the softmax is the path to this
         warpgroup's next GEMM turn, so after the tile's first block it exponentiates against
         the running max as it stands (``OnlineSoftmax.stale_max``) and O is rescaled only in
-        the rare block where a P may exceed 2^STALE_MAX (``stale_max_grew``). ``turns``: false
-        where this warpgroup has the tensor cores to itself (a solo tile)."""
+        the rare block where a P may exceed 2^STALE_MAX (``stale_max_grew``)."""
         self.first_block(st, kv_state, q_stage, n_cols, scale_log2, tidx)
         for i in cutlass.range(n_blocks - 1, unroll=1):
             v_state = kv_state.clone()
             kv_state.advance()
             st.pipe_k.consumer_wait(kv_state)
             # This warpgroup's turn: the other one is between its GEMM issues and its softmax.
-            if turns:
-                self.ping_pong.wait(st.wg)
+            self.ping_pong.wait(st.wg)
             acc_S = self.gemm_qk(st, q_stage, kv_state.index)
             st.pipe_v.consumer_wait(v_state)
             self.gemm_pv(st, v_state.index)
-            if turns:
-                self.ping_pong.hand_over(st.wg)
+            self.ping_pong.hand_over(st.wg)
             warpgroup.wait_group(1)
             st.pipe_k.consumer_release(kv_state)
             grew = st.softmax.stale_max(acc_S, scale_log2)
@@ -986,28 +872,6 @@ class IkboAttentionFwdSm90:
                 st.softmax.stale_max_grew(acc_S, scale_log2)
                 self.convert_p(st, acc_S)
         return self.pv_block(st, kv_state)
-
-    @cute.jit
-    def mainloop_idle(self, st: ConsumerState, kv_state, n_blocks: Int32, n_cols: Int32, tidx: Int32):
-        """Warpgroup 1 on a solo tile: each K and V stage waited for and released in the order
-        warpgroup 0 takes them (the producer refills a stage once both warpgroups have released
-        it), no GEMM; the first block's V tail zeroed with warpgroup 0 (V_TAIL takes both)."""
-        st.pipe_k.consumer_wait(kv_state)
-        st.pipe_k.consumer_release(kv_state)
-        if const_expr(self.tail_masked):
-            st.pipe_v.consumer_wait(kv_state)
-            self.zero_v_tail(st, kv_state.index, n_cols, tidx)
-        for i in cutlass.range(n_blocks - 1, unroll=1):
-            v_state = kv_state.clone()
-            kv_state.advance()
-            st.pipe_k.consumer_wait(kv_state)
-            st.pipe_k.consumer_release(kv_state)
-            st.pipe_v.consumer_wait(v_state)
-            st.pipe_v.consumer_release(v_state)
-        st.pipe_v.consumer_wait(kv_state)
-        st.pipe_v.consumer_release(kv_state)
-        kv_state.advance()
-        return kv_state
 
     @cute.jit
     def first_block(self, st: ConsumerState, kv_state, q_stage: Int32, n_cols: Int32, scale_log2: Float32,

@@ -12,11 +12,6 @@ a P may exceed 2^STALE_MAX (``stale_max_grew``). A move of the max past REDO_MAX
 overflow, or its rescale factor underflow) marks the row for an exact recompute on the CUDA
 cores at the end of the tile (``exact_rows``). Every decision is taken per row: a row's result
 never depends on the other rows of its warp (with S_q <= 8, another candidate's).
-
-The multi-function unit computes 16 exp2 a cycle per SM, as many as the tensor cores need at
-D = 64 (one exp2 per score, 512 flops of the block's two GEMMs per score at D = 128, 256 at
-D = 64). With ``poly`` > 0, ``poly`` of every 8 score columns of a thread are exponentiated on
-the FMA units instead (``exp2_poly``).
 """
 from __future__ import annotations
 
@@ -26,9 +21,6 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_kernels.accumulator import acc_mn_view
 
@@ -36,11 +28,6 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 STALE_MAX = 8.0
 REDO_MAX = 120.0
-# 2^f on [0, 1) as 1 + c1 f + c2 f^2 + c3 f^3, fitted for the least maximum relative error
-# (8.6e-5 in fp32 Horner; tests/test_softmax_poly_cpu.py fits and bounds it again).
-EXP2_POLY = (1.0, 0.6951168179512024, 0.22764484584331512, 0.07706717401742935)
-# x + 1.5 * 2^23, rounded down, holds floor(x) in its low mantissa bits (|x| < 2^22).
-ROUND_MAGIC = 12582912.0
 
 
 @dataclasses.dataclass(frozen=True)  # frozen: the DSL carries it through loops as read-only
@@ -55,13 +42,12 @@ class OnlineSoftmax:
     jump: object
     acc_O_mn: object
     n_rows: int
-    poly: int = 0  # score columns of every 8 exponentiated on the FMA units (exp2_poly)
 
     @staticmethod
-    def create(n_rows: int, acc_O_mn, poly: int = 0) -> "OnlineSoftmax":
+    def create(n_rows: int, acc_O_mn) -> "OnlineSoftmax":
         make = lambda: cute.make_rmem_tensor((n_rows,), Float32)  # noqa: E731
         row_max, row_sum, corr, jump = make(), make(), make(), make()
-        return OnlineSoftmax(row_max, row_sum, corr, jump, acc_O_mn, n_rows, poly)
+        return OnlineSoftmax(row_max, row_sum, corr, jump, acc_O_mn, n_rows)
 
     def reset(self):
         """A new tile: no keys seen yet."""
@@ -108,7 +94,7 @@ class OnlineSoftmax:
             else:
                 corr[m] = cute.math.exp2(row_max[m] * scale_log2 - max_scaled, fastmath=True)
             row_max[m] = new_max
-            blk_sum = _exp2_row(acc_S_mn, m, scale_log2, max_scaled, self.poly)
+            blk_sum = _exp2_row(acc_S_mn, m, scale_log2, max_scaled)
             if const_expr(first):
                 row_sum[m] = blk_sum
             else:
@@ -131,7 +117,7 @@ class OnlineSoftmax:
         grew = False
         for m in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             # After the first block the running max is finite (it holds a valid key).
-            blk_sum = _exp2_row(acc_S_mn, m, scale_log2, row_max[m] * scale_log2, self.poly)
+            blk_sum = _exp2_row(acc_S_mn, m, scale_log2, row_max[m] * scale_log2)
             # No P exceeds this thread's sum of them, so a sum within 2^STALE_MAX bounds them
             # all without a max (an inf P makes the sum inf).
             grew = grew | (blk_sum > Float32(2.0 ** STALE_MAX))
@@ -257,16 +243,14 @@ class OnlineSoftmax:
         return lse
 
 
-def _exp2_row(acc_S_mn, m: int, scale_log2: Float32, offset: Float32, poly: int = 0):
+def _exp2_row(acc_S_mn, m: int, scale_log2: Float32, offset: Float32):
     """Row m of S -> exp2(S * scale_log2 - offset) in place; returns this thread's sum of the row
-    (four independent chains: a single one is latency bound). Columns whose index mod 8 is
-    below ``poly`` go through ``exp2_poly``."""
+    (four independent chains: a single one is latency bound)."""
     n_cols = cute.size(acc_S_mn, mode=[1])
     sums = [Float32(0.0)] * 4
     for c in range(0, n_cols, 4):
         for i in range(4):
-            x = acc_S_mn[m, c + i] * scale_log2 - offset
-            p = exp2_poly(x) if (c + i) % 8 < poly else cute.math.exp2(x, fastmath=True)
+            p = cute.math.exp2(acc_S_mn[m, c + i] * scale_log2 - offset, fastmath=True)
             acc_S_mn[m, c + i] = p
             sums[i] = sums[i] + p
     return (sums[0] + sums[1]) + (sums[2] + sums[3])
@@ -280,36 +264,3 @@ def _sum_row(acc_S_mn, m: int):
         for i in range(4):
             sums[i] = sums[i] + acc_S_mn[m, c + i]
     return (sums[0] + sums[1]) + (sums[2] + sums[3])
-
-
-@dsl_user_op
-def _add_round_down(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    return Float32(llvm.inline_asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-                                   "add.rm.ftz.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
-                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _two_to_floor(rounded: Float32, *, loc=None, ip=None) -> Float32:
-    """2^n for the integer n (in [-127, 127]) in the low bits of ``rounded``: (n + 127) << 23 as
-    bits; +0 for n = -127. One integer multiply-add, on the FMA units."""
-    return Float32(llvm.inline_asm(
-        T.f32(), [Float32(rounded).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 n;\n\tmov.b32 n, $1;\n\tmad.lo.u32 n, n, 8388608, 1065353216;\n\tmov.b32 $0, n;\n\t}",
-        "=f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@cute.jit
-def exp2_poly(x: Float32) -> Float32:
-    """2^x without the multi-function unit: x clamped to [-127, 127] (NaN kept), split as
-    floor + fraction by one add rounding down, 2^fraction from ``EXP2_POLY`` (Horner), times
-    2^floor built from its bits. Relative error below 1e-4; 0 for x <= -127 (x = -inf: a masked
-    key), NaN for NaN, 2^127 for x >= 127 (a P that large sends its row to ``exact_rows``:
-    REDO_MAX < 127)."""
-    xc = cute.arch.fmin(cute.arch.fmax(x, Float32(-127.0), nan=True), Float32(127.0), nan=True)
-    rounded = _add_round_down(xc, Float32(ROUND_MAGIC))
-    frac = xc - (rounded - Float32(ROUND_MAGIC))
-    p = Float32(EXP2_POLY[3])
-    for k in cutlass.range_constexpr(2, -1, -1):
-        p = p * frac + Float32(EXP2_POLY[k])
-    return p * _two_to_floor(rounded)

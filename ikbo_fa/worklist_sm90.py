@@ -1,5 +1,4 @@
-"""The KV-broadcast work list in one launch (sm_90a): class KvWorklistSm90, and the device
-helpers it shares with the attention kernel's own grouping (count_groups, scan_groups).
+"""The KV-broadcast work list in one launch (sm_90a): class KvWorklistSm90.
 
 Produces exactly what :func:`ikbo_fa.worklist.kv_worklist` produces (the
 torch reference), except that the order of candidates within a user is not
@@ -128,7 +127,7 @@ class KvWorklistSm90:
         count_groups(mIdx, sHist, sDescents, n_cand, n_users, tidx, nt, self.UNROLL)
         cute.arch.sync_threads()
 
-        lo, hi = scan_groups(sHist, mCandStart, mTileStart, None, n_groups, rows_per_cand, nt, sScan, tidx, warp, lane)
+        lo, hi = scan_groups(sHist, mCandStart, mTileStart, n_groups, rows_per_cand, nt, sScan, tidx, warp, lane)
         grouped = sDescents[0] == 0  # written before the barriers above, read after
         if tidx == 0:
             mGrouped[0] = Int32(1) if grouped else Int32(0)
@@ -230,10 +229,10 @@ class KvWorklistSm90:
 
 @cute.jit
 def count_groups(mIdx, sHist, sFlag, n_cand: Int32, n_users: Int32, tidx, nt: int, unroll: int) -> None:
-    """Phase 2 of the work list (and the attention kernel's own grouping): every index's group
-    counted in ``sHist`` (``count_key``), and ``sFlag[0]`` set where a key falls below its
-    predecessor's (idx not grouped). Each thread loads ``unroll`` indices at a stride of ``nt``
-    (the CTA's threads) before it counts them, so the loads are in flight together."""
+    """Phase 2: every index's group counted in ``sHist`` (``count_key``), and ``sFlag[0]`` set
+    where a key falls below its predecessor's (idx not grouped). Each thread loads ``unroll``
+    indices at a stride of ``nt`` (the CTA's threads) before it counts them, so the loads are in
+    flight together."""
     below = cute.arch.lanemask_lt()
     for base in cutlass.range(0, n_cand, nt * unroll):
         keys = cute.make_rmem_tensor((unroll,), Int32)
@@ -270,14 +269,13 @@ def count_key(sHist, key: Int32, below) -> None:
 
 
 @cute.jit
-def scan_groups(sCount, mCandStart, mTileStart, sTile, n_groups: Int32, rows_per_cand: Int32, nt: int, sScan, tidx,
-                warp, lane):
-    """Each group's first candidate and first tile from its count (``sCount``, shared memory):
-    every thread takes a contiguous run of groups, a CTA-wide exclusive scan gives each run's
-    offsets, and the run is walked again writing ``mCandStart`` and ``mTileStart`` (n_groups + 1
-    entries) and leaving each group's first candidate in ``sCount`` (and its first tile in
-    ``sTile``, with the ends at n_groups, unless None). Every thread of the CTA (``nt``) calls it.
-    Returns the thread's run [lo, hi)."""
+def scan_groups(sCount, mCandStart, mTileStart, n_groups: Int32, rows_per_cand: Int32, nt: int, sScan, tidx, warp,
+                lane):
+    """Phase 3: each group's first candidate and first tile from its count (``sCount``, shared
+    memory): every thread takes a contiguous run of groups, a CTA-wide exclusive scan gives each
+    run's offsets, and the run is walked again writing ``mCandStart`` and ``mTileStart``
+    (n_groups + 1 entries) and leaving each group's first candidate in ``sCount``. Every thread
+    of the CTA (``nt``) calls it. Returns the thread's run [lo, hi)."""
     per = (n_groups + nt - 1) // nt
     lo = cutlass.min(tidx * per, n_groups)
     hi = cutlass.min(lo + per, n_groups)
@@ -293,16 +291,11 @@ def scan_groups(sCount, mCandStart, mTileStart, sTile, n_groups: Int32, rows_per
         mCandStart[g] = c_off
         mTileStart[g] = t_off
         sCount[g] = c_off
-        if const_expr(sTile is not None):
-            sTile[g] = t_off
         c_off += c
         t_off += group_tiles(c, rows_per_cand)
     if tidx == nt - 1:
         mCandStart[n_groups] = c_off
         mTileStart[n_groups] = t_off
-        if const_expr(sTile is not None):
-            sCount[n_groups] = c_off
-            sTile[n_groups] = t_off
     return lo, hi
 
 

@@ -7,7 +7,7 @@
     python perf/compare_fa4.py --jagged lognormal --L 8192   # K/V of per-user lengths <= L
     python perf/compare_fa4.py --preset gr-cross    # generative-recommender cross attention
     python perf/compare_fa4.py --sweep S_q_fine --H 1 2 4 8 --D 64 128 --dtype bf16 fp16
-    python perf/compare_fa4.py --S-q 1 --L 1024 2048 --variant _SOLO_TILES=1 _LANE_SEARCH=1
+    python perf/compare_fa4.py --S-q 1 --L 1024 2048 --variant _SPLIT_PAIR=0 _SPLIT_MIN_KEYS=1024
 
 Workload (K/V broadcast): B candidates, U users, idx[b] = the user of candidate b;
 q [B, S_q, H, D] per candidate, k, v [U, L, H, D] per user;
@@ -42,7 +42,7 @@ timed (a wrong one is reported, never timed):
                            problem (static shapes, one graph, no Inductor disk cache)
   materialize              the broadcast copy on its own (no attention)
   ikbo SPEC                (``--variant SPEC``) ikbo with launch flags of ikbo_fa.attention set,
-                           e.g. ``_SOLO_TILES=1``: choices the op does not make yet, timed in the
+                           e.g. ``_SPLIT_PAIR=0``: choices other than the op's, timed in the
                            same run as the default
 Index metadata (page table, cu_seqlens, the grouping permutation, the padding gather) is
 built once, untimed, which favors the peers. A provider whose materialized tensors would not
@@ -671,7 +671,7 @@ def _ikbo_run(p: Problem, st, inp: Inputs):
 
 def parse_variant(spec: str) -> dict:
     """``NAME=VALUE[,NAME=VALUE...]`` -> launch flags of ikbo_fa.attention and their values (flags
-    the op reads when it builds a plan, e.g. ``_SOLO_TILES=1``); an unknown name raises ValueError."""
+    the op reads when it builds a plan, e.g. ``_SPLIT_PAIR=0``); an unknown name raises ValueError."""
     import importlib
 
     mod = importlib.import_module("ikbo_fa.attention")
@@ -900,7 +900,7 @@ def parse_args(argv=None):
                     help=f"subset of: {', '.join(DISPLAY_ORDER)}")
     ap.add_argument("--variant", nargs="+", default=[], metavar="NAME=VALUE[,...]",
                     help="also time ikbo with launch flags of ikbo_fa.attention set, one provider "
-                         "'ikbo SPEC' per SPEC (e.g. _SOLO_TILES=1 _LANE_SEARCH=1,_SOLO_TILES=1); "
+                         "'ikbo SPEC' per SPEC (e.g. _SPLIT_PAIR=0 _SPLIT_PAIR=0,_SPLIT_MIN_KEYS=1024); "
                          "its ikbo_speedup is its time over the default's")
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
     ap.add_argument("--graph-below-ms", type=float, default=1.0,

@@ -54,18 +54,13 @@ class EmulatedKernels:
         assert ws_lse.dtype == torch.float32 and out.shape[2] * n_splits == ws_o.shape[2]
         attention_mod.merge_splits(ws_o, ws_lse, n_splits, out, lse)
 
-    def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm, idx, scale_log2,
+    def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm, scale_log2,
             scale, n_ctas, q_flat, max_keys, n_splits, split_keys):
         for hook in self.hooks:
             hook("fwd")
         self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k, out=out,
                                    grouped=grouped, q_flat=q_flat, offsets=offsets, max_keys=max_keys,
-                                   n_splits=n_splits, split_keys=split_keys, perm=perm, idx=idx))
-        # The kernel groups idx itself (group_idx): the contiguous idx, beside the work list's arrays,
-        # which it fills the same way (the stand-in work list has already).
-        if idx is not None:
-            assert idx.is_contiguous() and idx.shape[0] == out.shape[0] and cand_start is not None
-            assert perm is None and kvl is None and offsets is None
+                                   n_splits=n_splits, split_keys=split_keys, perm=perm))
         # The tiles run longest first exactly where histories have their own lengths (KV broadcast).
         assert (perm is not None) == (cand_start is not None and (kvl is not None or offsets is not None))
         if perm is not None:

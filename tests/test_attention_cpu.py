@@ -454,60 +454,22 @@ def test_gpu_path_splits_keys_where_tiles_are_few(emulated, monkeypatch, lengths
     torch.testing.assert_close(out, whole, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("flag, field, value, q_too", [("_LANE_SEARCH", "lane_search", True, False),
-                                                     ("_SOLO_TILES", "solo", True, False),
-                                                     ("_POLY_EXP2", "poly_exp2", 3, True)])
-@pytest.mark.parametrize("direction", ["kv", "q"])
-def test_variant_flags_pick_the_config_and_a_new_plan(emulated, monkeypatch, direction, flag, field, value, q_too):
-    """A variant's flag reaches the compile key (lane search and solo tiles for KV broadcast only:
-    Q broadcast neither searches nor leaves a warpgroup idle); changing a launch flag builds a new
-    plan instead of reusing the old one."""
-    q, kv, idx, _ = _gpu_path_problem(8, direction, B=9, U=4)
+def test_a_launch_flag_change_builds_a_new_plan(emulated, monkeypatch):
+    """A launch flag reaches the compile key (_SPLIT_PAIR: two splits in a cluster or through the
+    workspace); changing it builds a new plan instead of reusing the old one."""
+    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
+    monkeypatch.setattr(attention_mod, "_SPLIT_PAIR", True)
     configs = []
     monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd)
+    q, kv, idx, _ = _gpu_path_problem(44, "kv", 2048, 32, S_q=1, L=1024)  # two splits of 512 keys
     first = ikbo_fa.attention(q, kv, idx)
-    monkeypatch.setattr(attention_mod, flag, value)
+    monkeypatch.setattr(attention_mod, "_SPLIT_PAIR", False)
     again = ikbo_fa.attention(q, kv, idx)
     assert len(emulated.builds) == 2 and len(attention_mod._plans) == 2
-    taken = value if direction == "kv" or q_too else type(value)(0)
-    assert [getattr(c, field) for c in configs] == [type(value)(0), taken]
-    assert torch.equal(first, again)
+    assert [(c.split_pair, c.split_kv) for c in configs] == [(True, False), (False, True)]
+    torch.testing.assert_close(first, again, rtol=2e-2, atol=2e-2)
     ikbo_fa.attention(q, kv, idx)
     assert len(emulated.builds) == 2  # the flag unchanged: the plan is reused
-
-
-@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-def test_group_in_kernel_where_it_applies(emulated, monkeypatch, idx_dtype):
-    """_GROUP_IN_KERNEL: the forward kernel gets idx (and groups it itself) for KV broadcast over
-    padded histories of at most _GROUP_MAX_BATCH candidates whose users fit its scratch; not for
-    kv_lengths or jagged K/V (longest-first order), Q broadcast, or past those bounds. The work
-    list still runs (its order serves an idx that is not grouped)."""
-    monkeypatch.setattr(attention_mod, "_GROUP_IN_KERNEL", True)
-    configs = []
-    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd)
-
-    def run(direction, B=9, U=4, lengths=False, jagged=False):
-        q, kv, idx, kvl = _gpu_path_problem(8, direction, B=B, U=U, idx_dtype=idx_dtype, jagged=lengths)
-        kw = dict(kv_lengths=kvl) if lengths else {}
-        if jagged:
-            q, kv, _, _, idx, offsets = random_jagged_problem(8, direction, B, U, 3, 2, 1, 64, [0, 5, 9, 2][:U],
-                                                              torch.bfloat16)
-            idx = idx.to(idx_dtype)
-            kw = dict(kv_offsets=offsets)
-        out = ikbo_fa.attention(q, kv, idx, **kw)
-        torch.testing.assert_close(out, attention_reference(q, kv, idx, **kw), rtol=2e-2, atol=2e-2)
-        return configs[-1], emulated.fwd_calls[-1]
-
-    cfg, call = run("kv")
-    assert cfg.group_idx == idx_dtype and call["idx"] is not None and call["idx"].dtype == idx_dtype
-    assert emulated.worklist_calls == 1
-    for kw in (dict(direction="q"), dict(direction="kv", lengths=True), dict(direction="kv", jagged=True),
-               dict(direction="kv", B=attention_mod._GROUP_MAX_BATCH + 1)):
-        cfg, call = run(**kw)
-        assert cfg.group_idx is None and call["idx"] is None, kw
-    monkeypatch.setattr(attention_mod, "_group_capacity", lambda dtype, d: 4)
-    cfg, call = run("kv", U=4)  # U + 1 = 5 groups: one too many
-    assert cfg.group_idx is None
 
 
 @pytest.mark.parametrize("lengths_kind", ["none", "kv_lengths", "jagged"])

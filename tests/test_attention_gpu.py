@@ -2,6 +2,8 @@
 tensors, with an error budget of 1.5x torch SDPA's error in the same dtype. The contract
 attention shares with lce (layouts, out=, autograd, CUDA graphs, the disk cache) is in
 test_op_contract_gpu.py."""
+import dataclasses
+import importlib
 import math
 
 import pytest
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 
 import ikbo_fa
 from attention_inputs import materialize, random_problem
+from cute_kernels.plans import PlanCache
 
 pytestmark = pytest.mark.gpu
 
@@ -295,3 +298,33 @@ def test_unsorted_equals_sorted():
     perm = torch.argsort(idx, stable=True)
     out_sorted = ikbo_fa.attention(q[perm], kv, idx[perm])
     torch.testing.assert_close(out[perm], out_sorted, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", ["kv_lengths", "jagged"])
+def test_serial_main_loop(monkeypatch, rows):
+    """The serial main loop (``overlap=False``: a diagnostic configuration the op never picks) on
+    histories of their own lengths: none, one key, block edges (the V tail zeroed); fp16, D 64."""
+    attention_mod = importlib.import_module("ikbo_fa.attention")
+    kernel_config = attention_mod.kernel_config
+    monkeypatch.setattr(attention_mod, "kernel_config",
+                        lambda *a, **kw: dataclasses.replace(kernel_config(*a, **kw), overlap=False))
+    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
+    U, ratio, S_q, H, D, L = 9, 50, 1, 2, 64, 400
+    idx = torch.arange(U).repeat_interleave(ratio).cuda()
+    q = torch.randn(U * ratio, S_q, H, D, dtype=torch.float16, device="cuda")
+    lengths = torch.tensor([0, 1, 127, 128, 129, 400, 255, 256, 3])
+    if rows == "kv_lengths":
+        k, v = (torch.randn(U, L, H, D, dtype=torch.float16, device="cuda") for _ in range(2))
+        kw = dict(kv_lengths=lengths.cuda())
+    else:
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).cuda()
+        k, v = (torch.randn(int(offsets[-1]), H, D, dtype=torch.float16, device="cuda") for _ in range(2))
+        kw = dict(kv_offsets=offsets)
+    out, lse = ikbo_fa.attention(q, (k, v), idx, return_lse=True, **kw)
+    (plan,) = attention_mod._plans.values()
+    assert not plan.config.overlap and plan.config.jagged == (rows == "jagged")
+    ref, ref_lse = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, return_lse=True, **kw)
+    keep = ~torch.isneginf(ref_lse)
+    assert torch.isneginf(lse[~keep]).all() and not out.isnan().any()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)

@@ -19,27 +19,24 @@ def _args(*argv):
 
 
 def test_the_product_less_what_the_config_rejects():
-    ns = _args("--variants", "plain", "split", "group32", "all", "--S-q", "1", "17", "--D", "128")
+    ns = _args("--variants", "plain", "split", "pair", "--S-q", "1", "17", "--D", "128")
     cfgs = list(spills.configs(ns))
     assert len(cfgs) == len(set(cfgs))
-    # split_kv only with the lse; group_idx only over padded K/V without kv_lengths
+    # split_kv only with the lse; split pairs over every kind of history, with and without it
     assert all(c.return_lse for c in cfgs if c.split_kv)
-    assert all(not c.ordered for c in cfgs if c.group_idx is not None)
-    # "all" keeps its other variants where grouping does not apply
-    jagged_all = [c for c in cfgs if c.jagged and c.split_pair]
-    assert jagged_all and all(c.lane_search and c.solo and c.poly_exp2 == 3 and c.group_idx is None
-                              for c in jagged_all)
-    plain = [c for c in cfgs if not (c.split_kv or c.split_pair or c.group_idx is not None)]
-    assert len(plain) == 2 * 3 * 2  # S_q x rows x lse
+    assert len([c for c in cfgs if c.split_kv]) == 2 * 3  # S_q x rows
+    assert len([c for c in cfgs if c.split_pair]) == 2 * 3 * 2  # S_q x rows x lse
+    plain = [c for c in cfgs if not (c.split_kv or c.split_pair)]
+    assert len(plain) == 2 * 3 * 2
     assert AttentionConfig(torch.bfloat16, 128, 17, "kv", True, False) in cfgs
 
 
 def test_q_broadcast_takes_no_kv_variant():
-    ns = _args("--direction", "q", "--variants", "plain", "lanes", "solo", "pair", "poly3", "--rows", "none")
+    ns = _args("--direction", "q", "--variants", "plain", "split", "pair", "--rows", "none")
     cfgs = list(spills.configs(ns))
     assert {c.direction for c in cfgs} == {"q"}
-    assert not any(c.lane_search or c.solo or c.split_pair for c in cfgs)
-    assert {c.poly_exp2 for c in cfgs} == {0, 3}
+    assert not any(c.split_kv or c.split_pair for c in cfgs)
+    assert len(cfgs) == 13 * 2 * 2  # S_q x D x lse
 
 
 def test_one_compile_reported(tmp_path, capsys):

@@ -447,23 +447,23 @@ def test_main_dry_run_variants(dry_run, tmp_path, monkeypatch):
     seen = []
 
     def recording(q, kv, idx, **kw):
-        seen.append((mod._SOLO_TILES, mod._SPLIT_MIN_KEYS))
+        seen.append((mod._SPLIT_PAIR, mod._SPLIT_MIN_KEYS))
         return ikbo_attention(q, kv, idx, **kw)
 
     monkeypatch.setattr(cf.LIBS, "ikbo", types.SimpleNamespace(attention=recording))
-    before = (mod._SOLO_TILES, mod._SPLIT_MIN_KEYS)
+    before = (mod._SPLIT_PAIR, mod._SPLIT_MIN_KEYS)
     data = _run_main(tmp_path, ["--no-plot", "--L", "8", "--providers", "ikbo", "sdpa materialized",
-                                "--variant", "_SOLO_TILES=1", "_SOLO_TILES=1,_SPLIT_MIN_KEYS=1024"])
+                                "--variant", "_SPLIT_PAIR=0", "_SPLIT_PAIR=0,_SPLIT_MIN_KEYS=1024"])
     names = [r["provider"] for r in data["rows"]]
-    assert names == ["ikbo", "ikbo _SOLO_TILES=1", "ikbo _SOLO_TILES=1,_SPLIT_MIN_KEYS=1024", "sdpa materialized"]
+    assert names == ["ikbo", "ikbo _SPLIT_PAIR=0", "ikbo _SPLIT_PAIR=0,_SPLIT_MIN_KEYS=1024", "sdpa materialized"]
     assert all(r["status"] == "ok" for r in data["rows"])
     assert all(r["ikbo_speedup"] > 0 for r in data["rows"][1:])
-    assert {before, (True, before[1]), (True, 1024)} <= set(seen)
-    assert (mod._SOLO_TILES, mod._SPLIT_MIN_KEYS) == before
-    assert data["argv"][-2:] == ["_SOLO_TILES=1", "_SOLO_TILES=1,_SPLIT_MIN_KEYS=1024"]
+    assert {before, (False, before[1]), (False, 1024)} <= set(seen)
+    assert (mod._SPLIT_PAIR, mod._SPLIT_MIN_KEYS) == before
+    assert data["argv"][-2:] == ["_SPLIT_PAIR=0", "_SPLIT_PAIR=0,_SPLIT_MIN_KEYS=1024"]
 
 
-@pytest.mark.parametrize("spec", ["_NO_SUCH_FLAG=1", "_SOLO_TILES", "_SOLO_TILES=yes", "attention=1"])
+@pytest.mark.parametrize("spec", ["_NO_SUCH_FLAG=1", "_SPLIT_PAIR", "_SPLIT_PAIR=yes", "attention=1"])
 def test_bad_variant_names_the_pair(spec):
     with pytest.raises(ValueError, match="not NAME=INTEGER for a flag of ikbo_fa.attention"):
         cf.parse_variant(spec)

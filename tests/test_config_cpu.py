@@ -45,15 +45,6 @@ ATTENTION_BAD_FIELDS = {
     "s_q-0": (dict(s_q=0), "AttentionConfig.s_q must be an int >= 1, got 0"),
     "s_q-float": (dict(s_q=64.0), "AttentionConfig.s_q must be an int >= 1, got 64.0"),
     "direction": (dict(direction="k"), "AttentionConfig.direction must be 'kv' or 'q', got 'k'"),
-    "lane_search-q": (dict(direction="q", has_kv_lengths=False, lane_search=True),
-                      "AttentionConfig: lane_search needs direction 'kv'"),
-    "solo-q": (dict(direction="q", has_kv_lengths=False, solo=True), "AttentionConfig: solo needs direction 'kv'"),
-    "poly_exp2-9": (dict(poly_exp2=9), r"AttentionConfig.poly_exp2 must be an int in \[0, 8\], got 9"),
-    "poly_exp2-float": (dict(poly_exp2=1.0), r"AttentionConfig.poly_exp2 must be an int in \[0, 8\], got 1.0"),
-    "group_idx-int16": (dict(has_kv_lengths=False, group_idx=torch.int16), "AttentionConfig.group_idx must be None"),
-    "group_idx-lengths": (dict(group_idx=torch.int32), "AttentionConfig: group_idx needs direction 'kv' without"),
-    "group_idx-q": (dict(has_kv_lengths=False, direction="q", group_idx=torch.int32),
-                    "AttentionConfig: group_idx needs direction 'kv' without"),
     "split_pair-q": (dict(has_kv_lengths=False, direction="q", split_pair=True),
                      "AttentionConfig: split_pair needs direction 'kv' and excludes split_kv"),
     "split_pair-split_kv": (dict(split_kv=True, split_pair=True),
@@ -79,10 +70,6 @@ def test_shipped_configs_are_valid_and_exported():
         assert dataclasses.replace(cfg) == cfg and cfg.dtype in (torch.float16, torch.bfloat16)
     assert kernel_config(torch.float16, 64, 3, "q", False, True) == AttentionConfig(torch.float16, 64, 3, "q", False,
                                                                                     True)
-    assert not kernel_config(torch.float16, 64, 3, "q", False, True, lane_search=True).lane_search
-    assert kernel_config(torch.float16, 64, 3, "kv", False, True, lane_search=True).lane_search
-    assert not kernel_config(torch.float16, 64, 3, "q", False, True, solo=True).solo
-    assert kernel_config(torch.float16, 64, 3, "kv", False, True, solo=True).solo
 
 
 @pytest.mark.parametrize("s_q", [1, 2, 7, 8, 9, 31, 33, 63, 64, 65, 100, 128, 129, 300])

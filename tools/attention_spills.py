@@ -1,6 +1,6 @@
 """Compile many attention configurations for sm_90a (no GPU needed) and report those that spill.
 
-    python tools/attention_spills.py [--S-q 1 2 8 17 200] [--variants plain lanes solo pair all]
+    python tools/attention_spills.py [--S-q 1 2 8 17 200] [--variants plain pair split]
                                      [--jobs 2] [--out spills.jsonl]
 
 The shipped configurations are few; the op compiles whatever a problem needs at its first call
@@ -25,22 +25,15 @@ import torch
 
 VARIANTS = {
     "plain": {},
-    "lanes": {"lane_search": True},
-    "solo": {"solo": True},
-    "poly3": {"poly_exp2": 3},
-    "poly8": {"poly_exp2": 8},
-    "group32": {"group_idx": torch.int32},
-    "group64": {"group_idx": torch.int64},
     "pair": {"split_pair": True},
     "split": {"split_kv": True},
-    "all": {"lane_search": True, "solo": True, "split_pair": True, "poly_exp2": 3, "group_idx": torch.int32},
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def configs(args):
     """The configurations of the product that AttentionConfig accepts (the others are skipped:
-    group_idx needs padded K/V without kv_lengths, split_kv needs the lse)."""
+    split_kv needs the lse, split_kv and split_pair need KV broadcast)."""
     from ikbo_fa.config import AttentionConfig
 
     seen = set()
@@ -50,14 +43,9 @@ def configs(args):
                 for rows in args.rows:
                     for lse in (False, True):
                         for name in args.variants:
-                            kw = dict(VARIANTS[name])
-                            if rows != "none" and kw.get("group_idx") is not None:
-                                if name != "all":
-                                    continue
-                                kw.pop("group_idx")
                             try:
                                 cfg = AttentionConfig(DTYPES[dtype], d, s_q, args.direction, rows == "lengths", lse,
-                                                      jagged=rows == "jagged", **kw)
+                                                      jagged=rows == "jagged", **VARIANTS[name])
                             except ValueError:
                                 continue
                             if cfg not in seen:
