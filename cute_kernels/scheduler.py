@@ -10,11 +10,14 @@ The grid size is a run-time value: the op launches no more clusters than can be
 resident at once and no more than there are tiles, so a problem with fewer
 tiles than SMs still processes every tile, and the device is never queried
 while tracing.
+
+``warp_search`` finds a tile's group among the groups' first tiles with every lane of a warp.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
@@ -35,3 +38,26 @@ def strided_tiles(begin: Int32, cluster: int = 1, lanes: int = 1, lane=0) -> Til
     clusters = Int32(grid) // cluster
     first = begin + Int32(bid) // cluster + lane * clusters
     return TileWalk(first, clusters * lanes, clusters)
+
+
+@cute.jit
+def warp_search(starts: cute.Tensor, value: Int32, lo: Int32, hi: Int32) -> Int32:
+    """The last position i in [lo, hi) with ``starts[i] <= value``, by all 32 lanes of a warp
+    together (every lane calls it; every lane gets the answer). ``starts`` is non-decreasing over
+    [lo, hi) and ``starts[lo] <= value``.
+
+    Each round the lanes read 32 evenly spaced entries of the range at once and a ballot narrows
+    it 32-fold: ceil(log32(hi - lo)) rounds of one global load each, where a binary search waits
+    on ceil(log2(hi - lo)) loads in a row (the first tile of a persistent CTA waits on them)."""
+    lane = cute.arch.lane_idx()
+    while hi - lo > 1:
+        step = (hi - lo + 31) // 32
+        j = lo + Int32(lane) * step
+        below = cutlass.Boolean(False)
+        if j < hi:
+            below = starts[j] <= value
+        # The lanes that see an entry <= value are a prefix (lane 0 reads starts[lo]).
+        ballot = cute.arch.vote_ballot_sync(below)
+        lo = lo + (cute.arch.popc(ballot) - 1) * step
+        hi = cutlass.min(lo + step, hi)
+    return lo

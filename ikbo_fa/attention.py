@@ -81,6 +81,15 @@ _SPLIT_MIN_KEYS = 512
 # CUDA graphs) 20.2 against 22.3 us at L 1024 and 30.0 against 30.9 at L 2048, the same from
 # L 4096 and over the S_q sweep: docs/perf/2026-12-05-attention-variants-timed.md.
 _SPLIT_PAIR = True
+# Splits where split_cost says they pay, filling the grid's last round too (not only where the
+# tiles leave half the SMs idle); costs in key blocks of a busy SM: a tile's fixed part, the
+# merge in the cluster and the merge launch. Off: on the H200 (S_q sweep, graph) 12-13% faster
+# at S_q 4 and 8, L 8192, but 12% slower at S_q 2 and up to 3% at S_q 8 (L 1024) and 100:
+# docs/perf/2026-12-05-attention-short-calls.md.
+_SPLIT_BY_COST = False
+_TILE_BLOCKS = 1
+_PAIR_MERGE_BLOCKS = 1
+_MERGE_BLOCKS = 2
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +231,7 @@ def attention(
 
 def _launch_flags() -> tuple:
     """The module's launch choices, part of a plan's key (tests and A/B runs change them)."""
-    return (_WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _SPLIT_PAIR)
+    return (_WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _SPLIT_PAIR, _SPLIT_BY_COST)
 
 
 def _no_keys(kv, kv_offsets) -> bool:
@@ -361,15 +370,32 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: t
 def kv_splits(tiles: int, heads: int, keys: int, sms: int) -> tuple:
     """(splits, keys per split) for a KV-broadcast problem of about ``tiles`` tiles per head
     whose rows have up to ``keys`` keys: where the tiles fill at most half the SMs, each row's
-    keys go over as many CTAs as fill them, each with at least _SPLIT_MIN_KEYS keys."""
+    keys go over as many CTAs as fill them, each with at least _SPLIT_MIN_KEYS keys.
+    With _SPLIT_BY_COST, the split count of least ``split_cost`` instead."""
     work = max(1, tiles * heads)
-    if not _SPLIT_KV or 2 * work > sms:
+    if not _SPLIT_KV:
         return 1, 0
-    n = min(sms // work, keys // _SPLIT_MIN_KEYS, MAX_SPLITS)
+    if _SPLIT_BY_COST:
+        n = min(range(1, MAX_SPLITS + 1), key=lambda n: (split_cost(work, keys, sms, n), n))
+    else:
+        n = 1 if 2 * work > sms else min(sms // work, keys // _SPLIT_MIN_KEYS, MAX_SPLITS)
     if n < 2:
         return 1, 0
     per = -(-keys // (n * 128)) * 128
     return -(-keys // per), per
+
+
+def split_cost(work: int, keys: int, sms: int, n: int) -> float:
+    """The time of ``work`` tiles of ``keys`` keys, each split n ways, on ``sms`` SMs, in key
+    blocks of the busiest SM: rounds of the persistent grid times (blocks per split + a tile's
+    fixed cost), plus the merge (in the cluster for two splits; a second launch beyond); inf
+    where a split would hold fewer than _SPLIT_MIN_KEYS keys."""
+    if n > 1 and keys // n < _SPLIT_MIN_KEYS:
+        return math.inf
+    blocks = -(-keys // 128)
+    rounds = -(-work * n // sms)
+    merge = 0 if n == 1 else _PAIR_MERGE_BLOCKS if n == 2 and _SPLIT_PAIR else _MERGE_BLOCKS
+    return rounds * (-(-blocks // n) + _TILE_BLOCKS) + merge
 
 
 def _tma_ok(t: torch.Tensor) -> bool:

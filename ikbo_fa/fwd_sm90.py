@@ -14,7 +14,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cute_kernels.accumulator import acc_as_frag_a, acc_mn_view, warpgroup_gemm
 from cute_kernels.cluster_reduce import cluster_end, init_exchange, release_peers, store_remote
 from cute_kernels.interop import cutlass_dtype
-from cute_kernels.scheduler import strided_tiles
+from cute_kernels.scheduler import strided_tiles, warp_search
 from cute_kernels.warp_specialized import (
     Barrier,
     PingPong,
@@ -505,7 +505,8 @@ class IkboAttentionFwdSm90:
     @cute.jit
     def tile_info(self, t: Int32, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm,
                   sched: Schedule) -> TileInfo:
-        """Tile t -> its TileInfo (KV broadcast: a binary search over the groups' first tiles).
+        """Tile t -> its TileInfo (KV broadcast: a search over the groups' first tiles by the
+        whole producer warp, which calls it).
         split_kv: splits run slowest (t = split * tiles of all heads + ...). ordered: the walk
         turns back every other round, and heads run fastest over the groups in perm order."""
         if const_expr(self.ordered):
@@ -539,14 +540,9 @@ class IkboAttentionFwdSm90:
         if const_expr(self.cfg.direction == "kv"):
             # Group u with tile_start[u] <= rem < tile_start[u + 1]; group n_kv_batch
             # holds the candidates whose index is out of range.
-            lo = Int32(0)
-            hi = sched.n_kv_batch + 1
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if mTileStart[mid] <= rem:
-                    lo = mid
-                else:
-                    hi = mid
+            # All 32 lanes of the producer warp search at once (warp_search: two rounds of loads
+            # for up to 1023 groups, where a binary search waits on one load after another).
+            lo = warp_search(mTileStart, rem, Int32(0), sched.n_kv_batch + 1)
             # The group's query rows are one run; this is its tile j. ordered: position lo of
             # tile_start holds group perm[lo].
             g = lo
@@ -775,7 +771,7 @@ class IkboAttentionFwdSm90:
         t = walk.first
         n_ex = Int32(0)  # split_pair: exchanges of this warpgroup's rows so far
         while t < sched.total_tiles:
-            # The producer looked the tile up (a binary search over dependent loads, off the
+            # The producer looked the tile up (a search over dependent loads, off the
             # consumers' path); its info arrives with the tile's Q and stays in registers for
             # the epilogue.
             pipe_q.consumer_wait(q_state)

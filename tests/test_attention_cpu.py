@@ -396,6 +396,21 @@ def test_kv_splits_fill_idle_sms_only():
     assert attention_mod.kv_splits(40, 2, 8192, 132) == (1, 0)  # more than half the SMs busy
 
 
+def test_kv_splits_by_cost(monkeypatch):
+    """_SPLIT_BY_COST: the split count of least split_cost (S_q 1, 4 and 64 at B 2048, ratio 64)."""
+    assert not attention_mod._SPLIT_BY_COST
+    monkeypatch.setattr(attention_mod, "_SPLIT_BY_COST", True)
+    cost = attention_mod.split_cost
+    # 160 tiles, 64 key blocks: one split takes two rounds of 65 blocks, four splits five of 17
+    assert cost(160, 8192, 132, 1) == 2 * (64 + 1) and cost(160, 8192, 132, 4) == 5 * (16 + 1) + 2
+    assert cost(160, 1024, 132, 4) == float("inf")  # splits of 256 keys
+    assert attention_mod.kv_splits(80, 2, 8192, 132) == (4, 2048)
+    assert attention_mod.kv_splits(32, 2, 1024, 132) == (2, 512)  # the split pair, as without it
+    assert attention_mod.kv_splits(1040, 2, 8192, 132) == (1, 0)  # full rounds: no split
+    monkeypatch.setattr(attention_mod, "_SPLIT_KV", False)
+    assert attention_mod.kv_splits(80, 2, 8192, 132) == (1, 0)
+
+
 @pytest.mark.parametrize("n_splits", [2, 3])
 def test_merge_splits_is_attention_over_all_keys(n_splits):
     """Partial (out, lse) over key ranges merge into attention over all keys; a row with no key
