@@ -139,16 +139,19 @@ class IkboAttentionFwdSm90:
 
     Warp roles (384 threads, one CTA per SM, grid = min(#SMs, tiles); split pairs: clusters of 2,
     min(resident clusters, tiles) of them):
-      warpgroup 0, producer (setmaxnreg 24): warp 0 walks the tile list and issues every TMA
-        load; warps 1-3 idle. Per tile: wait for a free Q stage, write the tile's TileInfo
-        beside it, load the Q slots; then K/V blocks last to first, K one block ahead of V.
+      warpgroup 0, producer (setmaxnreg 24): warp 0 walks the tile list (its 32 lanes find
+        each tile's user together: warp_search) and issues every TMA load; warps 1-3 idle.
+        Per tile: wait for a free Q stage, write the tile's TileInfo beside it, load the Q
+        slots; then K/V blocks last to first, K one block ahead of V.
       warpgroups 1, 2, consumers (setmaxnreg 240): 64 query rows each of the 128-row tile.
         Per tile: read the TileInfo, S = Q K^T and O += P V on wgmma (P from registers), the
         online softmax in exp2 on fp32 row max / sum (ikbo_fa.softmax); with ``overlap`` the S
         of block j is issued before the P V of block j-1 and the softmax of j runs while that
         P V is in flight, the two warpgroups taking turns on the tensor cores (PingPong); rows
         whose max jumped are recomputed exactly; epilogue: O / row sum into the warpgroup's 64
-        rows of sO (stmatrix), one TMA store per stored slot (or one for all 64 rows).
+        rows of sO (stmatrix), one TMA store per stored slot (or one for all 64 rows); with
+        boxes of at most 4 rows (``direct_rows``), rows that are not one such box go from
+        registers straight to out instead.
 
     Pipelines (PipelineTmaAsync; checked in ``__init__``):
 
