@@ -1018,7 +1018,7 @@ class IkboAttentionFwdSm90:
         (or, for a flat tile whose 64 rows here are all stored, one box); with ``direct_rows``,
         rows that are not such a box go from registers to out (store_rows). No keys: O = 0,
         lse = -inf. Out-of-range index: NaN."""
-        d, r = self.head_dim, self.slot_rows
+        r = self.slot_rows
         n_rows = cute.size(st.acc_O_mn, mode=[0])
         rO = cute.make_rmem_tensor_like(st.acc_O, self.dtype)
         rO.store(st.acc_O.load().to(self.dtype))
@@ -1027,7 +1027,7 @@ class IkboAttentionFwdSm90:
         if const_expr(self.direct_rows):
             staged = info.flat and info.n_valid >= (wg + 1) * 64
             if not staged:
-                self.store_rows(info, rO, tiled_mma_pv, tidx, st.mOg, mCand)
+                self.store_rows(st, info, rO, mCand)
         if staged:
             # This warpgroup's previous TMA stores must have read sO before it is rewritten.
             if warp_in_wg == 0:
@@ -1039,8 +1039,7 @@ class IkboAttentionFwdSm90:
             cute.copy(store_atom, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
 
         if const_expr(self.cfg.return_lse):
-            tOcO_mn = acc_mn_view(tiled_mma_pv.get_slice(tidx).partition_C(
-                cute.make_identity_tensor((self.tile_m, d))))
+            tOcO_mn = st.tOcO_mn
             if tOcO_mn[0, 0][1] == 0:
                 for m in cutlass.range_constexpr(n_rows):
                     row = tOcO_mn[m, 0][0]
@@ -1089,11 +1088,10 @@ class IkboAttentionFwdSm90:
         cute.copy(tma_atom_Of, tOsO_h, tOgO)
 
     @cute.jit
-    def store_rows(self, info: TileInfo, rO, tiled_mma_pv, tidx: Int32, mO, mCand):
-        """Each thread's stored rows of rO straight to out [S_q, D, H, B]: a row's candidate is
-        looked up once, its values stored as they lie in the thread's registers."""
-        tOcO_mn = acc_mn_view(tiled_mma_pv.get_slice(tidx).partition_C(
-            cute.make_identity_tensor((self.tile_m, self.head_dim))))
+    def store_rows(self, st: ConsumerState, info: TileInfo, rO, mCand):
+        """Each thread's stored rows of rO straight to out (``st.mOg``, [S_q, D, H, B]): a row's
+        candidate is looked up once, its values stored as they lie in the thread's registers."""
+        tOcO_mn, mO = st.tOcO_mn, st.mOg
         rO_mn = acc_mn_view(rO)
         for m in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
             row = tOcO_mn[m, 0][0]
