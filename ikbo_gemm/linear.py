@@ -15,14 +15,15 @@ contiguous or not 16-byte aligned are copied.
 Grids of few tiles. Where the candidate tiles fill at most half the SMs, each CTA runs one
 tile and the phase takes one tile's time: the op then takes a smaller tile
 (``config.pick_cand_tile``). Where the candidate grid is one partial wave, the user phase runs
-on the SMs it leaves idle. ``PlanRules`` adds two choices, off (slower on the whole, timed): the
-tiles' K loop split over clusters of 2 or 4 CTAs that add their partial sums in shared memory
+on the SMs it leaves idle. ``PlanRules`` adds choices, all off: the tiles' K loop split over
+clusters of 2 or 4 CTAs that add their partial sums in shared memory
 (``config.pick_cand_split``), and the user phase as K-split pairs on the 2-CTA slots that
-candidate clusters leave.
+candidate clusters leave (both slower on the whole, timed); the user phase in narrow tiles and
+up to 8 K slices wherever it may hold back candidate CTAs (``wide_user``, not timed yet).
 
 Memory: besides the output, each call allocates the fp32 workspace, 4 bytes per element of
 [U, N] with U rounded up to the user tile's rows (128 or 64) and N to the tile width, times
-the user phase's K slices (1 to 4; more only where U is small).
+the user phase's K slices (1 to 4; up to 8 with ``PlanRules.wide_user``).
 """
 from __future__ import annotations
 
@@ -72,10 +73,14 @@ class PlanRules:
 
     split_k: bool = False  # candidate tiles that fill at most half the SMs: K over clusters (pick_cand_split)
     user_pairs: bool = False  # the user phase on the 2-CTA slots a partial candidate wave leaves, K-split pairs
+    wide_user: bool = False  # the user phase in narrow tiles and up to 8 K slices, never on the spare SMs alone
 
 
 DEFAULT_RULES = PlanRules()
 SMALL_GRID_RULES = PlanRules(split_k=True, user_pairs=True)
+# Not timed yet (docs/perf/2026-12-05-linear-wide-user-phase.md).
+WIDE_USER_RULES = PlanRules(wide_user=True)
+SPLIT_WIDE_USER_RULES = PlanRules(split_k=True, wide_user=True)
 
 
 def split_weight(weight: torch.Tensor, k_user: int, user_first: bool = True):
@@ -188,19 +193,28 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
     splits = _user_splits(user_tiles, kb_user, sms)
     base = dict(tile_user=tile_user, tile_cand=tile_cand, split_cand=split_cand, split_user=1, splits=splits,
                 grid_user=min(sms, splits * user_tiles))
+    # The user phase where its grid may run before candidate CTAs (every return below but the
+    # spare SMs' ones). wide_user: narrower tiles and up to 8 K slices, so that those start
+    # sooner, and never the spare SMs' long user CTAs (whose K loops may outlast the candidates').
+    ahead = base
+    if rules.wide_user:
+        wide = _wide_user_tile(U, N)
+        wide_tiles = -(-U // wide[0]) * -(-N // wide[1])
+        wide_splits = _user_splits(wide_tiles, kb_user, sms, WIDE_USER_SLICES)
+        ahead = dict(base, tile_user=wide, splits=wide_splits, grid_user=min(sms, wide_splits * wide_tiles))
     if split_cand > 1:
         # One cluster per tile (pick_cand_split keeps them one wave); the kernel needs a k-block
         # in every CTA's slice.
         if (split_cand - 1) * -(-kb_cand // split_cand) >= kb_cand:
             raise ValueError(f"linear: {kb_cand} k-blocks leave a CTA of a {split_cand}-way K split none")
-        return _Grids(cluster=1, grid_cand=cand_tiles * split_cand, **base)
+        return _Grids(cluster=1, grid_cand=cand_tiles * split_cand, **ahead)
     cluster = _CAND_CLUSTER if B > tile_cand[0] else 1
     m_groups = -(-B // (tile_cand[0] * cluster))
     cand_clusters = min(clusters(cluster), m_groups * -(-N // tile_cand[1]))
-    grid = dict(base, cluster=cluster, grid_cand=cand_clusters * cluster)
+    cand_grid = dict(cluster=cluster, grid_cand=cand_clusters * cluster)
     cand_work = tile_cand[0] * tile_cand[1] * K_cand
-    if cand_tiles > cand_clusters * cluster or cand_clusters * cluster >= sms:
-        return _Grids(**grid)  # no SM left idle by a partial wave
+    if rules.wide_user or cand_tiles > cand_clusters * cluster or cand_clusters * cluster >= sms:
+        return _Grids(**ahead, **cand_grid)  # (or) no SM left idle by a partial wave
     spare = _spare_user_grid(user_tiles, tile_user[0] * tile_user[1] * K_user, cand_work,
                              sms - cand_clusters * cluster)
     if cluster == 2 and clusters(2) - spare < cand_clusters and rules.user_pairs and kb_user >= 2:
@@ -209,10 +223,10 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
         pairs = _spare_user_grid(user_tiles, tile_user[0] * tile_user[1] * K_user / 2, cand_work,
                                  clusters(2) - cand_clusters)
         if pairs:
-            return _Grids(**dict(grid, split_user=2, splits=1, grid_user=2 * pairs))
+            return _Grids(**dict(base, split_user=2, splits=1, grid_user=2 * pairs), **cand_grid)
     if spare:
-        return _Grids(**dict(grid, splits=1, grid_user=spare))
-    return _Grids(**grid)
+        return _Grids(**dict(base, splits=1, grid_user=spare), **cand_grid)
+    return _Grids(**ahead, **cand_grid)
 
 
 def _spare_user_grid(user_tiles: int, user_work: float, cand_work: float, free: int) -> int:
@@ -229,12 +243,23 @@ def _spare_user_grid(user_tiles: int, user_work: float, cand_work: float, free: 
     return spare if -(-user_tiles // spare) * user_work <= cand_work else 0
 
 
-def _user_splits(user_tiles: int, k_blocks: int, sms: int) -> int:
+# Most K slices of the user phase with PlanRules.wide_user (4 without): each is a workspace slab
+# that every candidate epilogue adds.
+WIDE_USER_SLICES = 8
+
+
+def _wide_user_tile(U: int, N: int) -> tuple[int, int]:
+    """The user tile of PlanRules.wide_user: 64 x 128 where U fits one 64-row tile (the phase
+    then streams w_user; narrower tiles make more CTAs for the same bytes), else the usual."""
+    return (64, 128) if U <= 64 else pick_linear_tile(U, N)
+
+
+def _user_splits(user_tiles: int, k_blocks: int, sms: int, most: int = 4) -> int:
     """Slices of K for the user phase. The candidate grid starts on an SM once the user grid
     has left it, so a user phase of few, long tiles delays part of the candidate grid by a
-    whole tile; up to 4 slices of at least 2 k-blocks each spread it over the SMs. The count
-    is such that every slice has a k-block."""
-    target = max(1, min(4, sms // max(user_tiles, 1), k_blocks // 2))
+    whole tile; up to ``most`` slices of at least 2 k-blocks each spread it over the SMs. The
+    count is such that every slice has a k-block."""
+    target = max(1, min(most, sms // max(user_tiles, 1), k_blocks // 2))
     per_split = -(-k_blocks // target)
     return -(-k_blocks // per_split)
 

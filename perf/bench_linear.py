@@ -21,11 +21,12 @@ reported, never timed):
   torch addmm floor            the candidate GEMM alone: torch.addmm(bias, x_cand, w_cand^T)
                                and the activation, checked against its own fp32 reference
   ikbo linear                  ikbo_gemm.linear (its row is skipped until the op exists)
-  ikbo linear, small-grid rules
-                               only when named in --providers: the op with the launch plan's
-                               rules for grids of few tiles on (linear.PlanRules: the
-                               candidate K split over clusters, K-split user pairs), which the
-                               op leaves off until they are timed against it in one run
+  ikbo linear, small-grid rules, ikbo linear, wide user phase, ikbo linear, split K + wide user
+                               only when named in --providers: the op with launch-plan rules
+                               on (linear.PlanRules: the candidate K split over clusters and
+                               K-split user pairs; the user phase in narrow tiles and up to 8
+                               K slices; both), which the op leaves off until they are timed
+                               against it in one run
 Columns: us per call, TFLOP/s of the useful work (the floor counted at it too: the rate at
 which the op would match it), percent of the 8192^3 cuBLAS GEMM ceiling, x_* = that torch
 provider's time / this time, compile_s = first call minus a steady call. Calls cycle through
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import itertools
 import sys
 import time
@@ -79,9 +81,14 @@ AXES = ["B", "ratio", "K", "N", "dtype", "activation"]
 ACTIVATIONS = ["none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
 OURS = "ikbo linear"
 SMALL_GRID = "ikbo linear, small-grid rules"
+# Extra providers: the op under launch-plan rules it leaves off (linear.PlanRules), by the
+# name of the rule set in ikbo_gemm.linear, and the column of the op's row that compares them.
+PLAN_VARIANTS = {SMALL_GRID: ("SMALL_GRID_RULES", "x_small_grid"),
+                 "ikbo linear, wide user phase": ("WIDE_USER_RULES", "x_wide_user"),
+                 "ikbo linear, split K + wide user": ("SPLIT_WIDE_USER_RULES", "x_split_wide_user")}
 SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x_decomp",
                    "torch.compile decomposition": "x_compiled", "torch addmm floor": "x_floor",
-                   SMALL_GRID: "x_small_grid"}
+                   **{name: column for name, (_, column) in PLAN_VARIANTS.items()}}
 
 
 def linear_flops(B: int, U: int, N: int, K_user: int, K_cand: int) -> int:
@@ -232,12 +239,17 @@ def _ours(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
                                 activation=None if p.activation == "none" else p.activation, validate=False)
 
 
-def _ours_small_grid(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
-    from ikbo_gemm.linear import SMALL_GRID_RULES, linear_with_rules
+def _ours_with_rules(rules_name: str):
+    """The op with the launch-plan rules ``ikbo_gemm.linear.<rules_name>``."""
 
-    return linear_with_rules(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias,
-                             activation=None if p.activation == "none" else p.activation, validate=False,
-                             rules=SMALL_GRID_RULES)
+    def call(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
+        linear_module = importlib.import_module("ikbo_gemm.linear")  # the module (the package's linear is the op)
+        return linear_module.linear_with_rules(
+            i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias,
+            activation=None if p.activation == "none" else p.activation, validate=False,
+            rules=getattr(linear_module, rules_name))
+
+    return call
 
 
 def providers() -> list:
@@ -247,7 +259,8 @@ def providers() -> list:
         Provider("torch decomposition", lambda p, i: None, _decomposition),
         Provider("torch.compile decomposition", lambda p, i: harness.torch_compiled(decomposition), _compiled),
         Provider("torch addmm floor", lambda p, i: None, _floor, floor=True),
-        Provider(SMALL_GRID, lambda p, i: None, _ours_small_grid, ours=True, extra=True),
+        *(Provider(name, lambda p, i: None, _ours_with_rules(rules), ours=True, extra=True)
+          for name, (rules, _) in PLAN_VARIANTS.items()),
         Provider(OURS, lambda p, i: None, _ours, ours=True),
     ]
 

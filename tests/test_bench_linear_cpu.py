@@ -257,12 +257,15 @@ def test_without_a_gpu_one_line_and_exit_2():
     assert "Hopper" in text and "Traceback" not in text
 
 
-def test_small_grid_rules_run_only_when_named(linear_on_cpu, tmp_path):
-    """The plan with its small-grid rules on is an extra provider: timed beside the op when named."""
-    assert bli.SMALL_GRID not in {pr.name for pr in bli.chosen_providers(None)}
-    assert [pr.name for pr in bli.chosen_providers([bli.SMALL_GRID, bli.OURS])] == [bli.SMALL_GRID, bli.OURS]
+def test_plan_rules_run_only_when_named(linear_on_cpu, tmp_path):
+    """The op under each set of launch-plan rules it leaves off is an extra provider: timed
+    beside the op when named, its ratio in a column of the op's row."""
+    variants = list(bli.PLAN_VARIANTS)
+    assert not set(variants) & {pr.name for pr in bli.chosen_providers(None)}
+    assert [pr.name for pr in bli.chosen_providers([*variants, bli.OURS])] == [*variants, bli.OURS]
     data = _run_main(tmp_path, ["--configs", "headline", "--dtype", "bf16", "--K", "8,16",
-                                "--providers", "torch decomposition", bli.SMALL_GRID, bli.OURS])
+                                "--providers", "torch decomposition", *variants, bli.OURS])
     rows = {r["provider"]: r for r in data["rows"]}
-    assert set(rows) == {"torch decomposition", bli.SMALL_GRID, bli.OURS}
-    assert rows[bli.SMALL_GRID]["status"] == "ok" and rows[bli.OURS]["x_small_grid"] > 0
+    assert set(rows) == {"torch decomposition", *variants, bli.OURS}
+    for name, (_, column) in bli.PLAN_VARIANTS.items():
+        assert rows[name]["status"] == "ok" and rows[bli.OURS][column] > 0

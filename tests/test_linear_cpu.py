@@ -4,6 +4,7 @@ compiles of every shipped configuration."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 
 import pytest
@@ -260,6 +261,32 @@ def test_a_split_with_an_empty_slice_is_refused(monkeypatch):
     assert _grids(300, 3, 200, 64, 256).split_cand == 4  # one k-block each
 
 
+def test_wide_user_phase_plan():
+    """PlanRules.wide_user: where the user grid runs before candidate CTAs, 64 x 128 user tiles
+    and up to 8 K slices make its CTAs many and short; it never takes the spare SMs alone."""
+    from ikbo_gemm.linear import WIDE_USER_SLICES
+
+    plain = dict(split_k=False, user_pairs=False)
+    # B 512, N 4096, K 4096: 128 candidate CTAs; 32 user tiles x 4 slices (was 16 x 4)
+    g = _grids(512, 7, 4096, 4096, 4096, wide_user=True, **plain)
+    assert (g.tile_user, g.splits, g.grid_user, g.grid_cand) == ((64, 128), 4, 128, 128)
+    # B 2048, N 1024, K 4096: 4 user CTAs of the whole K on the spare SMs before; now 8 x 8 slices
+    old = _grids(2048, 29, 1024, 4096, 4096, **plain)
+    assert (old.grid_user, old.splits) == (4, 1)
+    g = _grids(2048, 29, 1024, 4096, 4096, wide_user=True, **plain)
+    assert (g.tile_user, g.splits, g.grid_user, g.tile_cand, g.grid_cand) == ((64, 128), 8, 64, (128, 128), 128)
+    # with the candidate K split, the split candidate grid as before
+    g = _grids(1024, 15, 1024, 4096, 4096, wide_user=True, split_k=True, user_pairs=False)
+    assert (g.split_cand, g.grid_cand, g.splits, g.grid_user) == (2, 128, 8, 64)
+    # more users than one 64-row tile: the usual tile; every slice has a k-block
+    assert _grids(8192, 117, 1024, 4096, 4096, wide_user=True, **plain).tile_user == (128, 128)
+    for B, U, N, K in itertools.product((1, 300, 2048), (1, 7, 65, 300), (8, 1000, 4096), (8, 136, 1000, 4096)):
+        g = _grids(B, U, N, K, K, wide_user=True, **plain)
+        kb = -(-K // 64)
+        assert 1 <= g.splits <= WIDE_USER_SLICES and (g.splits - 1) * -(-kb // g.splits) < kb
+        assert g.grid_user <= 132 and g.split_user == 1
+
+
 def test_the_op_leaves_the_small_grid_rules_off_until_timed():
     from ikbo_gemm.linear import DEFAULT_RULES, SMALL_GRID_RULES
 
@@ -268,23 +295,25 @@ def test_the_op_leaves_the_small_grid_rules_off_until_timed():
     assert _grids(1024, 15, 1024, 4096, 4096, split_k=False, user_pairs=False).split_cand == 1
 
 
-@pytest.mark.parametrize("B, U, N, K_user, K_cand, split_cand, split_user", [
-    (1024, 15, 1024, 4096, 4096, 2, 1),  # 64 tiles: 2-CTA K splits
-    (1024, 15, 256, 1024, 2048, 4, 1),  # 16 tiles: 4-CTA K splits
-    (2048, 29, 1024, 1000, 4096, 1, 2),  # 128 candidate CTAs in 2-CTA clusters: the user phase in pairs
+@pytest.mark.parametrize("rules, B, U, N, K_user, K_cand, split_cand, split_user, slices", [
+    ("SMALL_GRID_RULES", 1024, 15, 1024, 4096, 4096, 2, 1, 4),  # 64 tiles: 2-CTA K splits
+    ("SMALL_GRID_RULES", 1024, 15, 256, 1024, 2048, 4, 1, 4),  # 16 tiles: 4-CTA K splits
+    ("SMALL_GRID_RULES", 2048, 29, 1024, 1000, 4096, 1, 2, 1),  # 2-CTA candidate clusters: user pairs
+    ("WIDE_USER_RULES", 2048, 29, 1024, 1000, 4096, 1, 1, 8),  # 8 user slices of 2 k-blocks, the last short
+    ("SPLIT_WIDE_USER_RULES", 1024, 15, 256, 1000, 2048, 4, 1, 8),
 ])
-def test_gpu_path_with_the_small_grid_rules(monkeypatch, B, U, N, K_user, K_cand, split_cand, split_user):
-    """The op's host side with the small-grid rules on, its kernel emulated: the configurations and
+def test_gpu_path_with_plan_rules(monkeypatch, rules, B, U, N, K_user, K_cand, split_cand, split_user, slices):
+    """The op's host side with launch-plan rules on, its kernel emulated: the configurations and
     grids it launches, and the result."""
     from linear_emulation import install
 
     kernels = install(monkeypatch)
     linear_mod = importlib.import_module("ikbo_gemm.linear")
-    monkeypatch.setattr(linear_mod, "DEFAULT_RULES", linear_mod.SMALL_GRID_RULES)
+    monkeypatch.setattr(linear_mod, "DEFAULT_RULES", getattr(linear_mod, rules))
     args = _inputs(21, B, U, N, K_user, K_cand)
     out = ikbo_gemm.linear(**args, activation="relu")
     user, cand = (launch["cfg"] for launch in kernels.launches)
-    assert (cand.split_k, user.split_k) == (split_cand, split_user)
+    assert (cand.split_k, user.split_k, kernels.launches[0]["splits"]) == (split_cand, split_user, slices)
     d = {k: v.double() for k, v in args.items() if k != "idx"}
     ref = torch.relu(d["x_cand"] @ d["w_cand"].T + (d["x_user"] @ d["w_user"].T)[args["idx"].long()] + d["bias"])
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)

@@ -1,6 +1,7 @@
 """ikbo_gemm.linear's K-split clusters on an sm_90 GPU: every split configuration forced onto
 shapes with partial tiles and uneven k-slices, clusters that walk several tiles (the exchange
-buffer reused), and the user phase as K-split pairs, each against the fp32 reference."""
+buffer reused), the user phase as K-split pairs and in 8 K slices (PlanRules.wide_user), each
+against the fp32 reference."""
 from __future__ import annotations
 
 import importlib
@@ -134,3 +135,18 @@ def test_split_in_a_cuda_graph(monkeypatch, fresh_plans):
     graph.replay()
     torch.cuda.synchronize()
     assert_matches_reference(out, args, None)
+
+
+@pytest.mark.parametrize("rules, B, U, N, split_cand", [
+    ("WIDE_USER_RULES", 2048, 29, 1000, 1),  # 64 user CTAs before 128 candidate CTAs
+    ("SPLIT_WIDE_USER_RULES", 1024, 15, 256, 4),  # beside 4-CTA K splits
+])
+def test_wide_user_phase(monkeypatch, rules, B, U, N, split_cand):
+    # K_user 1000 = 16 k-blocks in 8 slices (workspace slabs), the last one short.
+    monkeypatch.setattr(linear_mod, "_plans", PlanCache())
+    monkeypatch.setattr(linear_mod, "DEFAULT_RULES", getattr(linear_mod, rules))
+    args = make_inputs(B, U, N, 1000, 2048, BF16, seed=14)
+    out, plan = run(args, "relu")
+    assert ((plan.user_cfg.tile_m, plan.user_cfg.tile_n), plan.splits, plan.cand_cfg.split_k) == (
+        (64, 128), 8, split_cand)
+    assert_matches_reference(out, args, "relu")
