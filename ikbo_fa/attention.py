@@ -61,9 +61,9 @@ from cute_kernels.interop import copy_back, forward_only, into_out, library_op, 
 from cute_kernels.plans import PlanCache, on_gpu, plan_key
 
 from .checks import F32_MIN_NORMAL, LOG2E, check_offsets, check_ranges, check_scale, kv_arg, kv_list, resolve_problem
-from .config import MAX_SPLITS, compile_config, in_cta_worklist_fits, kernel_config, row_packing
+from .config import MAX_SPLITS, compile_config, kernel_config, row_packing
 from .reference import evaluate, jagged_rows
-from .worklist import in_cta_row_words, kv_tile_order, kv_worklist, max_tiles_per_head
+from .worklist import kv_tile_order, kv_worklist, max_tiles_per_head
 
 # The one-launch work-list kernel groups candidates by user; False builds the same arrays with
 # torch ops (kv_worklist; the definition the kernel is tested against).
@@ -87,11 +87,6 @@ _SPLIT_PAIR = True
 # at S_q 4 and 8, L 8192, but 12% slower at S_q 2 and up to 3% at S_q 8 (L 1024) and 100:
 # docs/perf/2026-12-05-attention-short-calls.md.
 _SPLIT_BY_COST = False
-# KV broadcast over histories of one length, batches up to config.IN_CTA_MAX_BATCH: each CTA of
-# the attention kernel builds the work list itself (AttentionConfig.in_cta_worklist), so the
-# call is one launch instead of two. Off: not yet timed on the H200 (a short call waited about
-# 2 us on the work-list launch: docs/perf/2026-12-05-attention-work-list-in-cta.md).
-_IN_CTA_WORKLIST = False
 _TILE_BLOCKS = 1
 _PAIR_MERGE_BLOCKS = 1
 _MERGE_BLOCKS = 2
@@ -104,8 +99,7 @@ class _Plan:
 
     config: object  # AttentionConfig: the forward kernel's compile key
     kernel: object  # the compiled forward kernel (TVM-FFI callable)
-    worklist: object  # the compiled work-list kernel; None: torch work list (KV), the kernel's own or none (Q)
-    in_cta_words: int  # in_cta_worklist: int32 words of each CTA's row (the first n_ctas x words of the buffer)
+    worklist: object  # the compiled work-list kernel; None: torch work list (KV) or none needed (Q)
     ordered: bool  # KV over histories of their own lengths: the tiles longest first (a perm buffer)
     direction: str
     packed: bool
@@ -237,7 +231,7 @@ def attention(
 
 def _launch_flags() -> tuple:
     """The module's launch choices, part of a plan's key (tests and A/B runs change them)."""
-    return (_WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _SPLIT_PAIR, _SPLIT_BY_COST, _IN_CTA_WORKLIST)
+    return (_WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _SPLIT_PAIR, _SPLIT_BY_COST)
 
 
 def _no_keys(kv, kv_offsets) -> bool:
@@ -307,12 +301,10 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
             torch.clamp(src, 0, bound, out=rows)
         else:  # int64 values past int32 clamped before they convert
             rows.copy_(src.clamp(0, bound))
-    cand = cand_start = tile_start = grouped = perm = idx_k = scratch = None
+    cand_start = tile_start = grouped = perm = None
     if plan.direction == "kv":
         idx_k = idx if plan.idx_contiguous else idx.contiguous()
-        if plan.in_cta_words:  # the kernel builds the work list, each CTA into its row
-            scratch = bufs[0].view(plan.n_ctas, plan.in_cta_words)
-        elif plan.worklist is not None:
+        if plan.worklist is not None:
             cand, cand_start, tile_start, grouped = bufs[0], bufs[1], bufs[2], bufs[3]
             perm = bufs[4] if plan.ordered else None
             plan.worklist(idx_k, cand, cand_start, tile_start, grouped, perm, rows if plan.ordered else None,
@@ -338,8 +330,7 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     dest, dest_lse = _split_workspace(plan) if workspace else (target, lse)
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
     plan.kernel(q, k, v, dest, dest_lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm,
-                scale * LOG2E, scale, plan.n_ctas, int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys,
-                idx_k if scratch is not None else None, scratch)
+                scale * LOG2E, scale, plan.n_ctas, int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys)
     if workspace:
         plan.merge(dest, dest_lse, target, lse, plan.n_splits)
     copy_back(out, target)
@@ -453,33 +444,27 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         tiles = (dense + max_tiles_per_head(p.batch, p.broadcast_batch, p.s_q)) // 2
         n_splits, split_keys = kv_splits(tiles, p.heads, p.kv_len, sm_count(device))
     n_users = p.broadcast_batch
-    in_cta = (_IN_CTA_WORKLIST and p.direction == "kv" and p.kv_lengths is None and not p.jagged
-              and in_cta_worklist_fits(p.batch, n_users, p.head_dim))
-    use_worklist_kernel = p.direction == "kv" and _WORKLIST_KERNEL and _worklist_fits(n_users) and not in_cta
+    use_worklist_kernel = p.direction == "kv" and _WORKLIST_KERNEL and _worklist_fits(n_users)
     pair = _SPLIT_PAIR and n_splits == 2
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
-                        jagged=p.jagged, split_kv=n_splits > 1 and not pair, split_pair=pair,
-                        in_cta_worklist=p.idx.dtype if in_cta else None)
+                        jagged=p.jagged, split_kv=n_splits > 1 and not pair, split_pair=pair)
     _, _, chunks = row_packing(p.s_q)
     idx_contiguous = p.idx.is_contiguous()
     idx_int32 = p.idx.dtype == torch.int32
     worklist = None
     sizes = []
-    bound = max_tiles_per_head(p.batch, n_users, p.s_q) if p.direction == "kv" else p.batch * chunks
-    n_ctas = (2 * max(1, min(max_active_clusters(device, 2), bound * p.heads)) if pair
-              else max(1, min(sm_count(device), bound * p.heads * n_splits)))
-    words = in_cta_row_words(p.batch, n_users) if in_cta else 0
     if p.direction == "kv":
-        if in_cta:
-            sizes.append(n_ctas * words)  # a row per CTA (first: 128-byte rows from the aligned base)
-        elif use_worklist_kernel:
+        bound = max_tiles_per_head(p.batch, n_users, p.s_q)
+        if use_worklist_kernel:
             worklist = _worklist_kernel(p.idx.dtype, ("lengths" if p.kv_lengths is not None else "offsets")
                                         if cfg.ordered else None)
             sizes += [p.batch, n_users + 2, n_users + 2, 1]  # order, cand_start, tile_start, grouped
             if cfg.ordered:
                 sizes.append(n_users + 1)  # perm
-    elif not (idx_int32 and idx_contiguous):
-        sizes.append(p.batch)  # int32 copy of idx
+    else:
+        bound = p.batch * chunks
+        if not (idx_int32 and idx_contiguous):
+            sizes.append(p.batch)  # int32 copy of idx
     rows = p.kv_lengths if p.kv_lengths is not None else p.kv_offsets
     rows_int32 = rows is not None and rows.dtype == torch.int32 and rows.is_contiguous()
     n_rows = p.kv_batch + 1 if p.jagged else p.kv_batch
@@ -487,7 +472,6 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         config=cfg,
         kernel=_fwd_kernel(cfg),
         worklist=worklist,
-        in_cta_words=words,
         ordered=cfg.ordered,
         direction=p.direction,
         packed=isinstance(kv, torch.Tensor),
@@ -506,7 +490,8 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         n_users=n_users,
         kv_len=p.kv_len,
         rows_per_cand=p.s_q,
-        n_ctas=n_ctas,
+        n_ctas=(2 * max(1, min(max_active_clusters(device, 2), bound * p.heads)) if pair
+                else max(1, min(sm_count(device), bound * p.heads * n_splits))),
         merge=_merge_kernel(p.q.dtype, return_lse) if n_splits > 1 and not pair else None,
         n_splits=n_splits,
         split_keys=split_keys,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import torch
 
@@ -40,10 +39,6 @@ class AttentionConfig:
     # workspace and no second launch. The op takes it for two splits where
     # ikbo_fa.attention._SPLIT_PAIR says so.
     split_pair: bool = False
-    # KV broadcast over histories of one length: each CTA builds the work list itself from idx
-    # of this dtype (worklist_sm90.build_in_cta), so no work-list launch runs before the kernel.
-    # None: the op builds it (the work-list kernel, or torch).
-    in_cta_worklist: Optional[torch.dtype] = None
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -60,13 +55,6 @@ class AttentionConfig:
             raise ValueError("AttentionConfig: jagged (kv_offsets) and has_kv_lengths exclude each other")
         if self.split_pair and (self.direction != "kv" or self.split_kv):
             raise ValueError("AttentionConfig: split_pair needs direction 'kv' and excludes split_kv")
-        if self.in_cta_worklist is not None:
-            if self.in_cta_worklist not in (torch.int32, torch.int64):
-                raise ValueError(f"AttentionConfig.in_cta_worklist must be None, torch.int32 or torch.int64, "
-                                 f"got {self.in_cta_worklist!r}")
-            if self.direction != "kv" or self.ordered:
-                raise ValueError("AttentionConfig: in_cta_worklist needs direction 'kv' and histories of one "
-                                 "length (no kv_lengths, not jagged)")
 
     @property
     def ordered(self) -> bool:
@@ -77,9 +65,7 @@ class AttentionConfig:
     def __str__(self) -> str:
         flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-jagged", self.jagged),
                                           ("-lse", self.return_lse), ("-serial", not self.overlap),
-                                          ("-split", self.split_kv), ("-pair", self.split_pair),
-                                          (f"-ctalist{str(self.in_cta_worklist)[9:]}",
-                                           self.in_cta_worklist is not None)) if on)
+                                          ("-split", self.split_kv), ("-pair", self.split_pair)) if on)
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -105,30 +91,10 @@ def row_packing(s_q: int):
 
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
                   return_lse: bool, jagged: bool = False, split_kv: bool = False,
-                  split_pair: bool = False, in_cta_worklist: Optional[torch.dtype] = None) -> AttentionConfig:
+                  split_pair: bool = False) -> AttentionConfig:
     """The configuration the op compiles for a problem."""
     return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
-                           split_kv=split_kv, split_pair=split_pair, in_cta_worklist=in_cta_worklist)
-
-
-# The in-CTA work list (AttentionConfig.in_cta_worklist) takes its scratch from the shared memory
-# of the K stages (2 stages of 128 keys x D, 16-bit), and every CTA reads all of idx twice: the
-# op takes it for batches up to this many candidates.
-IN_CTA_MAX_BATCH = 4096
-IN_CTA_WARPS = 12  # the kernel's 384 threads
-
-
-def in_cta_scratch_words(head_dim: int) -> int:
-    """int32 words of the K stages' shared memory: 2 stages of 128 keys x D, 16-bit (the kernel
-    checks this against its own constants)."""
-    return 2 * 128 * head_dim * 2 // 4
-
-
-def in_cta_worklist_fits(batch: int, num_users: int, head_dim: int) -> bool:
-    """Whether each CTA can build its own work list for this problem."""
-    from .worklist import in_cta_words
-
-    return batch <= IN_CTA_MAX_BATCH and in_cta_words(num_users, IN_CTA_WARPS) <= in_cta_scratch_words(head_dim)
+                           split_kv=split_kv, split_pair=split_pair)
 
 
 SHIPPED_CONFIGS = tuple(
@@ -160,10 +126,6 @@ SHIPPED_CONFIGS = tuple(
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_pair=True),
         AttentionConfig(torch.float16, 64, 17, "kv", True, False, split_pair=True),
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True, split_pair=True),
-        # the work list built in each CTA: split pairs, int64 idx, split_kv with D 64
-        AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_pair=True, in_cta_worklist=torch.int32),
-        AttentionConfig(torch.bfloat16, 128, 2, "kv", False, False, in_cta_worklist=torch.int64),
-        AttentionConfig(torch.float16, 64, 17, "kv", False, True, split_kv=True, in_cta_worklist=torch.int32),
     ]
 )
 
@@ -192,12 +154,7 @@ def compile_config(cfg: AttentionConfig, *, keep_ptx: bool = False, ptxas_report
     grouped = fake_tensor(Int32, (1,), align=4) if cfg.direction == "kv" else None
     offsets = fake_tensor(Int32, (None,), align=4) if cfg.jagged else None
     perm = fake_tensor(Int32, (None,), align=4) if cfg.ordered else None
-    idx = scratch = None
-    if cfg.in_cta_worklist is not None:  # the kernel builds the work list: idx, and a row per CTA
-        cand = starts = tiles = grouped = None
-        idx = fake_tensor(cutlass_dtype(cfg.in_cta_worklist), (None,), align=cfg.in_cta_worklist.itemsize)
-        scratch = fake_tensor(Int32, (None, None), divisibility=32)
     kernel = IkboAttentionFwdSm90(cfg)
     return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len, grouped, offsets, perm,
-                          Float32(1.0), Float32(1.0), Int32(1), Int32(0), Int32(0), Int32(1), Int32(0), idx, scratch,
-                          fake_stream(), keep_ptx=keep_ptx, ptxas_report=ptxas_report)
+                          Float32(1.0), Float32(1.0), Int32(1), Int32(0), Int32(0), Int32(1), Int32(0), fake_stream(),
+                          keep_ptx=keep_ptx, ptxas_report=ptxas_report)

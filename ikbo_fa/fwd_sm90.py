@@ -26,9 +26,8 @@ from cute_kernels.warp_specialized import (
     pipelines_init_wait,
 )
 
-from .config import IN_CTA_WARPS, AttentionConfig, box_rows, in_cta_scratch_words, row_packing
+from .config import AttentionConfig, box_rows, row_packing
 from .softmax import LN_2, LOG2_E, OnlineSoftmax
-from .worklist_sm90 import build_in_cta
 
 
 class FwdBarrier(Barrier):
@@ -206,11 +205,7 @@ class IkboAttentionFwdSm90:
 
     Launch: programmatic dependent launch, so the CTAs start and set up their barriers while
     the kernel before them (the work list) finishes; every thread waits for that grid
-    (griddepcontrol.wait) before touching global memory. With ``in_cta_worklist`` no work-list
-    launch runs before: all 384 threads of each CTA first build the work list from idx into the
-    CTA's own row of an int32 buffer (``worklist_sm90.build_in_cta``: the same arrays as the
-    work-list kernel's, in idx order within a user, so every CTA builds the same), with the K
-    stages' shared memory as scratch, then take their roles.
+    (griddepcontrol.wait) before touching global memory.
 
     Tiles and order: a tile is (head, group, tile-in-group). KV broadcast: groups are users
     plus a last group of candidates whose index is out of range (written as NaN). A user's
@@ -279,11 +274,6 @@ class IkboAttentionFwdSm90:
         self.cluster_size = 2 if self.pair else 1
         self.key_split = cfg.split_kv or cfg.split_pair
         self.num_threads = self.REGISTERS.threads
-        if cfg.in_cta_worklist is not None and (
-                self.KV_STAGES * self.tile_n * cfg.head_dim // 2 != in_cta_scratch_words(cfg.head_dim)
-                or self.num_threads != 32 * IN_CTA_WARPS):
-            raise ValueError("IkboAttentionFwdSm90: the op sizes the in-CTA work list's scratch for another "
-                             "K stage size or thread count than this kernel's")
         self.ping_pong = PingPong(int(FwdBarrier.GEMM_TURN))
         check_barriers("IkboAttentionFwdSm90", FwdBarrier, {"EPILOGUE": 2, "GEMM_TURN": 2})
 
@@ -318,7 +308,7 @@ class IkboAttentionFwdSm90:
         mV: cute.Tensor,  # [Bkv, L, H_kv, D]
         mO: cute.Tensor,  # [B, S_q, H, D]
         mLSE: cute.Tensor | None,  # [B, H, S_q] fp32
-        mCand: cute.Tensor | None,  # kv: candidates grouped by user [B]; q: idx [B] (int32)
+        mCand: cute.Tensor,  # kv: candidates grouped by user [B]; q: idx [B] (int32)
         mCandStart: cute.Tensor | None,  # kv: [U + 2] first candidate of each group
         mTileStart: cute.Tensor | None,  # kv: [U + 2] first tile of each group
         mKvLen: cute.Tensor | None,  # [Bkv] int32, clamped to [0, L]
@@ -332,8 +322,6 @@ class IkboAttentionFwdSm90:
         max_keys: Int32,  # jagged: keys past this many in a row are not read
         n_splits: Int32,  # split_kv: splits of each row's keys (1 otherwise)
         split_keys: Int32,  # split_kv: keys per split, a multiple of 128
-        mIdx: cute.Tensor | None,  # in_cta_worklist: idx [B] (mCand ... mGrouped are then None)
-        mScratch: cute.Tensor | None,  # in_cta_worklist: [grid, words] int32, a row per CTA for its work list
         stream,
     ):
         d, r = self.head_dim, self.slot_rows
@@ -402,7 +390,7 @@ class IkboAttentionFwdSm90:
             mO if const_expr(self.direct_rows) else None,
             mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
             mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
-            q_flat, max_keys, n_splits, split_keys, scale_log2, scale, mIdx, mScratch,
+            q_flat, max_keys, n_splits, split_keys, scale_log2, scale,
             tiled_mma_qk, tiled_mma_pv, sQ_layout, sO_layout, slot_layout, sK_layout, sV_layout,
         ).launch(grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  use_pdl=True, **({"cluster": [self.cluster_size, 1, 1]} if self.pair else {}))
@@ -424,7 +412,7 @@ class IkboAttentionFwdSm90:
         tma_atom_Of: cute.CopyAtom | None,
         mOf: cute.Tensor | None,
         mLSE: cute.Tensor | None,
-        mCand: cute.Tensor | None,
+        mCand: cute.Tensor,
         mCandStart: cute.Tensor | None,
         mTileStart: cute.Tensor | None,
         mKvLen: cute.Tensor | None,
@@ -446,8 +434,6 @@ class IkboAttentionFwdSm90:
         split_keys: Int32,
         scale_log2: Float32,
         scale: Float32,
-        mIdx: cute.Tensor | None,
-        mScratch: cute.Tensor | None,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout,
@@ -482,10 +468,6 @@ class IkboAttentionFwdSm90:
         # Launched with programmatic dependent launch: everything above overlaps the kernel
         # before this one on the stream (the work list); no global memory is touched above.
         cute.arch.griddepcontrol_wait()
-        if const_expr(self.cfg.in_cta_worklist is not None):
-            # No work-list launch ran before this one: the CTA builds its own (the K stages'
-            # shared memory as scratch, before the first K load).
-            mCand, mCandStart, mTileStart, mGrouped = self.own_worklist(mIdx, mScratch, storage, n_kv_batch, tidx)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -523,23 +505,6 @@ class IkboAttentionFwdSm90:
             cluster_end()
 
     # ------------------------------------------------------------ work list
-    @cute.jit
-    def own_worklist(self, mIdx, mScratch, storage, n_users: Int32, tidx):
-        """in_cta_worklist: the work list of this launch, built by this CTA from idx into its row
-        of mScratch -> (order, cand_start, tile_start, grouped), as the work-list kernel's."""
-        bid, _, _ = cute.arch.block_idx()
-        n_cand = mIdx.shape[0]
-        row = mScratch[Int32(bid), None].iterator
-        order = cute.make_tensor(row, cute.make_layout(n_cand))
-        cand_start = cute.make_tensor(row + n_cand, cute.make_layout(n_users + 2))
-        tile_start = cute.make_tensor(row + n_cand + n_users + 2, cute.make_layout(n_users + 2))
-        grouped = cute.make_tensor(row + n_cand + 2 * (n_users + 2), cute.make_layout(1))
-        sWords = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Int32),
-                                  cute.make_layout(self.KV_STAGES * self.tile_n * self.head_dim // 2))
-        build_in_cta(mIdx, order, cand_start, tile_start, grouped, sWords, n_users, Int32(self.s_q), tidx,
-                     self.num_threads)
-        return order, cand_start, tile_start, grouped
-
     @cute.jit
     def tile_info(self, t: Int32, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm,
                   sched: Schedule) -> TileInfo:

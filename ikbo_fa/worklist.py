@@ -80,21 +80,3 @@ def max_tiles_per_head(batch: int, num_users: int, rows_per_cand: int) -> int:
     """Host-side upper bound of tile_start[U + 1] (sizes the persistent grid without a sync)."""
     # Each non-empty group adds at most one partly filled tile.
     return -(-batch * rows_per_cand // TILE_ROWS) + min(batch, num_users + 1)
-
-
-# ----------------------------------------------------------- the work list in each CTA
-# The attention kernel can build the work list itself, each CTA its own copy
-# (AttentionConfig.in_cta_worklist; worklist_sm90.build_in_cta): the same arrays as
-# kv_worklist (idx order within a user), in one row of an int32 buffer per CTA.
-
-
-def in_cta_words(num_users: int, warps: int) -> int:
-    """Shared-memory int32 words the in-CTA build takes for U users in a CTA of ``warps`` warps:
-    a scan buffer and a flag, the groups' totals and each warp's counters."""
-    return 96 + (warps + 1) * (num_users + 1)
-
-
-def in_cta_row_words(batch: int, num_users: int) -> int:
-    """int32 words of one CTA's row (order [B], cand_start [U + 2], tile_start [U + 2],
-    grouped [1]), rounded up to 128 bytes."""
-    return -(-(batch + 2 * (num_users + 2) + 1) // 32) * 32

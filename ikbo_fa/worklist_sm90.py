@@ -127,8 +127,12 @@ class KvWorklistSm90:
         count_groups(mIdx, sHist, sDescents, n_cand, n_users, tidx, nt, self.UNROLL)
         cute.arch.sync_threads()
 
-        lo, hi, grouped = scan_and_flag(sHist, sDescents, mCandStart, mTileStart, mGrouped, n_groups, rows_per_cand,
-                                        nt, sScan, tidx, warp, lane)
+        lo, hi = scan_groups(sHist, mCandStart, mTileStart, n_groups, rows_per_cand, nt, sScan, tidx, warp, lane)
+        grouped = sDescents[0] == 0  # written before the barriers above, read after
+        if tidx == 0:
+            mGrouped[0] = Int32(1) if grouped else Int32(0)
+        cute.arch.sync_threads()
+
         if grouped:
             for i in cutlass.range(tidx, n_cand, nt):
                 mOrder[i] = i
@@ -281,7 +285,7 @@ def scan_groups(sCount, mCandStart, mTileStart, n_groups: Int32, rows_per_cand: 
         c = sCount[g]
         c_sum += c
         t_sum += group_tiles(c, rows_per_cand)
-    c_off, t_off = cta_exclusive_sums(c_sum, t_sum, sScan, warp, lane, nt // 32)
+    c_off, t_off = cta_exclusive_sums(c_sum, t_sum, sScan, warp, lane)
     for g in cutlass.range(lo, hi, 1):
         c = sCount[g]
         mCandStart[g] = c_off
@@ -293,20 +297,6 @@ def scan_groups(sCount, mCandStart, mTileStart, n_groups: Int32, rows_per_cand: 
         mCandStart[n_groups] = c_off
         mTileStart[n_groups] = t_off
     return lo, hi
-
-
-@cute.jit
-def scan_and_flag(sCount, sFlag, mCandStart, mTileStart, mGrouped, n_groups: Int32, rows_per_cand: Int32, nt: int,
-                  sScan, tidx, warp, lane):
-    """``scan_groups``, then ``mGrouped[0]``: 1 where no key fell below its predecessor's
-    (``sFlag[0]`` still 0). Ends with a CTA barrier. Returns (lo, hi, grouped): the thread's run
-    of groups and the flag."""
-    lo, hi = scan_groups(sCount, mCandStart, mTileStart, n_groups, rows_per_cand, nt, sScan, tidx, warp, lane)
-    grouped = sFlag[0] == 0  # written before the barriers of the scan, read after
-    if tidx == 0:
-        mGrouped[0] = Int32(1) if grouped else Int32(0)
-    cute.arch.sync_threads()
-    return lo, hi, grouped
 
 
 @cute.jit
@@ -326,9 +316,9 @@ def _key_bucket(blocks: Int32) -> Int32:
 
 
 @cute.jit
-def cta_exclusive_sums(a: Int32, b: Int32, sScan, warp, lane, n_warps: int = 32):
+def cta_exclusive_sums(a: Int32, b: Int32, sScan, warp, lane):
     """Exclusive CTA-wide prefix sums of two values per thread (thread order), through sScan
-    (64 words), in a CTA of ``n_warps`` warps; every thread must call it (it has CTA barriers)."""
+    (64 words); every thread must call it (it has CTA barriers)."""
     a_inc = _warp_inclusive_sum(a, lane)
     b_inc = _warp_inclusive_sum(b, lane)
     if lane == 31:
@@ -336,14 +326,8 @@ def cta_exclusive_sums(a: Int32, b: Int32, sScan, warp, lane, n_warps: int = 32)
         sScan[32 + warp] = b_inc
     cute.arch.sync_threads()
     if warp == 0:
-        x = Int32(0)
-        y = Int32(0)
-        if const_expr(n_warps == 32):
-            x = sScan[lane]
-            y = sScan[32 + lane]
-        elif lane < n_warps:
-            x = sScan[lane]
-            y = sScan[32 + lane]
+        x = sScan[lane]
+        y = sScan[32 + lane]
         x_inc = _warp_inclusive_sum(x, lane)
         y_inc = _warp_inclusive_sum(y, lane)
         sScan[lane] = x_inc - x
@@ -359,108 +343,6 @@ def _warp_inclusive_sum(v: Int32, lane) -> Int32:
         if lane >= (1 << k):
             v += up
     return v
-
-
-# ------------------------------------------------------------ the work list in each CTA
-IN_CTA_UNROLL = 8  # indices a lane loads before it counts them (loads in flight together)
-
-
-@cute.jit
-def build_in_cta(mIdx, mOrder, mCandStart, mTileStart, mGrouped, sWords, n_users: Int32, rows_per_cand: Int32,
-                 tidx, nt: int) -> None:
-    """The arrays of :func:`ikbo_fa.worklist.kv_worklist`, the same values (idx order within a
-    user, so that every CTA that builds them gets the same ones), built by one CTA of ``nt``
-    threads into its own global rows. ``sWords``: ``in_cta_words(U, nt // 32)`` int32 of shared
-    memory, free for the duration. Every thread calls it; it ends with a CTA barrier after which
-    the arrays are visible to the whole CTA (and the scratch to the async proxy).
-
-    Warp w takes the w-th contiguous segment of idx:
-      1. it counts its segment's keys per group into a row of counters of its own (and sets a flag
-         where a key falls below its predecessor's: idx not grouped);
-      2. each group's per-warp counts become per-warp first ranks within the group (warps in
-         order), the group totals are scanned as in the work-list kernel (scan_groups);
-      3. idx grouped: order is 0, 1, ..., B - 1. Otherwise each warp walks its segment again in
-         steps of 32, the lowest lane of each key claiming its peers' consecutive ranks from the
-         warp's counter (a plain read and write, the warp synchronized between steps: the ranks
-         follow idx order)."""
-    n_warps = nt // 32
-    warp = tidx // 32
-    lane = cute.arch.lane_idx()
-    n_cand = Int32(mIdx.shape[0])
-    n_groups = n_users + 1
-    sScan = cute.make_tensor(sWords.iterator, cute.make_layout(64))
-    sFlag = cute.make_tensor(sWords.iterator + 64, cute.make_layout(1))
-    # group totals (then first positions), then n_warps rows of per-warp counters
-    sCounts = cute.make_tensor(sWords.iterator + 96, cute.make_layout((n_warps + 1) * n_groups))
-    sTotal = cute.make_tensor(sWords.iterator + 96, cute.make_layout(n_groups))
-    sRow = cute.make_tensor(sWords.iterator + 96 + (warp + 1) * n_groups, cute.make_layout(n_groups))
-    for i in cutlass.range(tidx, (n_warps + 1) * n_groups, nt):
-        sCounts[i] = Int32(0)
-    if tidx == 0:
-        sFlag[0] = Int32(0)
-    cute.arch.sync_threads()
-
-    seg = (n_cand + n_warps * 32 - 1) // (n_warps * 32) * 32
-    lo = cutlass.min(warp * seg, n_cand)
-    hi = cutlass.min(lo + seg, n_cand)
-    below = cute.arch.lanemask_lt()
-    for base in cutlass.range(lo, hi, 32 * IN_CTA_UNROLL):
-        keys = _segment_keys(mIdx, base, hi, lane, n_users, sFlag)
-        for j in cutlass.range_constexpr(IN_CTA_UNROLL):
-            count_key(sRow, keys[j], below)
-    cute.arch.sync_threads()
-
-    for g in cutlass.range(tidx, n_groups, nt):
-        run = Int32(0)
-        for w in cutlass.range_constexpr(n_warps):
-            c = sCounts[(w + 1) * n_groups + g]
-            sCounts[(w + 1) * n_groups + g] = run
-            run += c
-        sTotal[g] = run
-    cute.arch.sync_threads()
-    _, _, grouped = scan_and_flag(sTotal, sFlag, mCandStart, mTileStart, mGrouped, n_groups, rows_per_cand, nt, sScan,
-                                  tidx, warp, lane)
-    if grouped:
-        for i in cutlass.range(tidx, n_cand, nt):
-            mOrder[i] = i
-    else:
-        for base in cutlass.range(lo, hi, 32 * IN_CTA_UNROLL):
-            keys = _segment_keys(mIdx, base, hi, lane, n_users, None)
-            for j in cutlass.range_constexpr(IN_CTA_UNROLL):
-                key = keys[j]
-                peers = cute.arch.match_sync(FULL_MASK, key)
-                rank = Int32(cute.arch.popc(peers & below))
-                first = Int32(0)
-                if rank == 0 and key >= 0:
-                    first = sRow[key]
-                    sRow[key] = first + Int32(cute.arch.popc(peers))
-                low_bit = peers & (Uint32(0) - peers)
-                first = cute.arch.shuffle_sync(first, Int32(cute.arch.popc(low_bit - Uint32(1))))
-                if key >= 0:
-                    mOrder[sTotal[key] + first + rank] = base + j * 32 + lane
-                # The next step's leader of a key may be another lane: it reads this write.
-                cute.arch.sync_warp()
-    # The scratch is shared memory the caller's TMA loads overwrite next.
-    cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def _segment_keys(mIdx, base: Int32, hi: Int32, lane, n_users: Int32, sFlag):
-    """IN_CTA_UNROLL keys of a warp's segment from ``base`` (lane l: base + 32 j + l; -1 past
-    ``hi``); with ``sFlag``, set it where a key falls below its predecessor's."""
-    keys = cute.make_rmem_tensor((IN_CTA_UNROLL,), Int32)
-    for j in cutlass.range_constexpr(IN_CTA_UNROLL):
-        i = base + j * 32 + lane
-        key = Int32(-1)  # past the segment: a group of its own, never counted
-        if i < hi:
-            key = group_key(mIdx[i], n_users)
-            if const_expr(sFlag is not None):
-                if i > 0:
-                    if key < group_key(mIdx[i - 1], n_users):
-                        sFlag[0] = Int32(1)
-        keys[j] = key
-    return keys
 
 
 def compile_worklist(idx_dtype, keys=None, keep_ptx: bool = False, ptxas_report: bool = False):

@@ -55,23 +55,12 @@ class EmulatedKernels:
         attention_mod.merge_splits(ws_o, ws_lse, n_splits, out, lse)
 
     def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm, scale_log2,
-            scale, n_ctas, q_flat, max_keys, n_splits, split_keys, idx, scratch):
+            scale, n_ctas, q_flat, max_keys, n_splits, split_keys):
         for hook in self.hooks:
             hook("fwd")
-        if idx is not None:  # in_cta_worklist: each CTA builds the work list into its row of scratch
-            assert cand is None and cand_start is None and tile_start is None and grouped is None and perm is None
-            assert kvl is None and offsets is None and idx.is_contiguous()
-            B, U = out.shape[0], k.shape[0]
-            assert scratch.dtype == torch.int32 and scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
-            assert scratch.shape[0] == n_ctas and scratch.shape[1] % 32 == 0 and scratch.shape[1] >= B + 2 * U + 5
-            cand, cand_start, tile_start, grouped = scratch[0, :B + 2 * U + 5].split([B, U + 2, U + 2, 1])
-            for t, r in zip((cand, cand_start, tile_start, grouped), kv_worklist(idx, U, q.shape[1])):
-                t.copy_(r)
-        else:
-            assert scratch is None
         self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k, out=out,
                                    grouped=grouped, q_flat=q_flat, offsets=offsets, max_keys=max_keys,
-                                   n_splits=n_splits, split_keys=split_keys, perm=perm, in_cta=idx is not None))
+                                   n_splits=n_splits, split_keys=split_keys, perm=perm))
         # The tiles run longest first exactly where histories have their own lengths (KV broadcast).
         assert (perm is not None) == (cand_start is not None and (kvl is not None or offsets is not None))
         if perm is not None:

@@ -12,7 +12,7 @@ import ikbo_fa
 from attention_emulation import attention_mod, install
 from cute_kernels.plans import PlanCache
 from attention_inputs import assert_nan_rows_only, materialize, random_jagged_problem, random_problem
-from ikbo_fa.config import MAX_SPLITS, AttentionConfig
+from ikbo_fa.config import MAX_SPLITS
 from ikbo_fa.reference import attention_reference, naive_attention
 
 
@@ -273,47 +273,6 @@ def test_gpu_path_matches_reference_out_of_range_unvalidated(emulated, monkeypat
         assert emulated.worklist_calls == (3 if use_kernel_worklist else 0)
     else:
         assert emulated.worklist_calls == 0
-
-
-@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("S_q, shuffled", [(1, False), (1, True), (3, True), (130, False)])
-def test_gpu_path_in_cta_worklist(emulated, monkeypatch, idx_dtype, S_q, shuffled):
-    """With _IN_CTA_WORKLIST the kernel builds the work list itself: one launch, idx and a row of
-    scratch per CTA, the in-CTA configuration; kv_lengths, jagged K/V or a batch past
-    IN_CTA_MAX_BATCH keep the work-list kernel."""
-    monkeypatch.setattr(attention_mod, "_IN_CTA_WORKLIST", True)
-    B, U = 37, 5
-    q, kv, idx, _ = _gpu_path_problem(26, "kv", B, U, idx_dtype, S_q=S_q, packed=True)
-    if not shuffled:
-        idx = idx.sort().values
-    bad = idx.clone()
-    bad[[3, 20]] = torch.tensor([-1, U], dtype=idx_dtype)  # NaN rows, nothing else touched
-    for i in (idx, bad):
-        out, lse = ikbo_fa.attention(q, kv, i, return_lse=True, validate=False)
-        ref, ref_lse = attention_reference(q, kv, i, return_lse=True, validate=False)
-        torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2, equal_nan=True)
-        torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4, equal_nan=True)
-    (plan,) = attention_mod._plans.values()
-    assert plan.config.in_cta_worklist == idx_dtype and plan.worklist is None
-    assert emulated.worklist_calls == 0 and emulated.fwd_calls[-1]["in_cta"]
-    ikbo_fa.attention(q, kv, idx, kv_lengths=torch.tensor([0, 9, 1, 8, 2]))
-    assert emulated.worklist_calls == 1
-    monkeypatch.setattr(attention_mod, "in_cta_worklist_fits", lambda batch, users, d: False)
-    ikbo_fa.attention(q[:B - 1], kv, idx[:B - 1])
-    assert emulated.worklist_calls == 2
-
-
-def test_in_cta_worklist_limits():
-    from ikbo_fa.config import IN_CTA_MAX_BATCH, in_cta_worklist_fits
-
-    assert in_cta_worklist_fits(IN_CTA_MAX_BATCH, 1, 64) and not in_cta_worklist_fits(IN_CTA_MAX_BATCH + 1, 1, 128)
-    # 13 counters per user (12 warps and the total) in the K stages' 32 KiB (D 64) or 64 KiB (D 128)
-    assert in_cta_worklist_fits(4096, 621, 64) and not in_cta_worklist_fits(4096, 622, 64)
-    assert in_cta_worklist_fits(4096, 1251, 128) and not in_cta_worklist_fits(4096, 1252, 128)
-    with pytest.raises(ValueError, match="in_cta_worklist needs direction 'kv' and histories of one length"):
-        AttentionConfig(torch.bfloat16, 64, 1, "kv", True, False, in_cta_worklist=torch.int32)
-    with pytest.raises(ValueError, match="in_cta_worklist must be None, torch.int32 or torch.int64"):
-        AttentionConfig(torch.bfloat16, 64, 1, "kv", False, False, in_cta_worklist=torch.int16)
 
 
 @pytest.mark.parametrize("direction", ["kv", "q"])
