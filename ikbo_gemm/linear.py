@@ -188,8 +188,7 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
         tile_cand, split_cand = pick_cand_split(B, N, kb_cand, sms, clusters)
     else:
         tile_cand, split_cand = pick_cand_tile(B, N, sms), 1
-    cand_tiles = -(-B // tile_cand[0]) * -(-N // tile_cand[1])
-    user_tiles = -(-U // tile_user[0]) * -(-N // tile_user[1])
+    cand_tiles, user_tiles = _tiles(B, N, tile_cand), _tiles(U, N, tile_user)
     splits = _user_splits(user_tiles, kb_user, sms)
     base = dict(tile_user=tile_user, tile_cand=tile_cand, split_cand=split_cand, split_user=1, splits=splits,
                 grid_user=min(sms, splits * user_tiles))
@@ -199,7 +198,7 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
     ahead = base
     if rules.wide_user:
         wide = _wide_user_tile(U, N)
-        wide_tiles = -(-U // wide[0]) * -(-N // wide[1])
+        wide_tiles = _tiles(U, N, wide)
         wide_splits = _user_splits(wide_tiles, kb_user, sms, WIDE_USER_SLICES)
         ahead = dict(base, tile_user=wide, splits=wide_splits, grid_user=min(sms, wide_splits * wide_tiles))
     if split_cand > 1:
@@ -214,7 +213,7 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
     cand_grid = dict(cluster=cluster, grid_cand=cand_clusters * cluster)
     cand_work = tile_cand[0] * tile_cand[1] * K_cand
     if rules.wide_user or cand_tiles > cand_clusters * cluster or cand_clusters * cluster >= sms:
-        return _Grids(**ahead, **cand_grid)  # (or) no SM left idle by a partial wave
+        return _Grids(**ahead, **cand_grid)  # wide_user, or no SM left idle by a partial wave
     spare = _spare_user_grid(user_tiles, tile_user[0] * tile_user[1] * K_user, cand_work,
                              sms - cand_clusters * cluster)
     if cluster == 2 and clusters(2) - spare < cand_clusters and rules.user_pairs and kb_user >= 2:
@@ -227,6 +226,11 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
     if spare:
         return _Grids(**dict(base, splits=1, grid_user=spare), **cand_grid)
     return _Grids(**ahead, **cand_grid)
+
+
+def _tiles(rows: int, n: int, tile: tuple) -> int:
+    """Tiles of ``tile`` = (rows, columns) over a [rows, n] output."""
+    return -(-rows // tile[0]) * -(-n // tile[1])
 
 
 def _spare_user_grid(user_tiles: int, user_work: float, cand_work: float, free: int) -> int:
