@@ -61,7 +61,7 @@ from cute_kernels.interop import copy_back, forward_only, into_out, library_op, 
 from cute_kernels.plans import PlanCache, on_gpu, plan_key
 
 from .checks import F32_MIN_NORMAL, LOG2E, check_offsets, check_ranges, check_scale, kv_arg, kv_list, resolve_problem
-from .config import MAX_SPLITS, compile_config, kernel_config, row_packing
+from .config import MAX_PREFETCH_BLOCKS, MAX_SPLITS, compile_config, kernel_config, row_packing
 from .reference import evaluate, jagged_rows
 from .worklist import kv_tile_order, kv_worklist, max_tiles_per_head
 
@@ -87,6 +87,11 @@ _SPLIT_PAIR = True
 # at S_q 4 and 8, L 8192, but 12% slower at S_q 2 and up to 3% at S_q 8 (L 1024) and 100:
 # docs/perf/2026-12-05-attention-short-calls.md.
 _SPLIT_BY_COST = False
+# KV broadcast over padded K/V: K/V blocks per CTA that the forward kernel prefetches into L2
+# while the work list runs (the first blocks its first tiles read; 0: none). Off until timed:
+# at S_q 1 and 2 the CTAs wait about 2 us for the work list with DRAM idle, and the main loop
+# streams K/V from DRAM (docs/perf/2026-12-05-attention-l2-prefetch.md).
+_PREFETCH_BLOCKS = 0
 _TILE_BLOCKS = 1
 _PAIR_MERGE_BLOCKS = 1
 _MERGE_BLOCKS = 2
@@ -122,6 +127,7 @@ class _Plan:
     merge: object  # split_kv: the compiled merge of the splits (SplitMergeSm90); None otherwise
     n_splits: int  # splits of each row's keys (1: no split; split_pair: 2, merged in the kernel)
     split_keys: int  # keys per split (a multiple of 128; 0 without split)
+    prefetch_blocks: int  # K/V blocks per CTA prefetched into L2 before the work list is done
     default_scale: float
     # int32 work buffers, carved from one allocation: work list or idx copy, then kv_lengths
     # (clamped) or kv_offsets as int32 where the given vector cannot be used as it is
@@ -231,7 +237,7 @@ def attention(
 
 def _launch_flags() -> tuple:
     """The module's launch choices, part of a plan's key (tests and A/B runs change them)."""
-    return (_WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _SPLIT_PAIR, _SPLIT_BY_COST)
+    return (_WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _SPLIT_PAIR, _SPLIT_BY_COST, _PREFETCH_BLOCKS)
 
 
 def _no_keys(kv, kv_offsets) -> bool:
@@ -330,7 +336,8 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     dest, dest_lse = _split_workspace(plan) if workspace else (target, lse)
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
     plan.kernel(q, k, v, dest, dest_lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm,
-                scale * LOG2E, scale, plan.n_ctas, int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys)
+                scale * LOG2E, scale, plan.n_ctas, int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys,
+                plan.prefetch_blocks)
     if workspace:
         plan.merge(dest, dest_lse, target, lse, plan.n_splits)
     copy_back(out, target)
@@ -495,6 +502,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         merge=_merge_kernel(p.q.dtype, return_lse) if n_splits > 1 and not pair else None,
         n_splits=n_splits,
         split_keys=split_keys,
+        prefetch_blocks=min(_PREFETCH_BLOCKS, MAX_PREFETCH_BLOCKS) if cfg.direction == "kv" and not cfg.ordered else 0,
         default_scale=1.0 / math.sqrt(p.head_dim),
         buf_sizes=tuple(sizes),
         buf_sizes_rows=(*sizes, n_rows),

@@ -14,6 +14,8 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 DIRECTIONS = ("kv", "q")
 # Split-KV: the most CTAs one row's keys go over (the merge kernel unrolls its loads to it).
 MAX_SPLITS = 8
+# K/V blocks per CTA the forward kernel prefetches into L2 at most (one lane of warp 0 each).
+MAX_PREFETCH_BLOCKS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,5 +158,5 @@ def compile_config(cfg: AttentionConfig, *, keep_ptx: bool = False, ptxas_report
     perm = fake_tensor(Int32, (None,), align=4) if cfg.ordered else None
     kernel = IkboAttentionFwdSm90(cfg)
     return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len, grouped, offsets, perm,
-                          Float32(1.0), Float32(1.0), Int32(1), Int32(0), Int32(0), Int32(1), Int32(0), fake_stream(),
+                          Float32(1.0), Float32(1.0), Int32(1), Int32(0), Int32(0), Int32(1), Int32(0), Int32(0), fake_stream(),
                           keep_ptx=keep_ptx, ptxas_report=ptxas_report)

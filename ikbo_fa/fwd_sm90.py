@@ -205,7 +205,9 @@ class IkboAttentionFwdSm90:
 
     Launch: programmatic dependent launch, so the CTAs start and set up their barriers while
     the kernel before them (the work list) finishes; every thread waits for that grid
-    (griddepcontrol.wait) before touching global memory.
+    (griddepcontrol.wait) before touching global memory. Meanwhile (``prefetch``: KV broadcast
+    over padded K/V) lanes of warp 0 prefetch into L2 the K/V blocks the first tiles read first
+    (``prefetch_blocks`` per CTA, a run-time argument; 0: none), as DRAM idles during the wait.
 
     Tiles and order: a tile is (head, group, tile-in-group). KV broadcast: groups are users
     plus a last group of candidates whose index is out of range (written as NaN). A user's
@@ -268,6 +270,9 @@ class IkboAttentionFwdSm90:
         # Histories of different lengths (KV broadcast): the work list orders the groups longest
         # first, so that the walk's last rounds hold the short tiles.
         self.ordered = cfg.ordered
+        # KV broadcast over padded K/V: every row's first blocks (the last of each split) are
+        # known from the shapes alone, so they can be prefetched into L2 while the work list runs.
+        self.prefetch = self.dense and not self.ordered
         # Keys split over CTAs: split_kv (a workspace the op merges) or split_pair (the two CTAs
         # of a cluster merge them in distributed shared memory: pair_send / pair_receive).
         self.pair = cfg.split_pair
@@ -322,6 +327,7 @@ class IkboAttentionFwdSm90:
         max_keys: Int32,  # jagged: keys past this many in a row are not read
         n_splits: Int32,  # split_kv: splits of each row's keys (1 otherwise)
         split_keys: Int32,  # split_kv: keys per split, a multiple of 128
+        prefetch_blocks: Int32,  # ``prefetch``: K/V blocks per CTA to prefetch into L2 (0: none)
         stream,
     ):
         d, r = self.head_dim, self.slot_rows
@@ -390,7 +396,7 @@ class IkboAttentionFwdSm90:
             mO if const_expr(self.direct_rows) else None,
             mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
             mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
-            q_flat, max_keys, n_splits, split_keys, scale_log2, scale,
+            q_flat, max_keys, n_splits, split_keys, prefetch_blocks, scale_log2, scale,
             tiled_mma_qk, tiled_mma_pv, sQ_layout, sO_layout, slot_layout, sK_layout, sV_layout,
         ).launch(grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  use_pdl=True, **({"cluster": [self.cluster_size, 1, 1]} if self.pair else {}))
@@ -432,6 +438,7 @@ class IkboAttentionFwdSm90:
         max_keys: Int32,
         n_splits: Int32,
         split_keys: Int32,
+        prefetch_blocks: Int32,
         scale_log2: Float32,
         scale: Float32,
         tiled_mma_qk: cute.TiledMma,
@@ -453,6 +460,12 @@ class IkboAttentionFwdSm90:
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        if const_expr(self.prefetch):
+            if warp_idx == 0:
+                self.prefetch_first_blocks(tma_atom_K, mK, tma_atom_V, mV, sK, sV, n_kv_batch, n_kv_heads, kv_len,
+                                           n_splits, split_keys, prefetch_blocks)
         pipe_q = self.pipelines["Q"].make(storage.mbar_q.data_ptr())
         pipe_k = self.pipelines["K"].make(storage.mbar_k.data_ptr())
         pipe_v = self.pipelines["V"].make(storage.mbar_v.data_ptr())
@@ -466,13 +479,12 @@ class IkboAttentionFwdSm90:
         pipelines_init_arrive(self.cluster_size)
         pipelines_init_wait(self.cluster_size)
         # Launched with programmatic dependent launch: everything above overlaps the kernel
-        # before this one on the stream (the work list); no global memory is touched above.
+        # before this one on the stream (the work list). No global memory is read or written
+        # above; the K/V prefetches only move lines into L2 (coherent), never into the CTA.
         cute.arch.griddepcontrol_wait()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         # The producer's TileInfo for the tile in each Q stage, handed to the consumers with its Q.
         sMeta = storage.tile_meta.get_tensor(cute.make_layout((TileInfo.FIELDS, self.Q_STAGES)))
         # (D, n, stage) view of V: the MN-major B operand of O += P V.
@@ -631,6 +643,48 @@ class IkboAttentionFwdSm90:
                                                mK, tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k, pipe_v, mCand,
                                                group)
             t += walk.stride
+
+    @cute.jit
+    def prefetch_first_blocks(self, tma_atom_K, mK, tma_atom_V, mV, sK, sV, n_kv_batch: Int32, n_kv_heads: Int32,
+                              kv_len: Int32, n_splits: Int32, split_keys: Int32, prefetch_blocks: Int32):
+        """Warp 0, before the work list is done: K and V blocks that the first tiles read first,
+        prefetched into L2 by TMA (no barrier, no shared memory), while DRAM would idle.
+
+        The items are (depth, head, user, split), depth slowest: depth 0 is each split's last
+        block (the producer loads blocks last to first), depth 1 the one before. CTA c's lane l
+        (l < ``prefetch_blocks``) takes item c + l x grid. Where the tiles fit one round of the
+        grid (the short calls this is for) every item is read by some first tile; beyond, some
+        lines are read later or evicted, which costs DRAM time only while the CTAs wait."""
+        d = self.head_dim
+        lane = cute.arch.lane_idx()
+        bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        splits = Int32(1)
+        if const_expr(self.pair):
+            splits = Int32(self.cluster_size)
+        elif const_expr(self.cfg.split_kv):
+            splits = n_splits
+        per_depth = splits * n_kv_heads * n_kv_batch
+        item = Int32(bid) + Int32(lane) * Int32(grid)
+        if Int32(lane) < prefetch_blocks and item < per_depth * prefetch_blocks:
+            depth = item // per_depth
+            rest = item - depth * per_depth
+            split = rest % splits
+            rest = rest // splits
+            user = rest % n_kv_batch
+            head = rest // n_kv_batch
+            start = Int32(0)
+            end = kv_len
+            if const_expr(self.key_split):
+                start = split * split_keys
+                end = cutlass.min(start + split_keys, kv_len)
+            block = (end - 1) // self.tile_n - depth
+            if end > start and block * self.tile_n >= start:
+                for atom, mX, sX in ((tma_atom_K, mK, sK), (tma_atom_V, mV, sV)):
+                    gX = cute.local_tile(mX[None, None, head, user], (self.tile_n, d), (None, 0))
+                    _, tXgX = cpasync.tma_partition(
+                        atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+                    cute.prefetch(atom, tXgX[None, block])
 
     @cute.jit
     def load_tile(self, info: TileInfo, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK,

@@ -55,12 +55,16 @@ class EmulatedKernels:
         attention_mod.merge_splits(ws_o, ws_lse, n_splits, out, lse)
 
     def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm, scale_log2,
-            scale, n_ctas, q_flat, max_keys, n_splits, split_keys):
+            scale, n_ctas, q_flat, max_keys, n_splits, split_keys, prefetch_blocks):
         for hook in self.hooks:
             hook("fwd")
         self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k, out=out,
                                    grouped=grouped, q_flat=q_flat, offsets=offsets, max_keys=max_keys,
-                                   n_splits=n_splits, split_keys=split_keys, perm=perm))
+                                   n_splits=n_splits, split_keys=split_keys, perm=perm,
+                                   prefetch_blocks=prefetch_blocks))
+        # L2 prefetch only where the first blocks follow from the shapes: KV broadcast, padded K/V
+        assert 0 <= prefetch_blocks <= 32
+        assert prefetch_blocks == 0 or (cand_start is not None and perm is None)
         # The tiles run longest first exactly where histories have their own lengths (KV broadcast).
         assert (perm is not None) == (cand_start is not None and (kvl is not None or offsets is not None))
         if perm is not None:

@@ -85,3 +85,34 @@ def assert_nan_rows_only(out, lse, bad):
     """Rows ``bad`` (out-of-range indices) are NaN in out and lse; no other row is."""
     assert out[bad].isnan().all() and lse[bad].isnan().all()
     assert not out[~bad].isnan().any() and not lse[~bad].isnan().any()
+
+
+def user_groups(seed, U, ratio, S_q, L, H=2, D=128, order="sorted", dtype=torch.bfloat16, H_kv=None):
+    """KV broadcast on the GPU: U users of ``ratio`` candidates each, idx sorted or shuffled ->
+    (q [U * ratio, S_q, H, D], k, v [U, L, H_kv, D], idx int64)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.arange(U).repeat_interleave(ratio)
+    if order == "shuffled":
+        idx = idx[torch.randperm(idx.shape[0], generator=g)]
+    q = torch.randn(idx.shape[0], S_q, H, D, generator=g).to(dtype).cuda()
+    k, v = (torch.randn(U, L, H_kv or H, D, generator=g).to(dtype).cuda() for _ in range(2))
+    return q, k, v, idx.cuda()
+
+
+def run_with_flags(monkeypatch, flags, q, kv, idx, **kw):
+    """``ikbo_fa.attention`` with launch flags of its module set (``flags``: name -> value) and a
+    plan cache of its own -> (out, lse, the call's plan); out poisoned with NaN before the call."""
+    import importlib
+
+    import ikbo_fa
+    from cute_kernels.plans import PlanCache
+
+    module = importlib.import_module("ikbo_fa.attention")
+    with monkeypatch.context() as m:
+        for name, value in flags.items():
+            m.setattr(module, name, value)
+        m.setattr(module, "_plans", PlanCache())
+        out = torch.full((idx.shape[0], *q.shape[1:]), float("nan"), dtype=q.dtype, device=q.device)
+        _, lse = ikbo_fa.attention(q, kv, idx, out=out, return_lse=True, validate=False, **kw)
+        (plan,) = module._plans.values()
+        return out, lse, plan

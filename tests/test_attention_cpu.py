@@ -396,6 +396,25 @@ def test_kv_splits_fill_idle_sms_only():
     assert attention_mod.kv_splits(40, 2, 8192, 132) == (1, 0)  # more than half the SMs busy
 
 
+@pytest.mark.parametrize("flag", [0, 2, 99])
+def test_gpu_path_prefetches_only_over_padded_kv(emulated, monkeypatch, flag):
+    """_PREFETCH_BLOCKS reaches the kernel (at most 32, one lane each) where each row's first
+    K/V blocks follow from the shapes: KV broadcast over padded K/V without kv_lengths."""
+    monkeypatch.setattr(attention_mod, "_PREFETCH_BLOCKS", flag)
+    q, kv, idx, lengths = _gpu_path_problem(50, "kv", 9, 3, jagged=True)
+    torch.testing.assert_close(ikbo_fa.attention(q, kv, idx), attention_reference(q, kv, idx), rtol=1e-2, atol=1e-2)
+    assert emulated.fwd_calls[-1]["prefetch_blocks"] == min(flag, 32)
+    ikbo_fa.attention(q, kv, idx, kv_lengths=lengths)
+    assert emulated.fwd_calls[-1]["prefetch_blocks"] == 0
+    k = torch.randn(9, 1, 64).bfloat16()
+    offsets = torch.tensor([0, 4, 4, 9])
+    ikbo_fa.attention(q, (k, k.clone()), idx, kv_offsets=offsets)
+    assert emulated.fwd_calls[-1]["prefetch_blocks"] == 0
+    q, kv, idx, _ = _gpu_path_problem(51, "q", 9, 3)
+    ikbo_fa.attention(q, kv, idx)
+    assert emulated.fwd_calls[-1]["prefetch_blocks"] == 0
+
+
 def test_kv_splits_by_cost(monkeypatch):
     """_SPLIT_BY_COST: the split count of least split_cost (S_q 1, 4 and 64 at B 2048, ratio 64)."""
     assert not attention_mod._SPLIT_BY_COST

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import ikbo_fa
+from attention_inputs import run_with_flags, user_groups
 from cute_kernels.plans import PlanCache
 
 pytestmark = pytest.mark.gpu
 attention_mod = importlib.import_module("ikbo_fa.attention")
-NAN = float("nan")
 
 
 @pytest.fixture(autouse=True)
@@ -22,25 +22,9 @@ def fresh_plans(monkeypatch):
 
 
 def _run(monkeypatch, pair, q, kv, idx, **kw):
-    """The op with _SPLIT_PAIR set to ``pair`` -> (out, lse, the config it compiled); out poisoned
-    with NaN before the call."""
-    with monkeypatch.context() as m:
-        m.setattr(attention_mod, "_SPLIT_PAIR", pair)
-        m.setattr(attention_mod, "_plans", PlanCache())
-        out = torch.full((idx.shape[0], *q.shape[1:]), NAN, dtype=q.dtype, device=q.device)
-        _, lse = ikbo_fa.attention(q, kv, idx, out=out, return_lse=True, validate=False, **kw)
-        (plan,) = attention_mod._plans.values()
-        return out, lse, plan.config
-
-
-def _pair_problem(seed, U, ratio, S_q, L, H=2, D=128, order="sorted", dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.arange(U).repeat_interleave(ratio)
-    if order == "shuffled":
-        idx = idx[torch.randperm(idx.shape[0], generator=g)]
-    q = torch.randn(idx.shape[0], S_q, H, D, generator=g).to(dtype).cuda()
-    k, v = (torch.randn(U, L, H, D, generator=g).to(dtype).cuda() for _ in range(2))
-    return q, k, v, idx.cuda()
+    """The op with _SPLIT_PAIR set to ``pair`` -> (out, lse, the config it compiled)."""
+    out, lse, plan = run_with_flags(monkeypatch, {"_SPLIT_PAIR": pair}, q, kv, idx, **kw)
+    return out, lse, plan.config
 
 
 def _pair(monkeypatch, q, kv, idx, **kw):
@@ -74,7 +58,7 @@ def test_split_pair_matches_fp32(monkeypatch, order, S_q, U, ratio, L):
     """Tiles of at most 64 rows (only warpgroup 0's rows exchanged) and of more, splits ending
     inside a key block. Every shape has at most 66 (tile, head) pairs and fewer than 1536 keys:
     two splits of at least 512."""
-    q, k, v, idx = _pair_problem(S_q + U, U, ratio, S_q, L, order=order)
+    q, k, v, idx = user_groups(S_q + U, U, ratio, S_q, L, order=order)
     _pair(monkeypatch, q, (k, v), idx)
 
 
@@ -83,7 +67,7 @@ def test_split_pair_lengths_nan_and_small_grid(monkeypatch):
     none); an out-of-range index; 3 clusters, so each walks many tiles (the exchange's barriers
     change phase many times); fp16, D 64, grouped heads."""
     monkeypatch.setattr(attention_mod, "max_active_clusters", lambda device, size: 3)
-    q, k, v, idx = _pair_problem(3, 8, 10, 17, 1400, H=4, D=64, order="shuffled", dtype=torch.float16)
+    q, k, v, idx = user_groups(3, 8, 10, 17, 1400, H=4, D=64, order="shuffled", dtype=torch.float16)
     k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()
     idx[5] = 8
     lengths = torch.randint(0, 1401, (8,))
@@ -105,7 +89,7 @@ def test_split_pair_jagged(monkeypatch):
 def test_split_pair_graph_replay(monkeypatch):
     monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
     monkeypatch.setattr(attention_mod, "_SPLIT_PAIR", True)
-    q, k, v, idx = _pair_problem(9, 32, 64, 1, 1024)
+    q, k, v, idx = user_groups(9, 32, 64, 1, 1024)
     out = torch.empty_like(q)
     ikbo_fa.attention(q, (k, v), idx, out=out)
     torch.cuda.synchronize()

@@ -43,5 +43,13 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
         # mbarrier, the buffer released remotely, the cluster barrier before exit.
         for instruction in SPLIT_K_INSTRUCTIONS:
             assert instruction in kernel.ptx, f"{op} {cfg}: no {instruction} in the PTX"
+    if op == "attention":
+        # KV broadcast over padded K/V prefetches its first K/V blocks into L2 before its
+        # griddepcontrol.wait (the first blocks follow from the shapes alone there).
+        prefetch = "cp.async.bulk.prefetch.tensor"
+        wanted = cfg.direction == "kv" and not cfg.ordered
+        assert (prefetch in kernel.ptx) == wanted, f"{op} {cfg}: {prefetch} {'missing' if wanted else 'present'}"
+        if wanted:
+            assert kernel.ptx.index(prefetch) < kernel.ptx.index("griddepcontrol.wait"), f"{op} {cfg}"
     assert kernel.spill_bytes == 0, kernel.ptxas_log
     assert kernel.wgmma_notes == [], kernel.ptxas_log
