@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import weakref
 from typing import Optional
 
 import torch
@@ -60,10 +62,24 @@ from cute_kernels.compile import kernel_cache
 from cute_kernels.interop import copy_back, forward_only, into_out, library_op, store_target, tma_ready
 from cute_kernels.plans import PlanCache, on_gpu, plan_key
 
-from .checks import F32_MIN_NORMAL, LOG2E, check_offsets, check_ranges, check_scale, kv_arg, kv_list, resolve_problem
+from .checks import (
+    F32_MIN_NORMAL,
+    LOG2E,
+    check_max_kv_len,
+    check_offsets,
+    check_given_work_list,
+    check_ranges,
+    check_scale,
+    check_work_list,
+    check_work_list_fresh,
+    check_work_list_values,
+    kv_arg,
+    kv_list,
+    resolve_problem,
+)
 from .config import MAX_PREFETCH_BLOCKS, MAX_SPLITS, compile_config, kernel_config, row_packing
 from .reference import evaluate, jagged_rows
-from .worklist import kv_tile_order, kv_worklist, max_tiles_per_head
+from .worklist import WorkList, kv_tile_order, kv_worklist, max_tiles_per_head
 
 # The one-launch work-list kernel groups candidates by user; False builds the same arrays with
 # torch ops (kv_worklist; the definition the kernel is tested against).
@@ -153,6 +169,7 @@ def attention(
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
     validate: Optional[bool] = None,
+    work_list: Optional[WorkList] = None,
 ):
     """IKBO flash attention forward; see the module docstring for the semantics.
 
@@ -174,11 +191,15 @@ def attention(
     A ``scale`` <= 0 costs one extra pass over q (see the module docstring).
     The kernel has no backward: with grad mode on and q, k or v requiring grad,
     the outputs' backward raises (use :func:`attention_reference` for gradients).
+    ``work_list`` (KV broadcast): the grouping of idx's candidates by user, built once by
+    :func:`work_list` for several calls on the same idx; the call then launches none of its own.
     """
     if torch.compiler.is_compiling():
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
+        wl = () if work_list is None else (work_list.rows_per_cand, work_list.order, work_list.cand_start,
+                                           work_list.tile_start, work_list.grouped, work_list.perm)
         o, lse = torch.ops.ikbo_fa.attention(q, kv_list(kv), idx, scale, kv_lengths, broadcast, return_lse, validate,
-                                             kv_offsets, max_kv_len)
+                                             kv_offsets, max_kv_len, *wl)
         return into_out(out, (o, lse) if return_lse else o)
     if isinstance(out, torch.Tensor):
         k_v = kv_list(kv)
@@ -191,18 +212,23 @@ def attention(
         p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
                             max_kv_len=max_kv_len, broadcast=broadcast, out=out, validate=validate, op="attention")
         require_sm90(p.q.device, "attention")
+        if work_list is not None:
+            check_given_work_list(work_list, p, validate)
         return evaluate(p, return_lse, out)
     try:
         # The launch flags beside the signature, as one tuple (not walked item by item: 0.2 us).
         key = (plan_key(q, kv, idx, kv_lengths, kv_offsets, max_kv_len, out, broadcast, bool(return_lse),
-                        scale is None), _launch_flags())
+                        scale is None), _launch_flags(), _work_list_key(work_list))
         plan = _plans.get(key)
     except TypeError:
         key = plan = None  # unhashable options: the full checks raise
     if plan is None:
-        plan = _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out)
+        plan = _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out,
+                          work_list)
         if key is not None:
             _plans.keep(key, plan)
+    if work_list is not None:
+        check_work_list_fresh(work_list, idx)
     scale = plan.default_scale if scale is None else check_scale(scale)
     if abs(scale) * LOG2E < F32_MIN_NORMAL:
         # The kernel takes scale * log2(e) in float32: below its normal range that is 0 (or
@@ -220,6 +246,8 @@ def attention(
         check_ranges(idx, kv_lengths, plan.n_users, side, plan.kv_len)
         if kv_offsets is not None:
             check_offsets(kv_offsets, plan.total_kv, max_kv_len)
+        if work_list is not None:
+            check_work_list_values(work_list, idx)
 
     k, v = kv.unbind(plan.pair_dim) if plan.packed else kv
     if kv_offsets is not None:  # the kernel reads jagged K/V as one packed batch row
@@ -229,10 +257,97 @@ def attention(
             "ikbo_fa.attention",
             "ikbo_fa.attention_reference",
             lambda q, k, v, out: _run(plan, q, k, v, idx, kv_lengths, kv_offsets, scale, validated, return_lse,
-                                      out),
+                                      out, work_list),
             (q, k, v),
             out,
         )
+
+
+def _work_list_key(work_list) -> Optional[tuple]:
+    """A given work list's part of a plan's key: what check_work_list compares with the call (a
+    WorkList's arrays are contiguous int32 vectors on one device by construction)."""
+    if work_list is None:
+        return None
+    if not isinstance(work_list, WorkList):
+        raise TypeError("not a WorkList")  # the full checks name it
+    return (work_list.rows_per_cand, work_list.order.shape[0], work_list.cand_start.shape[0],
+            work_list.perm is None, work_list.order.device)
+
+
+def work_list(
+    idx: torch.Tensor,
+    num_users: int,
+    s_q: int = 1,
+    *,
+    kv_lengths: Optional[torch.Tensor] = None,
+    kv_offsets: Optional[torch.Tensor] = None,
+    max_kv_len: Optional[int] = None,
+    validate: Optional[bool] = None,
+) -> WorkList:
+    """The candidates of ``idx`` grouped by user, for KV-broadcast :func:`attention` calls on that
+    idx (``work_list=``): the grouping each such call otherwise launches before its kernel. Build
+    it once where several calls share idx, U and S_q (layers, head groups, behaviour sequences of
+    one user batch) and pass it to each.
+
+    ``num_users``: U, the batch of k and v (jagged: ``len(kv_offsets) - 1``); ``s_q``: query rows
+    per candidate. Calls with ``kv_lengths`` or ``kv_offsets`` run their tiles longest first: pass
+    the same kind here (with ``max_kv_len`` where the calls have it). Their values set only that
+    order, so a call whose lengths differ gets the same results from it, in another tile order.
+    With validation on (``validate=True`` or ``IKBO_VALIDATE=1``), an index outside [0, U) raises
+    IndexError, as attention does; otherwise its candidates form the group that writes NaN.
+
+    It holds the grouping of idx's values now: rebuild it after writing idx. A call checks that
+    it was not built from the same tensor before an in-place write (where torch counts versions)
+    and, with validation on, that it groups idx as idx holds then. Asynchronous, no host
+    synchronization; CUDA-graph capturable (capture it with the calls that use it). On a CUDA
+    device one launch of the work-list kernel where U + 1 groups fit its shared memory (else a few
+    torch ops); elsewhere the torch definition (``ikbo_fa.worklist.kv_worklist``).
+    """
+    n_users, s_q = _count("num_users", num_users, 0), _count("s_q", s_q, 1)
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"idx must be a torch.Tensor [B] of int32 or int64, got {type(idx).__name__}")
+    checks.check_tensor("idx", idx, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[B]", empty_batch=True)
+    if kv_lengths is not None and kv_offsets is not None:
+        raise ValueError("kv_lengths and kv_offsets were both given: pass the kind the attention calls take")
+    if check_max_kv_len(max_kv_len) is not None and kv_offsets is None:
+        raise ValueError(f"max_kv_len = {max_kv_len} goes with kv_offsets (jagged k/v), as in attention")
+    rows = kv_lengths if kv_lengths is not None else kv_offsets
+    if rows is not None:
+        name, n, what = ("kv_lengths", n_users, "U") if kv_lengths is not None else ("kv_offsets", n_users + 1, "U + 1")
+        checks.check_index(name, rows, n, what)
+        checks.check_same_device(["idx", name], [idx, rows])
+    if checks.validation_enabled(validate):
+        checks.check_index_range("idx", idx, n_users, "U", "the batch of k and v")
+    kernel = None
+    if on_gpu(idx) and _WORKLIST_KERNEL and _worklist_fits(n_users) and idx.shape[0] > 0:
+        require_sm90(idx.device, "work_list")
+        kernel = _worklist_kernel(idx.dtype, None if rows is None else "lengths" if kv_lengths is not None
+                                  else "offsets")
+    b = idx.shape[0]
+    with on_device(idx.device):
+        rows32, parts = rows, None
+        if kernel is not None:
+            sizes = [b, n_users + 2, n_users + 2, 1] + ([] if rows is None else [n_users + 1, rows.shape[0]])
+            parts = torch.empty(sum(sizes), dtype=torch.int32, device=idx.device).split(sizes)
+            if rows is not None:  # the kernel takes int32 (values only order the tiles)
+                rows32 = parts[-1]
+                rows32.copy_(rows.clamp(0, _INT32_MAX))
+        found = _group(idx.contiguous(), n_users, s_q, kernel, parts, rows32, kv_lengths is not None, _INT32_MAX,
+                       _INT32_MAX if max_kv_len is None else min(int(max_kv_len), _INT32_MAX))
+    version = None if torch.is_inference(idx) else idx._version
+    return WorkList(*found, s_q, weakref.ref(idx), version)
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _count(name: str, value, least: int) -> int:
+    """``value`` as an int >= ``least`` (TypeError for what is no integer, bools included)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if int(value) < least:
+        raise ValueError(f"{name} must be >= {least}, got {int(value)}")
+    return int(value)
 
 
 def _launch_flags() -> tuple:
@@ -249,7 +364,8 @@ def _no_keys(kv, kv_offsets) -> bool:
 
 
 def _attention_shapes(q, kv, idx, scale=None, kv_lengths=None, broadcast=None, return_lse=False, validate=None,
-                      kv_offsets=None, max_kv_len=None):
+                      kv_offsets=None, max_kv_len=None, work_list_rows=0, wl_order=None, wl_cand_start=None,
+                      wl_tile_start=None, wl_grouped=None, wl_perm=None):
     p = resolve_problem(q, kv_arg(kv), idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
                         max_kv_len=max_kv_len, broadcast=broadcast, out=None, validate=False, op="attention")
     lse_shape = (p.batch, p.heads, p.s_q) if return_lse else (0,)
@@ -268,15 +384,27 @@ def _attention_op(
     validate: Optional[bool] = None,
     kv_offsets: Optional[torch.Tensor] = None,
     max_kv_len: Optional[int] = None,
+    work_list_rows: int = 0,
+    wl_order: Optional[torch.Tensor] = None,
+    wl_cand_start: Optional[torch.Tensor] = None,
+    wl_tile_start: Optional[torch.Tensor] = None,
+    wl_grouped: Optional[torch.Tensor] = None,
+    wl_perm: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.ikbo_fa.attention``: what torch.compile traces a call of :func:`attention` as.
-    ``kv`` is [packed kv] or [k, v]; without ``return_lse`` the second result is empty."""
+    ``kv`` is [packed kv] or [k, v]; a work list comes as its S_q (``work_list_rows``, 0: none)
+    and its arrays; without ``return_lse`` the second result is empty."""
+    wl = None
+    if work_list_rows:
+        wl = WorkList(wl_order, wl_cand_start, wl_tile_start, wl_grouped, wl_perm, work_list_rows)
     res = attention(q, kv_arg(kv), idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
-                    max_kv_len=max_kv_len, broadcast=broadcast, return_lse=return_lse, validate=validate)
+                    max_kv_len=max_kv_len, broadcast=broadcast, return_lse=return_lse, validate=validate,
+                    work_list=wl)
     return res if return_lse else (res, q.new_empty((0,), dtype=torch.float32))
 
 
-def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, validated: bool, return_lse: bool, out):
+def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, validated: bool, return_lse: bool, out,
+         work_list: Optional[WorkList]):
     """Launch the plan's kernels on checked inputs (k, v unpacked, jagged ones as one batch row;
     scale > 0)."""
     q = tma_ready(q, not plan.copy_q)
@@ -308,18 +436,13 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
         else:  # int64 values past int32 clamped before they convert
             rows.copy_(src.clamp(0, bound))
     cand_start = tile_start = grouped = perm = None
-    if plan.direction == "kv":
-        idx_k = idx if plan.idx_contiguous else idx.contiguous()
-        if plan.worklist is not None:
-            cand, cand_start, tile_start, grouped = bufs[0], bufs[1], bufs[2], bufs[3]
-            perm = bufs[4] if plan.ordered else None
-            plan.worklist(idx_k, cand, cand_start, tile_start, grouped, perm, rows if plan.ordered else None,
-                          plan.n_users, plan.rows_per_cand, plan.total_kv, plan.kv_len)
-        else:
-            cand, cand_start, tile_start, grouped = kv_worklist(idx_k, plan.n_users, plan.rows_per_cand)
-            if plan.ordered:
-                keys = rows if kv_lengths is not None else jagged_rows(rows, plan.total_kv, plan.kv_len)[1]
-                perm, tile_start = kv_tile_order(cand_start, keys, plan.rows_per_cand)
+    if work_list is not None:
+        wl = work_list
+        cand, cand_start, tile_start, grouped, perm = wl.order, wl.cand_start, wl.tile_start, wl.grouped, wl.perm
+    elif plan.direction == "kv":
+        cand, cand_start, tile_start, grouped, perm = _group(
+            idx if plan.idx_contiguous else idx.contiguous(), plan.n_users, plan.rows_per_cand, plan.worklist, bufs,
+            rows if plan.ordered else None, kv_lengths is not None, plan.total_kv, plan.kv_len)
     elif plan.idx_int32 and plan.idx_contiguous:
         cand = idx  # the kernel writes NaN for entries outside [0, U)
     else:
@@ -342,6 +465,24 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
         plan.merge(dest, dest_lse, target, lse, plan.n_splits)
     copy_back(out, target)
     return (out, lse) if return_lse else out
+
+
+def _group(idx, n_users: int, rows_per_cand: int, kernel, parts, rows, lengths: bool, total_keys: int,
+           max_keys: int) -> tuple:
+    """(order, cand_start, tile_start, grouped, perm) of a contiguous idx: by the work-list kernel
+    into the int32 ``parts`` (order, cand_start, tile_start, grouped[, perm]), else (``kernel``
+    None) by the torch definition. ``rows`` (int32 kv_lengths, or kv_offsets with ``lengths``
+    False): the tiles longest first by them; None: in user order (perm None)."""
+    if kernel is not None:
+        perm = parts[4] if rows is not None else None
+        kernel(idx, parts[0], parts[1], parts[2], parts[3], perm, rows, n_users, rows_per_cand, total_keys, max_keys)
+        return parts[0], parts[1], parts[2], parts[3], perm
+    order, cand_start, tile_start, grouped = kv_worklist(idx, n_users, rows_per_cand)
+    perm = None
+    if rows is not None:
+        keys = rows if lengths else jagged_rows(rows, total_keys, max_keys)[1]
+        perm, tile_start = kv_tile_order(cand_start, keys, rows_per_cand)
+    return order, cand_start, tile_start, grouped, perm
 
 
 def _split_workspace(plan: _Plan) -> tuple:
@@ -435,12 +576,15 @@ def _worklist_fits(num_users: int) -> bool:
     return fits(num_users)
 
 
-def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out) -> _Plan:
+def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out,
+               work_list=None) -> _Plan:
     """Check every argument (the first call with a signature) and build its launch plan."""
     p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
                         max_kv_len=max_kv_len, broadcast=broadcast, out=out, validate=False, op="attention")
     device = p.q.device
     require_sm90(device, "attention")
+    if work_list is not None:
+        check_work_list(work_list, p)
     if p.batch * p.s_q >= 2**31 or p.total_kv >= 2**31:
         raise ValueError(f"attention indexes query rows (B * S_q = {p.batch * p.s_q}) and key rows "
                          f"({p.total_kv}) with int32: each must stay below 2**31")
@@ -451,7 +595,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         tiles = (dense + max_tiles_per_head(p.batch, p.broadcast_batch, p.s_q)) // 2
         n_splits, split_keys = kv_splits(tiles, p.heads, p.kv_len, sm_count(device))
     n_users = p.broadcast_batch
-    use_worklist_kernel = p.direction == "kv" and _WORKLIST_KERNEL and _worklist_fits(n_users)
+    use_worklist_kernel = p.direction == "kv" and work_list is None and _WORKLIST_KERNEL and _worklist_fits(n_users)
     pair = _SPLIT_PAIR and n_splits == 2
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
                         jagged=p.jagged, split_kv=n_splits > 1 and not pair, split_pair=pair)

@@ -21,6 +21,7 @@ import torch
 from cute_kernels import checks
 
 from .config import SUPPORTED_HEAD_DIMS
+from .worklist import TILE_ROWS, WorkList, kv_worklist
 
 # The op (on every device) takes what the kernel takes; the reference also takes float32.
 OP_DTYPES = checks.FLOAT_DTYPES
@@ -306,3 +307,85 @@ def check_scale(scale) -> float:
     if abs(value) * LOG2E > F32_MAX:
         raise ValueError(f"scale {scale!r} is outside float32's range: |scale| * log2(e) must be <= {F32_MAX:g}")
     return value
+
+
+# ------------------------------------------------------------------ work lists
+def check_work_list(work_list, p: Problem) -> WorkList:
+    """``work_list`` fits the call ``p`` (shapes and options only; no device access)."""
+    if not isinstance(work_list, WorkList):
+        raise TypeError(f"work_list must be an ikbo_fa.WorkList (from ikbo_fa.work_list) or None, "
+                        f"got {type(work_list).__name__}")
+    if p.direction != "kv":
+        raise ValueError("work_list groups the candidates of a KV broadcast (k and v looked up by idx); this call "
+                         "looks q up by idx: pass no work_list")
+    ordered = p.kv_lengths is not None or p.jagged
+    for what, have, want in (("candidates (len(idx))", work_list.batch, p.batch),
+                             ("users (U)", work_list.num_users, p.kv_batch),
+                             ("query rows per candidate (S_q)", work_list.rows_per_cand, p.s_q)):
+        if have != want:
+            raise ValueError(f"work_list was built for {have} {what}; this call has {want}: build one for it "
+                             "with ikbo_fa.work_list")
+    if work_list.order.device != p.q.device:
+        raise ValueError(f"work_list is on {work_list.order.device} but q is on {p.q.device}")
+    if (work_list.perm is not None) != ordered:
+        raise ValueError(
+            "work_list orders the tiles longest first (built with kv_lengths or kv_offsets) but this call has "
+            "neither" if work_list.perm is not None else
+            "this call has kv_lengths or kv_offsets (its tiles run longest first) but work_list was built "
+            "without them: pass them to ikbo_fa.work_list too")
+    return work_list
+
+
+def check_given_work_list(work_list, p: Problem, validate: Optional[bool]) -> None:
+    """Every check of a work list given with the call ``p``: it fits, idx was not written since
+    it was built and (validating; synchronizes) it groups idx as idx holds now."""
+    check_work_list(work_list, p)
+    check_work_list_fresh(work_list, p.idx)
+    if checks.validation_enabled(validate):
+        check_work_list_values(work_list, p.idx)
+
+
+def check_work_list_fresh(work_list: WorkList, idx: torch.Tensor) -> None:
+    """``idx`` is not the tensor ``work_list`` was built from, written in place since (where torch
+    counts the tensor's versions). Runs on every call: no device access."""
+    source = work_list.source() if work_list.source is not None else None
+    if source is idx and work_list.version is not None and idx._version != work_list.version:
+        raise ValueError("idx was written in place after work_list was built from it: the work list holds the "
+                         "old grouping; build it again with ikbo_fa.work_list")
+
+
+def check_work_list_values(work_list: WorkList, idx: torch.Tensor) -> None:
+    """``work_list`` groups idx as idx holds now: what ikbo_fa.work_list would build, up to the
+    order within a user and within a key bucket. Synchronizes with the device."""
+    n_users, b = work_list.num_users, work_list.batch
+    _, cand_start, tile_start, grouped = kv_worklist(idx, n_users, work_list.rows_per_cand)
+    key = torch.remainder(idx.clamp(-1, n_users), n_users + 1).long()
+    order = work_list.order.long()
+    problem = None
+    if not torch.equal(work_list.cand_start, cand_start):
+        problem = "its users' candidate counts (cand_start) differ from idx's"
+    elif not torch.equal(work_list.grouped, grouped):
+        problem = "it says idx is " + ("" if int(grouped[0]) == 0 else "not ") + "grouped by user, idx says otherwise"
+    elif b and not (bool(((order >= 0) & (order < b)).all())
+                    and bool((torch.bincount(order.clamp(0, b - 1), minlength=b) == 1).all())
+                    and torch.equal(key[order.clamp(0, b - 1)], key.sort().values)):
+        problem = "its order is not idx's candidates grouped by user"
+    elif int(grouped[0]) == 1 and not torch.equal(order, torch.arange(b, device=order.device)):
+        problem = "idx is grouped by user, and its order is not 0, 1, ..., B - 1"
+    else:
+        counts = (cand_start[1:] - cand_start[:-1]).long()
+        tiles = (counts * work_list.rows_per_cand + (TILE_ROWS - 1)) // TILE_ROWS
+        if work_list.perm is not None:
+            perm = work_list.perm.long()
+            if not torch.equal(perm.sort().values, torch.arange(n_users + 1, device=perm.device)):
+                problem = "its perm is not a permutation of the groups"
+            else:
+                tiles = tiles[perm]
+        if problem is None:
+            starts = torch.zeros_like(tile_start)
+            starts[1:] = torch.cumsum(tiles, 0)
+            if not torch.equal(work_list.tile_start, starts):
+                problem = "its tile_start does not count the groups' tiles"
+    if problem is not None:
+        raise ValueError(f"work_list does not group idx as idx holds now: {problem}. A work list holds the "
+                         "grouping of the idx it was built from: build it again with ikbo_fa.work_list")

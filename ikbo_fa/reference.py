@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from .checks import Problem, resolve_problem
+from .checks import Problem, check_given_work_list, resolve_problem
+from .worklist import WorkList
 
 # Candidates per chunk: bounds the memory of the gathered K/V (the reference
 # materializes each chunk's K/V in fp32).
@@ -41,12 +42,16 @@ def attention_reference(
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
     validate: Optional[bool] = None,
+    work_list: Optional[WorkList] = None,
 ):
     """Same signature and result as :func:`ikbo_fa.attention`, evaluated with PyTorch (any device);
-    it also takes float32 and any head dimension D."""
+    it also takes float32 and any head dimension D. A ``work_list`` is checked as the op checks
+    it; the result does not depend on it."""
     p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
                         max_kv_len=max_kv_len, broadcast=broadcast, out=out, validate=validate,
                         op="attention_reference")
+    if work_list is not None:
+        check_given_work_list(work_list, p, validate)
     return evaluate(p, return_lse, out)
 
 

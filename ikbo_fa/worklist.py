@@ -30,9 +30,71 @@ longest first, so that the persistent grid's last round holds the short ones
 """
 from __future__ import annotations
 
+import dataclasses
+import weakref
+from typing import Optional
+
 import torch
 
 TILE_ROWS = 128  # query rows of one attention tile
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkList:
+    """The arrays above for one idx, built once by :func:`ikbo_fa.work_list` and passed to every
+    KV-broadcast ``attention(..., work_list=)`` call on that idx (layers, head groups, behaviour
+    sequences), which then launches no grouping of its own.
+
+    It holds the grouping of idx's values when it was built: a call checks that its batch, U,
+    S_q, device and tile order (``perm``: built with kv_lengths or kv_offsets where the call has
+    them) match, and that idx itself was not written in place since (where torch counts its
+    versions: not for inference tensors); with validation on, that it groups idx as idx holds
+    now (a synchronizing check)."""
+
+    order: torch.Tensor
+    cand_start: torch.Tensor
+    tile_start: torch.Tensor
+    grouped: torch.Tensor
+    perm: Optional[torch.Tensor]  # the groups longest first; None: in user order
+    rows_per_cand: int  # S_q
+    # The idx it was built from and that tensor's version then (None: not tracked).
+    source: Optional[weakref.ref] = dataclasses.field(default=None, repr=False, compare=False)
+    version: Optional[int] = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        # Every WorkList is one the kernel can read: the calls check only that it fits them.
+        if not isinstance(self.rows_per_cand, int) or isinstance(self.rows_per_cand, bool) or self.rows_per_cand < 1:
+            raise ValueError(f"WorkList.rows_per_cand must be an int >= 1, got {self.rows_per_cand!r}")
+        arrays = {"order": self.order, "cand_start": self.cand_start, "tile_start": self.tile_start,
+                  "grouped": self.grouped, **({} if self.perm is None else {"perm": self.perm})}
+        for name, t in arrays.items():
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous():
+                raise TypeError(f"WorkList.{name} must be a contiguous int32 vector, got "
+                                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if t.device != self.order.device:
+                raise ValueError(f"WorkList.{name} is on {t.device}, its order on {self.order.device}")
+        groups = self.cand_start.shape[0] - 1  # U + 1
+        want = {"cand_start": groups + 1, "tile_start": groups + 1, "grouped": 1, "perm": groups}
+        for name, n in want.items():
+            if name in arrays and (groups < 1 or arrays[name].shape[0] != n):
+                raise ValueError(f"WorkList.{name} has {arrays[name].shape[0]} entries; a work list of "
+                                 f"U + 1 = {groups} groups has {n}")
+
+    @property
+    def batch(self) -> int:
+        return self.order.shape[0]
+
+    @property
+    def num_users(self) -> int:
+        return self.cand_start.shape[0] - 2
+
+    def tensors(self) -> list:
+        """Its arrays (``perm`` last, where it has one)."""
+        return [self.order, self.cand_start, self.tile_start, self.grouped, *([] if self.perm is None else [self.perm])]
+
+    def __repr__(self) -> str:
+        return (f"WorkList(batch={self.batch}, num_users={self.num_users}, rows_per_cand={self.rows_per_cand}, "
+                f"longest_first={self.perm is not None}, device={self.order.device})")
 
 
 def kv_worklist(idx: torch.Tensor, num_users: int, rows_per_cand: int):

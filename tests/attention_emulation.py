@@ -27,6 +27,9 @@ class EmulatedKernels:
         self.merge_calls = 0
         self.builds = []
         self.hooks = []
+        # The fwd stand-in checks that perm puts the call's longest histories first (off for a
+        # work list built from other lengths: the same results in another order).
+        self.check_longest_first = True
 
     def worklist(self, idx, order, cand_start, tile_start, grouped, perm, rows, n_users, rows_per_cand,
                  total_keys, max_keys):
@@ -72,7 +75,8 @@ class EmulatedKernels:
             assert sorted(perm.tolist()) == list(range(U + 1))
             keys = kvl if kvl is not None else jagged_rows(offsets, k.shape[1], max_keys)[1]
             blocks = torch.cat([(keys.long() + 127) // 128, torch.zeros(1, dtype=torch.long)])
-            assert (key_bucket(blocks)[perm.long()].diff() <= 0).all()  # longest first
+            if self.check_longest_first:
+                assert (key_bucket(blocks)[perm.long()].diff() <= 0).all()  # longest first
             counts = (cand_start[1:] - cand_start[:-1]).long()
             tiles = (counts * q.shape[1] + 127) // 128
             starts = torch.cat([torch.zeros(1, dtype=torch.long), tiles[perm.long()].cumsum(0)])

@@ -10,21 +10,15 @@ import torch
 
 import ikbo_fa
 from attention_inputs import run_with_flags, user_groups
-from cute_kernels.plans import PlanCache
 
 pytestmark = pytest.mark.gpu
 attention_mod = importlib.import_module("ikbo_fa.attention")
 NAN = float("nan")
 
 
-@pytest.fixture(autouse=True)
-def fresh_plans(monkeypatch):
-    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
-
-
-# (U, ratio, S_q, L, H, H_kv, D, dtype): split pairs at S_q 1 and 2, the workspace split over
-# four CTAs (few tiles, long rows), no split with several rounds of the grid, a partial last
-# block, grouped heads at D 64 in fp16
+# (U, ratio, S_q, L, H, H_kv, D, dtype): a split pair at S_q 1, one round unsplit at S_q 2, the
+# workspace split over 8 CTAs (few tiles, long rows), several rounds of the grid with a partial
+# last block, grouped heads at D 64 in fp16
 SHAPES = [
     (32, 64, 1, 1024, 2, 2, 128, torch.bfloat16),
     (32, 64, 2, 2048, 2, 2, 128, torch.bfloat16),

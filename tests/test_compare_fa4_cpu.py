@@ -89,10 +89,23 @@ def jagged_per_candidate_reference(q, k, v, idx, kv_offsets, scale, broadcast="k
     return torch.stack(out)
 
 
+# Providers of K/V broadcast only (skipped with --broadcast q).
+KV_ONLY = {"fa4 page table", "fa4 varlen packed", "ikbo, work list reused"}
+
+
+def ikbo_work_list(idx, num_users, s_q=1, *, kv_lengths=None, kv_offsets=None, max_kv_len=None):
+    """ikbo_fa.work_list's signature: what it was built for, for ikbo_attention to check."""
+    return dict(idx=idx, num_users=num_users, s_q=s_q, kv_offsets=kv_offsets)
+
+
 def ikbo_attention(q, kv, idx, *, scale=None, kv_lengths=None, kv_offsets=None, max_kv_len=None,
-                   broadcast=None, return_lse=False, out=None):
+                   broadcast=None, return_lse=False, out=None, work_list=None):
     """ikbo_fa.attention's signature, jagged K/V (kv_offsets, max_kv_len) included."""
     k, v = kv
+    if work_list is not None:  # built for this idx, U, S_q and kind of K/V
+        assert (broadcast or "kv") == "kv" and work_list["idx"] is idx and work_list["s_q"] == q.shape[1]
+        assert work_list["num_users"] == (k.shape[0] if kv_offsets is None else kv_offsets.shape[0] - 1)
+        assert work_list["kv_offsets"] is kv_offsets
     if kv_offsets is not None:
         assert kv_offsets.dtype == torch.int32 and k.dim() == 3 and kv_offsets[-1] == k.shape[0]
         assert max_kv_len >= int((kv_offsets[1:] - kv_offsets[:-1]).max())
@@ -242,7 +255,7 @@ def test_varlen_packing_of_a_user_without_candidates():
 def fake_libs(monkeypatch, compile_eagerly):
     monkeypatch.setattr(cf.LIBS, "fa4", types.SimpleNamespace(flash_attn_func=fa4_func,
                                                              flash_attn_varlen_func=fa4_varlen))
-    monkeypatch.setattr(cf.LIBS, "ikbo", types.SimpleNamespace(attention=ikbo_attention))
+    monkeypatch.setattr(cf.LIBS, "ikbo", types.SimpleNamespace(attention=ikbo_attention, work_list=ikbo_work_list))
 
 
 @pytest.mark.parametrize("broadcast", ["kv", "q"])
@@ -256,7 +269,7 @@ def test_every_provider_computes_the_same_attention(fake_libs, broadcast, order)
         try:
             st = prov.setup(p, inp)
         except cf.Skip as e:
-            assert broadcast == "q" and prov.name in ("fa4 page table", "fa4 varlen packed"), e
+            assert broadcast == "q" and prov.name in KV_ONLY, e
             continue
         for x in (inp, rotated):
             out = prov.run(p, st, x)
@@ -267,7 +280,7 @@ def test_every_provider_computes_the_same_attention(fake_libs, broadcast, order)
             assert out.shape == (p.B, p.S_q, p.H, p.D)
             torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)
         ran.append(prov.name)
-    expected = set(cf.DISPLAY_ORDER) - ({"fa4 page table", "fa4 varlen packed"} if broadcast == "q" else set())
+    expected = set(cf.DISPLAY_ORDER) - (KV_ONLY if broadcast == "q" else set())
     assert set(ran) == expected
 
 
@@ -415,7 +428,7 @@ def test_main_dry_run(dry_run, tmp_path, capsys):
     assert len(rows) == 2 * 2 * 2 * len(cf.DISPLAY_ORDER)
     assert data["settings"]["timing"] == "both"  # the default
     for r in rows:
-        q_only_skip = r["broadcast"] == "q" and r["provider"] in ("fa4 page table", "fa4 varlen packed")
+        q_only_skip = r["broadcast"] == "q" and r["provider"] in KV_ONLY
         assert r["status"] == ("skipped" if q_only_skip else "ok"), r
         if r["status"] == "ok":
             assert r["ms"] > 0 and r["ms_sustained"] > 0 and r["W"] == 700.0 and r["MHz"] == 1500.0
@@ -775,9 +788,11 @@ def test_every_provider_on_jagged_inputs(fake_libs, broadcast, order):
             assert out.shape == (p.B, p.S_q, p.H, p.D), prov.name
             torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6, msg=prov.name)
         ran.append(prov.name)
-    assert set(skipped) == {"fa4 page table", "fa4 materialized", "fa4 materialize+kernel"}
+    reused = {"ikbo, work list reused"}
+    assert set(skipped) == {"fa4 page table", "fa4 materialized", "fa4 materialize+kernel"} | (
+        reused if broadcast == "q" else set())
     assert set(ran) == {"materialize", "fa4 varlen packed", "sdpa materialized",
-                        "torch.compile materialize+sdpa", "ikbo"}
+                        "torch.compile materialize+sdpa", "ikbo"} | (reused if broadcast == "kv" else set())
 
 
 def test_ikbo_without_kv_offsets_is_skipped_on_jagged_inputs(monkeypatch):
@@ -849,7 +864,8 @@ def test_main_dry_run_jagged(dry_run, tmp_path, capsys):
     for r in rows:
         assert r["jagged"] == "lognormal" and r["S_q"] == 4 and 1 <= r["max_len"] <= r["L"]
         assert r["total_keys"] >= r["max_len"]
-        assert r["status"] == ("skipped" if r["provider"] in jagged_skips else "ok"), r
+        kv_only = r["broadcast"] == "q" and r["provider"] == "ikbo, work list reused"
+        assert r["status"] == ("skipped" if r["provider"] in jagged_skips or kv_only else "ok"), r
         if r["status"] == "ok" and r["provider"] != "materialize":
             assert r["rel_err"] < 1e-2 and r["ms"] > 0 and r["ms_sustained"] > 0
             assert r["tflops"] == pytest.approx(r["gflop"] * 1e9 / (r["ms"] * 1e-3) / 1e12)
