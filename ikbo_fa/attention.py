@@ -327,8 +327,9 @@ def work_list(
     with on_device(idx.device):
         rows32, parts = rows, None
         if kernel is not None:
+            # Separate tensors (no views of one buffer): the registered op returns them as they are.
             sizes = [b, n_users + 2, n_users + 2, 1] + ([] if rows is None else [n_users + 1, rows.shape[0]])
-            parts = torch.empty(sum(sizes), dtype=torch.int32, device=idx.device).split(sizes)
+            parts = [torch.empty(n, dtype=torch.int32, device=idx.device) for n in sizes]
             if rows is not None:  # the kernel takes int32 (values only order the tiles)
                 rows32 = parts[-1]
                 rows32.copy_(rows.clamp(0, _INT32_MAX))
@@ -370,6 +371,30 @@ def _attention_shapes(q, kv, idx, scale=None, kv_lengths=None, broadcast=None, r
                         max_kv_len=max_kv_len, broadcast=broadcast, out=None, validate=False, op="attention")
     lse_shape = (p.batch, p.heads, p.s_q) if return_lse else (0,)
     return q.new_empty((p.batch, p.s_q, p.heads, p.head_dim)), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _work_list_shapes(idx, num_users, s_q, kv_lengths=None, kv_offsets=None, max_kv_len=None, validate=None):
+    ordered = kv_lengths is not None or kv_offsets is not None
+    return tuple(idx.new_empty((n,), dtype=torch.int32)
+                 for n in (idx.shape[0], num_users + 2, num_users + 2, 1, num_users + 1 if ordered else 0))
+
+
+@library_op("ikbo_fa::work_list", "ikbo_fa.work_list", "ikbo_fa.worklist.kv_worklist", _work_list_shapes)
+def _work_list_op(
+    idx: torch.Tensor,
+    num_users: int,
+    s_q: int,
+    kv_lengths: Optional[torch.Tensor] = None,
+    kv_offsets: Optional[torch.Tensor] = None,
+    max_kv_len: Optional[int] = None,
+    validate: Optional[bool] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.ikbo_fa.work_list``: :func:`work_list` as one graph node (the rewrite pass
+    shares one between attention calls on one idx): its arrays, perm empty where it has none."""
+    wl = work_list(idx, num_users, s_q, kv_lengths=kv_lengths, kv_offsets=kv_offsets, max_kv_len=max_kv_len,
+                   validate=validate)
+    perm = wl.perm if wl.perm is not None else idx.new_empty((0,), dtype=torch.int32)
+    return wl.order, wl.cand_start, wl.tile_start, wl.grouped, perm
 
 
 @library_op("ikbo_fa::attention", "ikbo_fa.attention", "ikbo_fa.attention_reference", _attention_shapes)

@@ -8,6 +8,7 @@ Rewritten only where the op computes the same: no dropout, not causal, fp16/bf16
 64 or 128, and no mask or a key-padding prefix mask (which becomes ``kv_lengths``)."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 from typing import Optional
@@ -93,6 +94,7 @@ def _check(s: Sdpa) -> str:
 
 
 def rewrite_attention(ctx: Context) -> None:
+    found = []
     for n in list(ctx.graph.nodes):
         s, why = read_sdpa(n)
         gathers = [x for x in ((s.q, s.k, s.v) if s else ()) if ctx.broadcast(x)]
@@ -102,12 +104,28 @@ def rewrite_attention(ctx: Context) -> None:
                     if ctx.broadcast(x):
                         ctx.leave(x, f"attention: {why}")
             continue
-        if not gathers:
-            continue
-        why = _rewrite_one(ctx, s)
+        if gathers:
+            found.append((s, gathers))
+    # KV-broadcast calls on one index (same U, S_q and tile order) share one work list.
+    shared = collections.Counter(k for k in (_work_list_key(ctx, s) for s, _ in found) if k is not None)
+    work_lists = {k: None for k, n in shared.items() if n > 1}
+    for s, gathers in found:
+        why = _rewrite_one(ctx, s, work_lists)
         if why:
             for g in gathers:
                 ctx.leave(g, f"attention: {why}")
+
+
+def _work_list_key(ctx: Context, s: Sdpa):
+    """What a KV-broadcast call's work list depends on, or None (a Q broadcast, a call the
+    op would not take, a symbolic S_q): the index, U, S_q, and whether a mask orders the tiles."""
+    if _check(s):
+        return None
+    direction, bc = _direction(ctx, s)
+    s_q = shape(s.q)[2]
+    if direction != "kv" or not isinstance(s_q, int):
+        return None
+    return bc.key, str(shape(bc.source)[0]), s_q, s.mask is not None
 
 
 def _direction(ctx: Context, s: Sdpa):
@@ -119,7 +137,7 @@ def _direction(ctx: Context, s: Sdpa):
     return None, None
 
 
-def _rewrite_one(ctx: Context, s: Sdpa) -> str:
+def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
     why = _check(s)
     if why:
         return why
@@ -151,7 +169,17 @@ def _rewrite_one(ctx: Context, s: Sdpa) -> str:
         if not same(shape(kv_lengths)[0], rows):
             return "the mask's lengths do not have one entry per key/value row"
     scale = None if s.scale is None else float(s.scale)
-    res = b.call(torch.ops.ikbo_fa.attention.default, q, [k, v], idx, scale, kv_lengths, direction, False, None)
+    wl_args, shared = (), ""
+    key = _work_list_key(ctx, s) if direction == "kv" else None
+    if key in work_lists:
+        if work_lists[key] is None:  # the first call of the group builds it, before itself
+            s_q = shape(q)[1]
+            wl = b.call(torch.ops.ikbo_fa.work_list.default, idx, b.size(k, 0), s_q, kv_lengths)
+            arrays = [b.call(operator.getitem, wl, i) for i in range(5)]
+            work_lists[key] = (s_q, *arrays[:4], arrays[4] if kv_lengths is not None else None)
+        wl_args, shared = (None, None, *work_lists[key]), ", one work list for the calls on this index"
+    res = b.call(torch.ops.ikbo_fa.attention.default, q, [k, v], idx, scale, kv_lengths, direction, False, None,
+                 *wl_args)
     o = b.call(operator.getitem, res, 0)
     replace(s.out, bhsd(o))
     ctx.replaced.add(s.node)  # SDPA counts as impure (its dropout draws random numbers)
@@ -161,5 +189,5 @@ def _rewrite_one(ctx: Context, s: Sdpa) -> str:
     qv, kv = tensor_val(q), tensor_val(k)
     ctx.report.add("attention", [s.node], f"{direction.upper()} broadcast, S_q {qv.shape[1]}, L {kv.shape[1]}, "
                    f"H {qv.shape[2]}, H_kv {kv.shape[2]}, D {qv.shape[3]}"
-                   + (", kv_lengths from the key-padding mask" if lengths is not None else ""))
+                   + (", kv_lengths from the key-padding mask" if lengths is not None else "") + shared)
     return ""

@@ -1,10 +1,12 @@
-"""Shared pieces of the ikbo_rewrite CPU tests: float64 references, bf16 tolerances, and the
-pass applied through export (fast, no Inductor) or compile."""
+"""Shared pieces of the ikbo_rewrite tests: float64 references, bf16 tolerances, the pass
+applied through export (fast, no Inductor) or compile, and a model of two attention calls on
+one index."""
 from __future__ import annotations
 
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
 
 import ikbo_rewrite
@@ -82,3 +84,25 @@ class FakeCudaGraph:
     def module(self, out: Node) -> GraphModule:
         self.graph.output(out)
         return GraphModule(torch.nn.Module(), self.graph)
+
+
+class TwoSequences(torch.nn.Module):
+    """Two behaviour sequences of the same users (clicks, purchases), each attended by the same
+    candidates' queries: two SDPA calls over K/V gathered by one idx."""
+
+    def __init__(self, mask: bool = False, third_s_q: bool = False):
+        super().__init__()
+        self.mask, self.third_s_q = mask, third_s_q
+
+    def forward(self, q, k1, v1, k2, v2, idx, lengths):
+        t = lambda x: x.transpose(1, 2)  # noqa: E731  [batch, L, H, D] -> [batch, H, L, D]
+        outs = []
+        for k, v in ((k1, v1), (k2, v2)):
+            mask = None
+            if self.mask:
+                ar = torch.arange(k.shape[1], device=q.device)
+                mask = (ar[None, :] < lengths[idx][:, None])[:, None, None, :]
+            outs.append(F.scaled_dot_product_attention(t(q), t(k[idx]), t(v[idx]), attn_mask=mask))
+        if self.third_s_q:  # one query row per candidate: another S_q, its own work list
+            outs.append(F.scaled_dot_product_attention(t(q[:, :1]), t(k1[idx]), t(v1[idx])).expand_as(outs[0]))
+        return sum(o.transpose(1, 2) for o in outs)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ikbo_rewrite
-from rewrite_helpers import FakeCudaGraph, check_close, exported, has
+from rewrite_helpers import FakeCudaGraph, TwoSequences, check_close, exported, has
 
 H, L, S_Q = 2, 7, 3
 
@@ -206,3 +206,42 @@ def test_cuda_sdpa_kernels_with_a_soft_bias_stay(kernel):
     report = ikbo_rewrite.rewrite(gm)
     assert "attention" not in report.kinds() and has(gm, "scaled_dot_product")
     assert any("not provably a key-padding prefix mask" in r for left in report.left for r in left.reasons), str(report)
+
+
+@pytest.mark.parametrize("mask, third_s_q", [(False, False), (True, False), (False, True)])
+def test_calls_on_one_index_share_a_work_list(mask, third_s_q):
+    g = torch.Generator().manual_seed(11)
+    B, U, D = 9, 3, 64
+    q = torch.randn(B, S_Q, H, D, generator=g).bfloat16()
+    k1, v1 = (torch.randn(U, L, H, D, generator=g).bfloat16() for _ in range(2))
+    k2, v2 = (torch.randn(U, L + 4, H, D, generator=g).bfloat16() for _ in range(2))
+    idx = torch.randint(0, U, (B,), generator=g)
+    lengths = torch.randint(1, L + 1, (U,), generator=g)
+    args = (q, k1, v1, k2, v2, idx, lengths)
+    model = TwoSequences(mask, third_s_q)
+    module, report = exported(model, args)
+    assert report.kinds().count("attention") == 2 + third_s_q, str(report)
+    nodes = [n for n in module.graph.nodes if n.op == "call_function"]
+    built = [n for n in nodes if n.target is torch.ops.ikbo_fa.work_list.default]
+    calls = [n for n in nodes if n.target is torch.ops.ikbo_fa.attention.default]
+    assert len(built) == 1 and len(calls) == 2 + third_s_q
+    with_list = [c for c in calls if len(c.args) > 8]
+    assert len(with_list) == 2 and all(c.args[10] == S_Q for c in with_list)
+    assert (built[0].args[3] is not None) == mask  # ordered by the first call's lengths where masked
+    assert str(report).count("one work list for the calls on this index") == 2
+    check_close(module(*args), model, args)
+
+
+def test_shared_work_list_through_compile():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(9, S_Q, H, 64, generator=g).bfloat16()
+    k1, v1, k2, v2 = (torch.randn(3, L, H, 64, generator=g).bfloat16() for _ in range(4))
+    args = (q, k1, v1, k2, v2, torch.randint(0, 3, (9,), generator=g), torch.randint(1, L + 1, (3,), generator=g))
+    model = TwoSequences(mask=True)
+    with torch.no_grad():
+        compiled = ikbo_rewrite.compile(model)
+        out = compiled(*args)
+    assert str(compiled.report).count("one work list for the calls on this index") == 2, str(compiled.report)
+    check_close(out, model, args)
+    torch._dynamo.reset()

@@ -39,3 +39,26 @@ def test_compile_rewrites_each_model_on_the_gpu(name):
             assert err < 2e-2, (err, str(compiled.report))
     assert len(compiled.reports) == 1
     assert set(compiled.report.kinds()) == kinds, str(compiled.report)
+
+
+def test_calls_on_one_index_share_a_work_list_on_the_gpu():
+    """Two SDPA calls over K/V gathered by one idx (two behaviour sequences): one work list, built
+    before the first; dynamic shapes; against eager."""
+    from rewrite_helpers import TwoSequences
+
+    torch._dynamo.reset()
+    model = TwoSequences(mask=True)
+    compiled = ikbo_rewrite.compile(model, dynamic=True)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for B, U in ((40, 3), (300, 7)):
+            q = torch.randn(B, 1, 2, 128, generator=g).bfloat16().cuda()
+            k1, v1 = (torch.randn(U, 200, 2, 128, generator=g).bfloat16().cuda() for _ in range(2))
+            k2, v2 = (torch.randn(U, 1000, 2, 128, generator=g).bfloat16().cuda() for _ in range(2))
+            idx = torch.randint(0, U, (B,), generator=g).cuda()
+            lengths = torch.randint(1, 201, (U,), generator=g).cuda()
+            args = (q, k1, v1, k2, v2, idx, lengths)
+            ref = model(*args).float()
+            err = float((compiled(*args).float() - ref).norm() / ref.norm())
+            assert err < 2e-2, (err, str(compiled.report))
+    assert str(compiled.report).count("one work list for the calls on this index") == 2, str(compiled.report)
