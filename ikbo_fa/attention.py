@@ -41,6 +41,10 @@ On every device the op takes what the sm_90 kernel takes: fp16 or bf16, D in {64
 (``attention_reference`` also takes float32 and any D). A batch of 0 candidates gives
 empty results.
 
+KV broadcast groups the candidates by user before the kernel (the work list, one small
+launch). ``work_list(idx, U, S_q)`` builds that grouping once for several calls on the same idx
+(``attention(..., work_list=)``), which then launch only the kernel.
+
 An index outside the broadcast side's batch raises ``IndexError`` with
 validation on (``validate=True`` or ``IKBO_VALIDATE=1``); with it off, that
 candidate's output and log-sum-exp are NaN, nothing is read out of bounds,
