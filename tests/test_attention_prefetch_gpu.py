@@ -54,7 +54,7 @@ def test_kv_written_right_before_the_call_is_read_new(monkeypatch):
     for _ in range(3):
         k.copy_(new_k)
         v.copy_(new_v)
-        out = ikbo_fa.attention(q, (k, v), idx)
+        out = ikbo_fa.attention(q, (k, v), idx, validate=False)  # no synchronizing check in between
         ref = ikbo_fa.attention_reference(q.float(), (new_k.float(), new_v.float()), idx)
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
         new_k, new_v = new_v.neg(), new_k * 0.5
