@@ -72,6 +72,7 @@ from .checks import (
     check_max_kv_len,
     check_offsets,
     check_given_work_list,
+    check_idx,
     check_ranges,
     check_scale,
     check_work_list,
@@ -308,9 +309,7 @@ def work_list(
     torch ops); elsewhere the torch definition (``ikbo_fa.worklist.kv_worklist``).
     """
     n_users, s_q = _count("num_users", num_users, 0), _count("s_q", s_q, 1)
-    if not isinstance(idx, torch.Tensor):
-        raise TypeError(f"idx must be a torch.Tensor [B] of int32 or int64, got {type(idx).__name__}")
-    checks.check_tensor("idx", idx, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[B]", empty_batch=True)
+    check_idx(idx)
     if kv_lengths is not None and kv_offsets is not None:
         raise ValueError("kv_lengths and kv_offsets were both given: pass the kind the attention calls take")
     if check_max_kv_len(max_kv_len) is not None and kv_offsets is None:

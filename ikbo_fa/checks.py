@@ -149,9 +149,7 @@ def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, 
     checks.check_tensor("q", q, ndim=4, dtypes=dtypes, layout="[batch, S_q, H, D]", empty_batch=True)
     k, v = split_kv(kv, dtypes, jagged=jagged)
     checks.check_same_dtype(["q", "k", "v"], [q, k, v])
-    if not isinstance(idx, torch.Tensor):
-        raise TypeError(f"idx must be a torch.Tensor [B] of int32 or int64, got {type(idx).__name__}")
-    checks.check_tensor("idx", idx, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[B]", empty_batch=True)
+    check_idx(idx)
     if jagged:
         checks.check_tensor("kv_offsets", kv_offsets, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[R + 1]")
         if kv_offsets.shape[0] < 2:
@@ -233,6 +231,13 @@ def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, 
         if jagged:
             check_offsets(kv_offsets, total_kv, max_kv_len)
     return p
+
+
+def check_idx(idx) -> None:
+    """``idx`` is an int32 / int64 vector [B] (B = 0 allowed)."""
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"idx must be a torch.Tensor [B] of int32 or int64, got {type(idx).__name__}")
+    checks.check_tensor("idx", idx, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[B]", empty_batch=True)
 
 
 def check_ranges(idx, kv_lengths, n_users: int, side: str, kv_len: int) -> None:

@@ -1099,8 +1099,8 @@ class IkboAttentionFwdSm90:
                     row = tOcO_mn[m, 0][0]
                     if const_expr(self.dense):
                         if row < info.n_valid:
-                            c = (info.row0 + row) // self.s_q
-                            mLSE[mCand[info.first + c], info.out_head, info.row0 + row - c * self.s_q] = lse[m]
+                            b, q_row = self.dense_row(info, row, mCand)
+                            mLSE[b, info.out_head, q_row] = lse[m]
                     else:
                         s = row // r
                         valid, q_b, out_b, row_block = self.slot_info(s, info, mCand)
@@ -1150,12 +1150,16 @@ class IkboAttentionFwdSm90:
         for m in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
             row = tOcO_mn[m, 0][0]
             if row < info.n_valid:
-                run_row = info.row0 + row
-                c = run_row // self.s_q
-                b = mCand[info.first + c]
-                s = run_row - c * self.s_q
+                b, s = self.dense_row(info, row, mCand)
                 for j in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):
                     mO[s, tOcO_mn[m, j][1], info.out_head, b] = rO_mn[m, j]
+
+    @cute.jit
+    def dense_row(self, info: TileInfo, row, mCand):
+        """KV broadcast: tile row ``row`` -> (its candidate, its query row in that candidate)."""
+        run_row = info.row0 + row
+        c = run_row // self.s_q
+        return mCand[info.first + c], run_row - c * self.s_q
 
     @cute.jit
     def store_o_slots(self, info: TileInfo, tma_atom_O, mO, sO, mCand, wg: Int32):

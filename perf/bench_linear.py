@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import itertools
 import sys
@@ -239,17 +240,20 @@ def _ours(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
                                 activation=None if p.activation == "none" else p.activation, validate=False)
 
 
-def _ours_with_rules(rules_name: str):
-    """The op with the launch-plan rules ``ikbo_gemm.linear.<rules_name>``."""
+def _rules_setup(rules_name: str):
+    """Setup of a plan-rules provider: the op with ``ikbo_gemm.linear.<rules_name>``, looked up once
+    per problem (untimed)."""
 
-    def call(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
+    def setup(p: LinearProblem, i: LinearInputs):
         linear_module = importlib.import_module("ikbo_gemm.linear")  # the module (the package's linear is the op)
-        return linear_module.linear_with_rules(
-            i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias,
-            activation=None if p.activation == "none" else p.activation, validate=False,
-            rules=getattr(linear_module, rules_name))
+        return functools.partial(linear_module.linear_with_rules, rules=getattr(linear_module, rules_name))
 
-    return call
+    return setup
+
+
+def _ours_with_rules(p: LinearProblem, op, i: LinearInputs) -> torch.Tensor:
+    return op(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias,
+              activation=None if p.activation == "none" else p.activation, validate=False)
 
 
 def providers() -> list:
@@ -259,7 +263,7 @@ def providers() -> list:
         Provider("torch decomposition", lambda p, i: None, _decomposition),
         Provider("torch.compile decomposition", lambda p, i: harness.torch_compiled(decomposition), _compiled),
         Provider("torch addmm floor", lambda p, i: None, _floor, floor=True),
-        *(Provider(name, lambda p, i: None, _ours_with_rules(rules), ours=True, extra=True)
+        *(Provider(name, _rules_setup(rules), _ours_with_rules, ours=True, extra=True)
           for name, (rules, _) in PLAN_VARIANTS.items()),
         Provider(OURS, lambda p, i: None, _ours, ours=True),
     ]
