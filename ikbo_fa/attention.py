@@ -74,6 +74,7 @@ from .checks import (
     check_given_work_list,
     check_idx,
     check_ranges,
+    check_return_lse,
     check_scale,
     check_work_list,
     check_work_list_fresh,
@@ -199,6 +200,7 @@ def attention(
     ``work_list`` (KV broadcast): the grouping of idx's candidates by user, built once by
     :func:`work_list` for several calls on the same idx; the call then launches none of its own.
     """
+    check_return_lse(return_lse)
     if torch.compiler.is_compiling():
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
         wl = () if work_list is None else (work_list.rows_per_cand, work_list.order, work_list.cand_start,
@@ -215,7 +217,8 @@ def attention(
         # The reference, on what the kernel takes; on the GPU only for an empty batch or jagged
         # K/V without a key (nothing to launch, no TMA box to describe).
         p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
-                            max_kv_len=max_kv_len, broadcast=broadcast, out=out, validate=validate, op="attention")
+                            max_kv_len=max_kv_len, broadcast=broadcast, out=out, validate=validate, op="attention",
+                            return_lse=return_lse)
         require_sm90(p.q.device, "attention")
         if work_list is not None:
             check_given_work_list(work_list, p, validate)
@@ -308,7 +311,7 @@ def work_list(
     device one launch of the work-list kernel where U + 1 groups fit its shared memory (else a few
     torch ops); elsewhere the torch definition (``ikbo_fa.worklist.kv_worklist``).
     """
-    n_users, s_q = _count("num_users", num_users, 0), _count("s_q", s_q, 1)
+    n_users, s_q = _count("num_users", num_users, 1), _count("s_q", s_q, 1)
     check_idx(idx)
     if kv_lengths is not None and kv_offsets is not None:
         raise ValueError("kv_lengths and kv_offsets were both given: pass the kind the attention calls take")
@@ -608,7 +611,8 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
                work_list=None) -> _Plan:
     """Check every argument (the first call with a signature) and build its launch plan."""
     p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
-                        max_kv_len=max_kv_len, broadcast=broadcast, out=out, validate=False, op="attention")
+                        max_kv_len=max_kv_len, broadcast=broadcast, out=out, validate=False, op="attention",
+                        return_lse=return_lse)
     device = p.q.device
     require_sm90(device, "attention")
     if work_list is not None:

@@ -127,12 +127,13 @@ def split_kv(kv, dtypes=REFERENCE_DTYPES, *, jagged: bool = False):
 
 
 def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, op: str,
-                    kv_offsets=None, max_kv_len=None) -> Problem:
+                    kv_offsets=None, max_kv_len=None, return_lse=False) -> Problem:
     """Check every argument (errors name it) and work out the broadcast direction.
 
     ``op`` is "attention" (the op: on every device only what the sm_90 kernel takes, fp16 / bf16
     and D in SUPPORTED_HEAD_DIMS) or "attention_reference" (also float32 and any D).
     ``kv_offsets`` makes k / v jagged (see the module docstring); ``max_kv_len`` bounds its rows."""
+    check_return_lse(return_lse)
     dtypes = OP_DTYPES if op == "attention" else REFERENCE_DTYPES
     jagged = kv_offsets is not None
     if jagged and kv_lengths is not None:
@@ -150,6 +151,8 @@ def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, 
     k, v = split_kv(kv, dtypes, jagged=jagged)
     checks.check_same_dtype(["q", "k", "v"], [q, k, v])
     check_idx(idx)
+    if kv_lengths is not None:  # its length is checked once the k/v batch is known
+        checks.check_tensor("kv_lengths", kv_lengths, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[k/v batch]")
     if jagged:
         checks.check_tensor("kv_offsets", kv_offsets, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[R + 1]")
         if kv_offsets.shape[0] < 2:
@@ -231,6 +234,12 @@ def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, 
         if jagged:
             check_offsets(kv_offsets, total_kv, max_kv_len)
     return p
+
+
+def check_return_lse(return_lse) -> None:
+    """``return_lse`` is True or False (a truthy string or 1 would pass a plan's key as True)."""
+    if type(return_lse) is not bool:
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__} {return_lse!r}")
 
 
 def check_idx(idx) -> None:

@@ -49,7 +49,7 @@ def attention_reference(
     it; the result does not depend on it."""
     p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
                         max_kv_len=max_kv_len, broadcast=broadcast, out=out, validate=validate,
-                        op="attention_reference")
+                        op="attention_reference", return_lse=return_lse)
     if work_list is not None:
         check_given_work_list(work_list, p, validate)
     return evaluate(p, return_lse, out)

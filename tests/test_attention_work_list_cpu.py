@@ -171,7 +171,7 @@ def test_builder_checks_its_arguments():
     idx = torch.tensor([0, 2, 1, 1])
     with pytest.raises(TypeError, match="num_users must be an int"):
         ikbo_fa.work_list(idx, True)
-    with pytest.raises(ValueError, match="num_users must be >= 0"):
+    with pytest.raises(ValueError, match="num_users must be >= 1"):
         ikbo_fa.work_list(idx, -1)
     with pytest.raises(ValueError, match="s_q must be >= 1"):
         ikbo_fa.work_list(idx, 3, 0)
