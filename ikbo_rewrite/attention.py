@@ -15,10 +15,11 @@ from typing import Optional
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import guard_bool, statically_known_true
 
 from .broadcast import index_node
 from .context import Context
-from .fx_utils import Builder, aten, bound_args, replace, same, shape, tensor_val
+from .fx_utils import Builder, aten, bound_args, example_value, replace, same, shape, tensor_val
 from .masks import prefix_lengths
 
 HEAD_DIMS = (64, 128)
@@ -71,26 +72,41 @@ def read_sdpa(n: Node) -> tuple[Optional[Sdpa], str]:
                 float(a.get("dropout_p") or 0.0), bool(a.get("is_causal")), a.get("scale")), ""
 
 
-def _check(s: Sdpa) -> str:
+def _check(ctx: Context, s: Sdpa) -> tuple[str, list]:
+    """Why the op would not compute this call (or ""), and the guards on symbolic sizes that
+    make it take the call (the head dim's value, H divisible by H_kv), to install on rewriting."""
     if s.dropout != 0.0:
-        return f"dropout_p {s.dropout}"
+        return f"dropout_p {s.dropout}", []
     if s.causal:
-        return "causal attention"
+        return "causal attention", []
     q, k, v = (tensor_val(x) for x in (s.q, s.k, s.v))
     if any(t is None or t.dim() != 4 for t in (q, k, v)):
-        return "q, k and v are not [batch, heads, seq, dim]"
+        return "q, k and v are not [batch, heads, seq, dim]", []
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
-        return f"dtype {q.dtype}: the op takes fp16 or bf16"
+        return f"dtype {q.dtype}: the op takes fp16 or bf16", []
     if not all(same(a, b) for a, b in zip(k.shape, v.shape)) or not same(q.shape[3], k.shape[3]):
-        return "k and v differ in shape, or q's head dim differs from k's"
-    if not any(same(q.shape[3], d) for d in HEAD_DIMS):
-        return f"head dim {q.shape[3]}: the kernel takes {' or '.join(map(str, HEAD_DIMS))}"
+        return "k and v differ in shape, or q's head dim differs from k's", []
+    guards = []
+    d = q.shape[3]
+    if not any(same(d, x) for x in HEAD_DIMS):
+        value = example_value(d)
+        if value not in HEAD_DIMS or not ctx.guards:
+            return (f"head dim {d}: the kernel takes {' or '.join(map(str, HEAD_DIMS))}"
+                    + (f" (symbolic, {value} here, in a graph that cannot be guarded: export with a static "
+                       "head dim)" if value in HEAD_DIMS else ""), [])
+        guards.append(d == value)  # the head dim is fixed in this compile; another recompiles
     h, h_kv = q.shape[1], k.shape[1]
-    if not isinstance(h, int) or not isinstance(h_kv, int) or h % h_kv:
-        return f"{h} query heads are not a multiple of {h_kv} key heads"
+    divides = h % h_kv == 0
+    if not isinstance(divides, bool) and not statically_known_true(divides):
+        values = example_value(h), example_value(h_kv)
+        if not ctx.guards or None in values or values[0] % values[1]:
+            return f"{h} query heads are not provably a multiple of {h_kv} key heads", []
+        guards.append(divides)
+    elif not divides:
+        return f"{h} query heads are not a multiple of {h_kv} key heads", []
     if s.scale is not None and not isinstance(s.scale, (int, float)):
-        return "the scale is not a number"
-    return ""
+        return "the scale is not a number", []
+    return "", guards
 
 
 def rewrite_attention(ctx: Context) -> None:
@@ -119,13 +135,12 @@ def rewrite_attention(ctx: Context) -> None:
 def _work_list_key(ctx: Context, s: Sdpa):
     """What a KV-broadcast call's work list depends on, or None (a Q broadcast, a call the
     op would not take, a symbolic S_q): the index, U, S_q, and whether a mask orders the tiles."""
-    if _check(s):
+    if _check(ctx, s)[0]:
         return None
     direction, bc = _direction(ctx, s)
-    s_q = shape(s.q)[2]
-    if direction != "kv" or not isinstance(s_q, int):
+    if direction != "kv":
         return None
-    return bc.key, str(shape(bc.source)[0]), s_q, s.mask is not None
+    return bc.key, str(shape(bc.source)[0]), str(shape(s.q)[2]), s.mask is not None
 
 
 def _direction(ctx: Context, s: Sdpa):
@@ -138,7 +153,7 @@ def _direction(ctx: Context, s: Sdpa):
 
 
 def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
-    why = _check(s)
+    why, guards = _check(ctx, s)
     if why:
         return why
     direction, bc = _direction(ctx, s)
@@ -153,6 +168,8 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
             return "the mask's lengths are per candidate, not per user"
         if direction == "q" and lengths.broadcast is not None and lengths.broadcast.key != bc.key:
             return "the mask is gathered by another index"
+    for g in guards:
+        guard_bool(g)
     b = Builder(ctx.graph, s.out)
     idx = index_node(bc, b)
     bhsd = lambda x: b.call(aten.permute.default, x, [0, 2, 1, 3])  # noqa: E731  [B, H, S, D] <-> [B, S, H, D]
@@ -173,7 +190,7 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
     key = _work_list_key(ctx, s) if direction == "kv" else None
     if key in work_lists:
         if work_lists[key] is None:  # the first call of the group builds it, before itself
-            s_q = shape(q)[1]
+            s_q = b.size(q, 1)
             wl = b.call(torch.ops.ikbo_fa.work_list.default, idx, b.size(k, 0), s_q, kv_lengths)
             arrays = [b.call(operator.getitem, wl, i) for i in range(5)]
             work_lists[key] = (s_q, *arrays[:4], arrays[4] if kv_lengths is not None else None)
@@ -188,6 +205,6 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
         ctx.absorbed.update(lengths.gathers)
     qv, kv = tensor_val(q), tensor_val(k)
     ctx.report.add("attention", [s.node], f"{direction.upper()} broadcast, S_q {qv.shape[1]}, L {kv.shape[1]}, "
-                   f"H {qv.shape[2]}, H_kv {kv.shape[2]}, D {qv.shape[3]}"
+                   f"H {qv.shape[2]}, H_kv {kv.shape[2]}, D {example_value(qv.shape[3]) or qv.shape[3]}"
                    + (", kv_lengths from the key-padding mask" if lengths is not None else "") + shared)
     return ""

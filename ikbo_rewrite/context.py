@@ -29,8 +29,13 @@ class HoistStep:
 
 
 class Context:
-    def __init__(self, gm: GraphModule):
+    """``guards``: whether the pass may specialize a symbolic size to its value (inside
+    torch.compile, where the guard becomes part of the compiled graph's guards and another
+    value recompiles); an exported graph is final, so there it may not."""
+
+    def __init__(self, gm: GraphModule, guards: bool = False):
         self.gm = gm
+        self.guards = guards
         self.graph: Graph = gm.graph
         self.report = Report()
         self.broadcasts: dict[Node, Broadcast] = find_broadcasts(self.graph)

@@ -50,6 +50,14 @@ def same(a, b) -> bool:
         return False
 
 
+def example_value(a) -> Optional[int]:
+    """The value a symbolic size has in the inputs being compiled (None for an int, or for a
+    symbol without one)."""
+    node = getattr(a, "node", None)
+    hint = getattr(node, "hint", None)
+    return int(hint) if isinstance(hint, int) else None
+
+
 def is_one(a) -> bool:
     return same(a, 1)
 

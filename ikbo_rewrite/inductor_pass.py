@@ -38,7 +38,7 @@ class IkboPass(_Base):
         return _SINKS[self.sink]
 
     def __call__(self, graph, is_inference: bool = True) -> None:
-        _SINKS.setdefault(self.sink, []).append(run(graph.owning_module, is_inference=is_inference))
+        _SINKS.setdefault(self.sink, []).append(run(graph.owning_module, is_inference=is_inference, guards=True))
 
     def uuid(self):
         return f"ikbo_rewrite-{_source_hash()}-linear{int(linear.available())}"

@@ -245,3 +245,35 @@ def test_shared_work_list_through_compile():
     assert str(compiled.report).count("one work list for the calls on this index") == 2, str(compiled.report)
     check_close(out, model, args)
     torch._dynamo.reset()
+
+
+def test_symbolic_head_dim_under_dynamic_compile():
+    """``compile(dynamic=True)`` makes every input dim a symbol, the head dim included (the graphs
+    the GPU sees too): the pass guards it to its value where that is 64 or 128 and rewrites; the
+    batch and sequence dims stay symbols (one graph for two batch sizes), and another head dim
+    recompiles and stays as written."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(13)
+    model = TwoSequences(mask=True)
+    compiled = ikbo_rewrite.compile(model, dynamic=True)
+
+    def inputs(B, U, D):
+        q = torch.randn(B, 1, H, D, generator=g).bfloat16()
+        k1, v1 = (torch.randn(U, L, H, D, generator=g).bfloat16() for _ in range(2))
+        k2, v2 = (torch.randn(U, L + 9, H, D, generator=g).bfloat16() for _ in range(2))
+        idx = torch.randint(0, U, (B,), generator=g)
+        return q, k1, v1, k2, v2, idx, torch.randint(1, L + 1, (U,), generator=g)
+
+    with torch.no_grad():
+        for B, U in ((11, 3), (17, 5)):
+            args = inputs(B, U, 64)
+            check_close(compiled(*args), model, args)
+        report = str(compiled.report)
+        assert len(compiled.reports) == 1 and compiled.report.kinds().count("attention") == 2, report
+        assert "D 64" in report and report.count("one work list for the calls on this index") == 2, report
+        assert compiled.report.left == [], report
+        args = inputs(7, 2, 32)
+        check_close(compiled(*args), model, args)
+    assert len(compiled.reports) == 2 and "attention" not in compiled.report.kinds()
+    assert "head dim" in str(compiled.report) and "cannot be guarded" not in str(compiled.report)
+    torch._dynamo.reset()
