@@ -7,6 +7,8 @@ gather is a broadcast even when U and B have one symbol or U is the constant 1. 
 
 - ``aten.index.Tensor(src, [idx])`` (``src[idx]``; also ``index_select`` after grad passes),
 - ``aten.index_select(src, 0, idx)``,
+- ``aten.embedding(src, idx)`` (``F.embedding(idx, src)`` of a 2-D table that is not a weight
+  the graph holds),
 - ``aten.gather(src, 0, idx expanded over the other dims)``,
 - ``src.unsqueeze(1).expand(U, r, ...).reshape(U * r, ...)``: equal groups, user-major
   (``repeat_interleave(r)``), and ``src.unsqueeze(0).expand(r, U, ...)...``: ``repeat``;
@@ -105,6 +107,11 @@ def as_broadcast(n: Node) -> Optional[Broadcast]:
         src, idx = n.args[0], n.args[1][0]
         if ndim(src) and _index_ok(idx, s[0]):
             return Broadcast(n, src, "index", index=idx)
+    if is_op(n, aten.embedding) and ndim(n.args[0]) == 2 and not is_constant(n.args[0]):
+        # F.embedding(idx, table) is table[idx] (padding_idx only masks the gradient); a table the
+        # graph holds (nn.Embedding's weight) is a vocabulary, not a batch of users.
+        if _index_ok(n.args[1], s[0]):
+            return Broadcast(n, n.args[0], "embedding", index=n.args[1])
     if is_op(n, aten.index_select) and ndim(n.args[0]) and norm_dim(n.args[1], ndim(n.args[0])) == 0:
         if _index_ok(n.args[2], s[0]):
             return Broadcast(n, n.args[0], "index_select", index=n.args[2])

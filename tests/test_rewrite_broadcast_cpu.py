@@ -128,3 +128,49 @@ def test_boolean_row_selection_is_not_a_broadcast():
     import ikbo_rewrite
 
     assert ikbo_rewrite.rewrite(gm).broadcasts == 0
+
+
+class EmbeddingLookup(nn.Module):
+    """A user tower's features looked up for each candidate as an embedding table indexed by idx
+    (``F.embedding(idx, users)``), then a linear over [user, candidate] features."""
+
+    def __init__(self):
+        super().__init__()
+        self.user_mlp, self.cand_mlp, self.head = nn.Linear(K_USER, 8), nn.Linear(K_CAND, 8), nn.Linear(16, M)
+
+    def forward(self, users, cands, idx):
+        u = nn.functional.embedding(idx, users)
+        return self.head(torch.cat([self.user_mlp(u).relu(), self.cand_mlp(cands)], 1))
+
+
+def test_embedding_lookup_of_a_user_table_is_a_broadcast():
+    from ikbo_rewrite import linear
+
+    g = torch.Generator().manual_seed(31)
+    model = EmbeddingLookup().bfloat16().eval()
+    args = (torch.randn(3, K_USER, generator=g).bfloat16(), torch.randn(10, K_CAND, generator=g).bfloat16(),
+            torch.randint(0, 3, (10,), generator=g))
+    module, report = exported(model, args)
+    assert report.broadcasts == 1 and report.left == [], str(report)
+    assert "hoist" in report.kinds() and ("linear" in report.kinds()) == linear.available(), str(report)
+    assert not has(module, "embedding")
+    check_close(module(*args), model, args)
+
+
+def test_an_embedding_table_the_model_holds_is_no_broadcast():
+    """nn.Embedding's weight is a vocabulary (its rows are not the users): hoisting work onto it
+    would run it at the vocabulary's size."""
+
+    class Vocabulary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table, self.proj = nn.Embedding(50, 8), nn.Linear(8, 4)
+
+        def forward(self, ids):
+            return self.proj(self.table(ids))
+
+    model = Vocabulary().bfloat16().eval()
+    args = (torch.randint(0, 50, (9,), generator=torch.Generator().manual_seed(32)),)
+    module, report = exported(model, args)
+    assert report.broadcasts == 0 and report.rewrites == [], str(report)
+    torch.testing.assert_close(module(*args), model(*args), rtol=0, atol=0)
