@@ -20,7 +20,8 @@ from torch.fx.experimental.symbolic_shapes import guard_bool, statically_known_t
 from .broadcast import index_node
 from .context import Context
 from .fx_utils import Builder, aten, bound_args, example_value, replace, same, shape, tensor_val
-from .masks import prefix_lengths
+from . import softmax_attention
+from .masks import drops, prefix_lengths
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -47,6 +48,10 @@ class Sdpa:
     dropout: float
     causal: bool
     scale: Optional[float]
+    mask_drops: bool = False  # a bool mask that drops keys where True (masked_fill's), not keeps
+    fill: Optional[float] = None  # the value masked scores take, where the model writes one
+    guards: list = dataclasses.field(default_factory=list)  # on symbols the scale was computed from
+    name: str = ""  # how the report names a hand-written attention
 
 
 def read_sdpa(n: Node) -> tuple[Optional[Sdpa], str]:
@@ -113,12 +118,12 @@ def rewrite_attention(ctx: Context) -> None:
     found = []
     for n in list(ctx.graph.nodes):
         s, why = read_sdpa(n)
-        gathers = [x for x in ((s.q, s.k, s.v) if s else ()) if ctx.broadcast(x)]
+        gathers = [x for x in ((s.q, s.k, s.v) if s else n.args[:3]) if ctx.broadcast(x)]
+        if s is None and not why:
+            s, gathers, why = softmax_attention.read(ctx, n)
         if s is None:
-            if why:
-                for x in n.args[:3]:
-                    if ctx.broadcast(x):
-                        ctx.leave(x, f"attention: {why}")
+            for x in gathers if why else ():
+                ctx.leave(x, f"attention: {why}")
             continue
         if gathers:
             found.append((s, gathers))
@@ -129,7 +134,7 @@ def rewrite_attention(ctx: Context) -> None:
         why = _rewrite_one(ctx, s, work_lists)
         if why:
             for g in gathers:
-                ctx.leave(g, f"attention: {why}")
+                ctx.leave(g, f"attention: {s.name + ': ' if s.name else ''}{why}")
 
 
 def _work_list_key(ctx: Context, s: Sdpa):
@@ -161,14 +166,18 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
         return "q, k and v are not one side gathered, the other per candidate"
     lengths = None
     if s.mask is not None:
-        lengths, why = prefix_lengths(ctx, s.mask, shape(s.k)[2])
+        if s.fill is not None and not drops(s.fill):
+            return f"the masked scores are set to {s.fill:g}: a soft mask (a dropped key needs <= -65504)"
+        lengths, why = prefix_lengths(ctx, s.mask, shape(s.k)[2], drop=s.mask_drops)
         if lengths is None:
             return why
+        if s.fill is not None:
+            lengths.fills.append(s.fill)
         if direction == "kv" and (lengths.broadcast is None or lengths.broadcast.key != bc.key):
             return "the mask's lengths are per candidate, not per user"
         if direction == "q" and lengths.broadcast is not None and lengths.broadcast.key != bc.key:
             return "the mask is gathered by another index"
-    for g in guards:
+    for g in guards + s.guards:
         guard_bool(g)
     b = Builder(ctx.graph, s.out)
     idx = index_node(bc, b)
@@ -182,8 +191,7 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
         kv_lengths = lengths.node
         if direction == "q" and lengths.broadcast is not None:
             kv_lengths = b.call(aten.index.Tensor, kv_lengths, [idx])
-        rows = shape(k)[0]
-        if not same(shape(kv_lengths)[0], rows):
+        if not _equal(ctx, shape(kv_lengths)[0], shape(k)[0]):
             return "the mask's lengths do not have one entry per key/value row"
     scale = None if s.scale is None else float(s.scale)
     wl_args, shared = (), ""
@@ -198,6 +206,9 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
     res = b.call(torch.ops.ikbo_fa.attention.default, q, [k, v], idx, scale, kv_lengths, direction, False, None,
                  *wl_args)
     o = b.call(operator.getitem, res, 0)
+    fill = lengths.finite_fill if lengths is not None else None
+    if fill is not None:
+        o = _rows_without_keys(b, o, v, kv_lengths, idx if direction == "kv" else None)
     replace(s.out, bhsd(o))
     ctx.replaced.add(s.node)  # SDPA counts as impure (its dropout draws random numbers)
     ctx.absorbed.update(x for x in (s.q, s.k, s.v) if ctx.broadcast(x))
@@ -206,5 +217,40 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
     qv, kv = tensor_val(q), tensor_val(k)
     ctx.report.add("attention", [s.node], f"{direction.upper()} broadcast, S_q {qv.shape[1]}, L {kv.shape[1]}, "
                    f"H {qv.shape[2]}, H_kv {kv.shape[2]}, D {example_value(qv.shape[3]) or qv.shape[3]}"
-                   + (", kv_lengths from the key-padding mask" if lengths is not None else "") + shared)
+                   + (", kv_lengths from the key-padding mask" if lengths is not None else "") + shared
+                   + _no_keys_note(s, lengths, fill))
+    return ""
+
+
+def _equal(ctx: Context, a, b) -> bool:
+    """``a == b`` for sizes: provably, or (where the pass may guard) by their values here, guarded
+    (dynamic shapes give equal sizes of different inputs their own symbols)."""
+    if same(a, b):
+        return True
+    if ctx.guards and example_value(a) is not None and example_value(a) == example_value(b):
+        return guard_bool(a == b)
+    return False
+
+
+def _rows_without_keys(b: Builder, o: Node, v: Node, kv_lengths: Node, idx: Optional[Node]) -> Node:
+    """``o`` [B, S_q, H, D] with eager's result where a K/V row keeps no key under a finite fill:
+    its scores all equal the fill, so softmax weighs every key alike, and the row gets the mean
+    of its V rows (the op gives 0). ``idx`` gathers the per-user rows (KV broadcast)."""
+    mean = b.call(aten.mean.dim, v, [1], False, dtype=torch.float32)  # [R, H_kv, D]
+    empty = b.call(aten.eq.Scalar, kv_lengths, 0)  # [R]
+    if idx is not None:
+        mean, empty = b.call(aten.index.Tensor, mean, [idx]), b.call(aten.index.Tensor, empty, [idx])
+    heads, kv_heads = shape(o)[2], shape(v)[2]
+    if not same(heads, kv_heads):
+        mean = b.call(aten.repeat_interleave.self_int, mean, b.call(operator.floordiv, b.size(o, 2), b.size(v, 2)), 1)
+    mean = b.call(aten.unsqueeze.default, b.call(torch.ops.prims.convert_element_type.default, mean, tensor_val(o).dtype), 1)
+    return b.call(aten.where.self, b.call(aten.reshape.default, empty, [-1, 1, 1, 1]), mean, o)
+
+
+def _no_keys_note(s: Sdpa, lengths, fill: Optional[float]) -> str:
+    """What a row without keys gets, where the model's own spelling says (the report's assumption)."""
+    if fill is not None:
+        return f"; a row without keys gets the mean of its V rows, as eager under the finite fill {fill:g}"
+    if lengths is not None and s.fill is not None:
+        return "; a row without keys gets 0 (eager's softmax over -inf: NaN)"
     return ""

@@ -23,6 +23,15 @@ class Lengths:
     node: Node  # 1-D integer lengths
     broadcast: object  # the Broadcast crossed on the way (lengths then per user), or None
     gathers: list  # the gathers crossed (the rewrite makes them dead)
+    fills: list  # the values that drop a key (-inf, or finite: see finite_fill)
+
+    @property
+    def finite_fill(self) -> Optional[float]:
+        """A finite value that drops keys, where the mask has one: eager then gives a row without
+        keys the mean of its V rows (a softmax over equal scores), not 0. SDPA's own bias of a
+        bool mask (-65504 for its cuDNN kernel) is not one."""
+        finite = [f for f in self.fills if f != float("-inf") and f not in _SDPA_FILLS]
+        return finite[0] if finite else None
 
 
 def _scalar(n, ctx: Optional[Context] = None) -> Optional[float]:
@@ -53,6 +62,7 @@ class _Walk:
     def __init__(self, ctx: Context):
         self.ctx, self.bc, self.gathers, self.why = ctx, None, [], None
         self.stop = None  # where the walk found no mask spelling it knows (for the report)
+        self.fills = []  # the drop values met
 
     def cross(self, n: Node) -> Optional[Node]:
         """The next node below a view-like ``n`` (or a gather), mapping dims; None if ``n`` is not one."""
@@ -97,10 +107,45 @@ class _Walk:
 # fp16's lowest value, which bf16 rounds to -65536: either weighs that key exp(-65504) = 0 in
 # fp32 next to any kept key. A bias of a smaller magnitude is a soft mask, not a dropped key.
 _DROP_AT = -65504.0
+_SDPA_FILLS = (-65504.0, -65536.0)
 
 
-def _drops(x: Optional[float]) -> bool:
+def drops(x: Optional[float]) -> bool:
     return x is not None and x <= _DROP_AT
+
+
+def _drop(w: _Walk, x: Optional[float]) -> bool:
+    if drops(x):
+        w.fills.append(x)
+        return True
+    return False
+
+
+def _scalar_arg(w: _Walk, x) -> Optional[float]:
+    """A number, or a 0-d constant node's value."""
+    if isinstance(x, Node):
+        v = tensor_val(x)
+        return _scalar(w.down(x), w.ctx) if v is not None and v.dim() == 0 else None
+    return _scalar(x)
+
+
+def _ones_where(w: _Walk, n: Node):
+    """(bool node, polarity) for a float tensor that is 1 where the bool equals polarity and 0
+    elsewhere (a cast of a bool, or 1 minus one), else None."""
+    n = w.down(n)
+    one_minus = None
+    if is_op(n, aten.rsub) and len(n.args) == 2 and _scalar(n.args[1], w.ctx) == 1.0:
+        one_minus = n.args[0]
+    elif is_op(n, aten.sub) and len(n.args) == 2 and _scalar_arg(w, n.args[0]) == 1.0:
+        one_minus = n.args[1]
+    if one_minus is not None:
+        inner = _ones_where(w, one_minus)
+        return None if inner is None else (inner[0], not inner[1])
+    if is_op(n, torch.ops.prims.convert_element_type, aten._to_copy, aten.to):
+        inner = tensor_val(n.args[0])
+        if inner is not None and inner.dtype == torch.bool:
+            return _keep(w, n.args[0])
+    return None
 
 
 def _keep(w: _Walk, n: Node):
@@ -114,21 +159,34 @@ def _keep(w: _Walk, n: Node):
         if is_op(n, aten.logical_not, aten.bitwise_not):
             inner = _keep(w, n.args[0])
             return None if inner is None else (inner[0], not inner[1])
+        if is_op(n, aten.eq, aten.ne) and len(n.args) == 2 and _scalar_arg(w, n.args[1]) in (0.0, 1.0):
+            # mask == 0, mask != 0, mask == 1 of a bool mask or of its 0/1 cast
+            t = tensor_val(n.args[0])
+            inner = _keep(w, n.args[0]) if t is not None and t.dtype == torch.bool else _ones_where(w, n.args[0])
+            flip = is_op(n, aten.eq) == (_scalar_arg(w, n.args[1]) == 0.0)
+            return None if inner is None else (inner[0], inner[1] != flip)
         return n, True
     if is_op(n, aten.where):
         a, b = (_scalar(w.down(x), w.ctx) if isinstance(x, Node) else _scalar(x) for x in n.args[1:3])
-        if a == 0.0 and _drops(b):
+        if a == 0.0 and _drop(w, b):
             inner = _keep(w, n.args[0])
-        elif _drops(a) and b == 0.0:
+        elif b == 0.0 and _drop(w, a):
             inner = _keep(w, n.args[0])
             inner = None if inner is None else (inner[0], not inner[1])
         else:
             return None
         return inner
-    if (is_op(n, aten.masked_fill) and _drops(_scalar(n.args[2], w.ctx))
-            and _scalar(w.down(n.args[0]), w.ctx) == 0.0):
+    if (is_op(n, aten.masked_fill) and _scalar(w.down(n.args[0]), w.ctx) == 0.0
+            and _drop(w, _scalar(n.args[2], w.ctx))):
         inner = _keep(w, n.args[1])
         return None if inner is None else (inner[0], not inner[1])
+    if is_op(n, aten.mul) and len(n.args) == 2:
+        # (~keep).to(dtype) * -1e9, (1 - keep.to(dtype)) * finfo.min: a bias that drops where it is 1.
+        for t, c in (n.args, n.args[::-1]):
+            if isinstance(t, Node) and tensor_val(t) is not None and tensor_val(t).dim() > 0:
+                if _drop(w, _scalar_arg(w, c)):
+                    inner = _ones_where(w, t)
+                    return None if inner is None else (inner[0], not inner[1])
     return None
 
 
@@ -144,13 +202,16 @@ def _arange_of(w: _Walk, n: Node, length) -> bool:
     return False
 
 
-def prefix_lengths(ctx: Context, mask: Node, key_len) -> tuple[Optional[Lengths], str]:
-    """The lengths of a prefix key-padding mask [.., 1, 1, L] (or [.., L]), or (None, why)."""
+def prefix_lengths(ctx: Context, mask: Node, key_len, drop: bool = False) -> tuple[Optional[Lengths], str]:
+    """The lengths of a prefix key-padding mask [.., 1, 1, L] (or [.., L]), or (None, why).
+    ``drop``: a bool mask that drops the keys where it is True (``masked_fill``'s)."""
     rank = ndim(mask)
     if rank is None or rank > 4:
         return None, "the mask is not a tensor of rank <= 4"
     w = _Walk(ctx)
     found = _keep(w, mask)
+    if found is not None and drop:
+        found = (found[0], not found[1])
     if found is None:
         at = f" (no known spelling at {getattr(w.stop, 'target', w.stop)})" if w.stop is not None else ""
         return None, w.why or f"the mask is not provably a key-padding prefix mask (j < length){at}"
@@ -174,7 +235,7 @@ def prefix_lengths(ctx: Context, mask: Node, key_len) -> tuple[Optional[Lengths]
         return None, "the mask's lengths are not a 1-D int32/int64 tensor"
     if not _mask_dims_ok(ctx, mask):
         return None, "the mask varies along heads or queries"
-    return Lengths(lengths, w.bc, w.gathers), ""
+    return Lengths(lengths, w.bc, w.gathers, w.fills), ""
 
 
 def _right_pad(n) -> bool:

@@ -22,6 +22,14 @@ def _drop_noop_slices(ctx: Context) -> None:
                 n.replace_all_uses_with(n.args[0])
 
 
+def _drop_metadata_asserts(ctx: Context) -> None:
+    """Export's checks that a ``.to()`` input has the dtype its trace saw hold by the graph's own
+    types; left in, they keep gathers alive that a rewrite made dead."""
+    for n in list(ctx.graph.nodes):
+        if is_op(n, aten._assert_tensor_metadata) and not n.users:
+            ctx.graph.erase_node(n)
+
+
 def _dead_code(ctx: Context, used_constants: set) -> None:
     """Erase what the rewrites left unused (a weight now split into new constants included)."""
     for n in reversed(list(ctx.graph.nodes)):
@@ -57,6 +65,7 @@ def run(gm: GraphModule, *, is_inference: bool = True, guards: bool = False) -> 
         return ctx.report
     used_constants = {n for n in ctx.graph.nodes if n.op == "get_attr" and n.users}
     _drop_noop_slices(ctx)
+    _drop_metadata_asserts(ctx)
     padding.undo_row_padding(ctx)
     hoist.hoist_all(ctx)
     padding.undo_row_padding(ctx)  # behind the gathers the hoists made
