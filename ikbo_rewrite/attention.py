@@ -139,13 +139,22 @@ def rewrite_attention(ctx: Context) -> None:
 
 def _work_list_key(ctx: Context, s: Sdpa):
     """What a KV-broadcast call's work list depends on, or None (a Q broadcast, a call the
-    op would not take, a symbolic S_q): the index, U, S_q, and whether a mask orders the tiles."""
+    op would not take): the index, U, S_q, and whether a mask orders the tiles."""
     if _check(ctx, s)[0]:
         return None
     direction, bc = _direction(ctx, s)
     if direction != "kv":
         return None
-    return bc.key, str(shape(bc.source)[0]), str(shape(s.q)[2]), s.mask is not None
+    return bc.key, _size_key(shape(bc.source)[0]), _size_key(shape(s.q)[2]), s.mask is not None
+
+
+def _size_key(size):
+    """A size as a key: its value where it has one here (equal sizes of two inputs may carry two
+    symbols; the calls that share a work list then guard or check them equal), else its symbol."""
+    if isinstance(size, int):
+        return size
+    value = example_value(size)
+    return str(size) if value is None else value
 
 
 def _direction(ctx: Context, s: Sdpa):
@@ -191,7 +200,7 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
         kv_lengths = lengths.node
         if direction == "q" and lengths.broadcast is not None:
             kv_lengths = b.call(aten.index.Tensor, kv_lengths, [idx])
-        if not _equal(ctx, shape(kv_lengths)[0], shape(k)[0]):
+        if not _equal(ctx, b, (kv_lengths, 0), (k, 0), "the mask's lengths and k/v have one row per user"):
             return "the mask's lengths do not have one entry per key/value row"
     scale = None if s.scale is None else float(s.scale)
     wl_args, shared = (), ""
@@ -199,11 +208,15 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
     if key in work_lists:
         if work_lists[key] is None:  # the first call of the group builds it, before itself
             s_q = b.size(q, 1)
-            wl = b.call(torch.ops.ikbo_fa.work_list.default, idx, b.size(k, 0), s_q, kv_lengths)
+            wl = b.call(torch.ops.ikbo_fa.work_list.default, idx, b.size(k, 0), s_q, kv_lengths, None, None,
+                        ctx.validate)
             arrays = [b.call(operator.getitem, wl, i) for i in range(5)]
-            work_lists[key] = (s_q, *arrays[:4], arrays[4] if kv_lengths is not None else None)
-        wl_args, shared = (None, None, *work_lists[key]), ", one work list for the calls on this index"
-    res = b.call(torch.ops.ikbo_fa.attention.default, q, [k, v], idx, scale, kv_lengths, direction, False, None,
+            work_lists[key] = (q, k), (s_q, *arrays[:4], arrays[4] if kv_lengths is not None else None)
+        (q0, k0), args = work_lists[key]
+        if q0 is q or (_equal(ctx, b, (k, 0), (k0, 0), "the attention calls on one index have one U")
+                       and _equal(ctx, b, (q, 1), (q0, 1), "the attention calls on one index have one S_q")):
+            wl_args, shared = (None, None, *args), ", one work list for the calls on this index"
+    res = b.call(torch.ops.ikbo_fa.attention.default, q, [k, v], idx, scale, kv_lengths, direction, False, ctx.validate,
                  *wl_args)
     o = b.call(operator.getitem, res, 0)
     fill = lengths.finite_fill if lengths is not None else None
@@ -222,14 +235,19 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
     return ""
 
 
-def _equal(ctx: Context, a, b) -> bool:
-    """``a == b`` for sizes: provably, or (where the pass may guard) by their values here, guarded
-    (dynamic shapes give equal sizes of different inputs their own symbols)."""
-    if same(a, b):
+def _equal(ctx: Context, b: Builder, x: tuple, y: tuple, what: str) -> bool:
+    """Sizes ``x`` and ``y`` ((node, dim)) are equal: provably, or by their values here (dynamic
+    shapes give equal sizes of different inputs their own symbols), then guarded where the
+    graph is compiled (another value recompiles), else checked at run time (``what`` says it)."""
+    a, c = shape(x[0])[x[1]], shape(y[0])[y[1]]
+    if same(a, c):
         return True
-    if ctx.guards and example_value(a) is not None and example_value(a) == example_value(b):
-        return guard_bool(a == b)
-    return False
+    if example_value(a) is None or example_value(a) != example_value(c):
+        return False
+    if ctx.guards:
+        return guard_bool(a == c)
+    b.check_equal(b.size(*x), b.size(*y), f"ikbo_rewrite assumed that {what}")
+    return True
 
 
 def _rows_without_keys(b: Builder, o: Node, v: Node, kv_lengths: Node, idx: Optional[Node]) -> Node:

@@ -31,11 +31,13 @@ class HoistStep:
 class Context:
     """``guards``: whether the pass may specialize a symbolic size to its value (inside
     torch.compile, where the guard becomes part of the compiled graph's guards and another
-    value recompiles); an exported graph is final, so there it may not."""
+    value recompiles); an exported graph is final, so there it may not. ``validate``: what the
+    new op calls pass as theirs (None: ``IKBO_VALIDATE`` decides at each call)."""
 
-    def __init__(self, gm: GraphModule, guards: bool = False):
+    def __init__(self, gm: GraphModule, guards: bool = False, validate: Optional[bool] = None):
         self.gm = gm
         self.guards = guards
+        self.validate = validate
         self.graph: Graph = gm.graph
         self.report = Report()
         self.broadcasts: dict[Node, Broadcast] = find_broadcasts(self.graph)

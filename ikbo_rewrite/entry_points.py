@@ -1,6 +1,7 @@
 """``compile`` and ``export``: the pass inside torch.compile and around torch.export."""
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -61,11 +62,16 @@ def _set(cfg, key: str, value) -> None:
     setattr(getattr(cfg, mod) if mod else cfg, name, value)
 
 
-def compile(model, **torch_compile_kwargs) -> CompiledModel:  # noqa: A001  (mirrors torch.compile)
+def compile(model, *, validate: Optional[bool] = None, **torch_compile_kwargs) -> CompiledModel:  # noqa: A001
     """``torch.compile(model, **torch_compile_kwargs)`` with the IKBO pass as Inductor's
     custom post-grad pass. Run it under ``torch.no_grad()`` or ``torch.inference_mode()``:
     weights are frozen into the graph there (``freezing``), which the lce and linear
     rewrites need; with grad mode on they leave those layers (the report says why).
+
+    ``validate``: what the new op calls pass as theirs. An index out of range makes eager's
+    gather raise IndexError; the ops give NaN rows for it unless validating (``True``, or None
+    with ``IKBO_VALIDATE=1``), which raises IndexError at a host synchronization per call
+    (not inside CUDA-graph capture: mode="reduce-overhead" refuses it).
 
     ``options`` may hold Inductor options as for torch.compile (not
     ``post_grad_custom_pre_pass``, which the pass takes). The FX graph cache is off for
@@ -77,7 +83,7 @@ def compile(model, **torch_compile_kwargs) -> CompiledModel:  # noqa: A001  (mir
     backend = torch_compile_kwargs.get("backend", "inductor")
     if backend != "inductor":
         raise ValueError(f"ikbo_rewrite.compile needs the inductor backend, got {backend!r}")
-    ikbo_pass = IkboPass()
+    ikbo_pass = IkboPass(validate)
     options["post_grad_custom_pre_pass"] = ikbo_pass
     options.setdefault("fx_graph_cache", False)
     call_config = dict(_CALL_CONFIG)
@@ -88,16 +94,39 @@ def compile(model, **torch_compile_kwargs) -> CompiledModel:  # noqa: A001  (mir
     return CompiledModel(compiled, ikbo_pass, call_config)
 
 
-def export(model, args, kwargs=None, *, dynamic_shapes=None):
+BATCH = "batch"
+
+
+def export(model, args, kwargs=None, *, dynamic_shapes=BATCH, validate: Optional[bool] = None):
     """``torch.export.export`` the model, apply the pass to the exported graph (before any
     decomposition: the default one splits SDPA into matmuls and a softmax) and return
     ``(module, report)``; ``module`` is called like the model (Python serving: the IKBO ops
-    are Python custom ops, which AOTInductor cannot call)."""
+    are Python custom ops, which AOTInductor cannot call).
+
+    ``dynamic_shapes``: ``"batch"`` (the default) makes dim 0 of every tensor input dynamic
+    (``Dim.AUTO``: the candidates' and the users' batches, each its own size, kept static
+    where the model fixes it, as for a batch of 1 in the example); ``None``: every size as in
+    the example; anything else goes to torch.export as it is. ``validate``: as for
+    :func:`compile`."""
+    if isinstance(dynamic_shapes, str):
+        if dynamic_shapes != BATCH:
+            raise ValueError(f"dynamic_shapes must be {BATCH!r}, None or torch.export's dynamic_shapes, "
+                             f"got {dynamic_shapes!r}")
+        dynamic_shapes = _batch_dims(model, args, kwargs)
     ep = torch.export.export(model, tuple(args), kwargs=kwargs, dynamic_shapes=dynamic_shapes)
     module = ep.module()
-    report = run(module)
+    report = run(module, validate=validate)
     _last[:] = [report]
     return module, report
+
+
+def _batch_dims(model, args, kwargs):
+    """torch.export's dynamic_shapes with dim 0 of every tensor argument ``Dim.AUTO``, by name."""
+    from torch.export import Dim
+
+    spec = lambda a: {0: Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() else None  # noqa: E731
+    bound = inspect.signature(model.forward).bind(*args, **(kwargs or {}))
+    return {name: torch.utils._pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
 
 
 def last_reports() -> list:

@@ -124,6 +124,14 @@ class Builder:
             return int(s)
         return self.call(aten.sym_size.int, tensor, dim)
 
+    def check_equal(self, a, b, message: str) -> None:
+        """A run-time check that sizes ``a`` and ``b`` (call arguments) are equal: RuntimeError
+        with ``message`` where they are not (a graph that cannot be guarded, as export's)."""
+        with self.graph.inserting_before(self.anchor):
+            eq = self.graph.call_function(operator.eq, (a, b))
+            eq.meta["val"] = operator.eq(val(a), val(b))
+            self.graph.call_function(aten._assert_scalar.default, (eq, message))
+
     def mul(self, sizes: Sequence):
         """The product of size arguments, as an int where all are ints."""
         out = 1

@@ -1,5 +1,5 @@
-"""The pass as Inductor's custom post-grad pass. Its ``uuid`` (the pass's source, and
-whether the linear op exists) keys Inductor's FX graph cache, so a cached graph compiled
+"""The pass as Inductor's custom post-grad pass. Its ``uuid`` (the pass's source, its
+``validate``, and whether the linear op exists) keys Inductor's FX graph cache, so a cached graph compiled
 without the pass, or by another version of it, is never reused."""
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def _source_hash() -> str:
 
 
 class IkboPass(_Base):
-    def __init__(self):
+    def __init__(self, validate=None):
+        self.validate = validate
         self.sink = f"ikbo-{next(_ids)}"
         _SINKS[self.sink] = []
 
@@ -38,7 +39,8 @@ class IkboPass(_Base):
         return _SINKS[self.sink]
 
     def __call__(self, graph, is_inference: bool = True) -> None:
-        _SINKS.setdefault(self.sink, []).append(run(graph.owning_module, is_inference=is_inference, guards=True))
+        _SINKS.setdefault(self.sink, []).append(run(graph.owning_module, is_inference=is_inference, guards=True,
+                                                  validate=self.validate))
 
     def uuid(self):
-        return f"ikbo_rewrite-{_source_hash()}-linear{int(linear.available())}"
+        return f"ikbo_rewrite-{_source_hash()}-validate{self.validate}-linear{int(linear.available())}"

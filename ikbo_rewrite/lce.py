@@ -69,7 +69,7 @@ def _rewrite_one(ctx: Context, split, user: Node, act: Node, axes) -> None:
     w_cand, w_user = weight_columns(ctx, b, con.weight, con.weight_k, split, user.name, rows)
     e_user, e_cand = joined(b, split.user, 1), joined(b, split.cand, 1)
     out = b.call(torch.ops.ikbo_gemm.lce.default, w_cand, w_user, e_cand, e_user, index_node(split.broadcast, b),
-                 None, "fused")
+                 ctx.validate, "fused")
     res = _as_output(b, out, con.out_axes, user)
     if con.bias is not None:
         bias = con.bias if rows is None else b.call(aten.slice.Tensor, con.bias, -1, 0, rows)

@@ -104,7 +104,7 @@ def _rewrite_one(ctx: Context, split, user: Node, act: Node, axes, enabled: bool
         bias = b.call(aten.reshape.default, bias, [n_out])
     x_user, x_cand = joined(b, split.user, 1), joined(b, split.cand, 1)
     out = b.call(torch.ops.ikbo_gemm.linear.default, x_cand, x_user, index_node(split.broadcast, b), w_cand, w_user,
-                 bias, activation, None)
+                 bias, activation, ctx.validate)
     replace(last, out)
     ctx.absorbed.update(gathers)
     folded = ", ".join(x for x in ("bias" if bias is not None else "", activation or "") if x)

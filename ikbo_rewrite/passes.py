@@ -53,10 +53,11 @@ def _report_left(ctx: Context) -> None:
         ctx.report.left.append(Left(n.name, bc.form, f"{list(src)} -> {list(dst)}", list(reasons)))
 
 
-def run(gm: GraphModule, *, is_inference: bool = True, guards: bool = False) -> Report:
+def run(gm: GraphModule, *, is_inference: bool = True, guards: bool = False, validate=None) -> Report:
     """Apply the pass to ``gm`` in place and return its report. ``guards``: the graph is being
-    compiled, and symbolic sizes an op needs fixed may be guarded to their values."""
-    ctx = Context(gm, guards)
+    compiled, and symbolic sizes an op needs fixed may be guarded to their values. ``validate``:
+    the new ops' own (True: an index out of range raises IndexError, as eager's gather does)."""
+    ctx = Context(gm, guards, validate)
     ctx.report.broadcasts = len(ctx.found)
     if not is_inference:
         ctx.report.notes.append("a training graph: left as it is")

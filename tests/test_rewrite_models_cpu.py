@@ -134,13 +134,14 @@ def test_duck_sized_batches_are_still_a_broadcast(fresh_dynamo):
 
 
 def test_the_pass_keys_the_fx_graph_cache():
-    """One uuid for every instance of the same pass; it names the pass's source and whether
-    the linear op exists (both change what the pass does)."""
+    """One uuid for every instance of the same pass; it names the pass's source, its validate
+    and whether the linear op exists (all change what the pass does)."""
     from ikbo_rewrite.inductor_pass import IkboPass
 
     a, b = IkboPass(), IkboPass()
     assert a.uuid() == b.uuid() and a.uuid().endswith(f"linear{int(linear.available())}")
     assert a.reports is not b.reports
+    assert IkboPass(validate=True).uuid() != a.uuid()
 
 
 @pytest.fixture
