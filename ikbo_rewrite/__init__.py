@@ -1,10 +1,12 @@
 """ikbo_rewrite: an inference-time pass that puts the IKBO ops into unmodified models.
 
-- ``ikbo_rewrite.compile(model, **torch_compile_kwargs)``: torch.compile with the pass as
-  Inductor's custom post-grad pass; the result's ``reports`` (and :func:`last_reports`)
-  say what each compiled graph got.
-- ``ikbo_rewrite.export(model, args, kwargs=None, *, dynamic_shapes=None)``:
-  ``(module, report)`` from torch.export with the pass applied before decomposition.
+- ``ikbo_rewrite.compile(model, *, validate=None, **torch_compile_kwargs)``: torch.compile
+  with the pass as Inductor's custom post-grad pass; the result's ``reports`` (and
+  :func:`last_reports`) say what each compiled graph got.
+- ``ikbo_rewrite.export(model, args, kwargs=None, *, dynamic_shapes="batch", validate=None)``:
+  ``(module, report)`` from torch.export (dynamic batch dims by default) with the pass applied
+  before decomposition. ``validate=True``: the new ops raise IndexError for an index out of
+  range, as eager's gather does (else that candidate's rows are NaN).
 - ``ikbo_rewrite.rewrite(graph_module)``: the pass on an ATen FX graph; returns the report.
 
 The pass finds broadcasts (a gather along dim 0 by an index of another batch; see

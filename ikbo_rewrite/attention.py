@@ -3,9 +3,11 @@
 
 Every spelling of SDPA in an ATen graph is read (the op itself in an exported graph; the
 backend ops Inductor's graphs carry: flash, efficient, cuDNN, the CPU flash kernel), and so
-is the hand-written softmax(QK^T)V, which Inductor turns into SDPA before this pass runs.
+is the hand-written softmax(QK^T)V (:mod:`.softmax_attention`).
 Rewritten only where the op computes the same: no dropout, not causal, fp16/bf16, head dim
-64 or 128, and no mask or a key-padding prefix mask (which becomes ``kv_lengths``)."""
+64 or 128 (a symbolic one guarded to its value where the graph is compiled), and no mask or a
+key-padding prefix mask (which becomes ``kv_lengths``; under a finite fill, rows without keys
+keep eager's mean of their V rows)."""
 from __future__ import annotations
 
 import collections

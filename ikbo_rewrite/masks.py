@@ -1,8 +1,9 @@
 """Key-padding masks that are prefix masks: ``keep[r, j] = j < lengths[r]``, however the
 model and SDPA's own decomposition spell it (a bool mask; ``where(keep, 0, -inf)``;
-``masked_fill(0, ~keep, -inf)``; -65504 for -inf, as CUDA SDPA's cuDNN kernel takes it;
-``~(j >= lengths)``; unsqueezed, expanded, padded to an aligned width and sliced back; gathered
-to the candidates before or after the comparison).
+``masked_fill(0, ~keep, -inf)``; ``(~keep).to(dtype) * -1e9``, ``(1 - keep.to(dtype)) * fill``;
+``keep == 0``; any fill <= -65504, as CUDA SDPA's cuDNN kernel takes -inf; ``~(j >= lengths)``;
+unsqueezed, expanded, padded to an aligned width and sliced back; gathered to the candidates
+before or after the comparison).
 Anything else is not proven a prefix mask and the attention is left as it is."""
 from __future__ import annotations
 
