@@ -1,12 +1,14 @@
 """Shared pieces of the ikbo_rewrite tests: float64 references, bf16 tolerances, the pass
-applied through export (fast, no Inductor) or compile, and a model of two attention calls on
-one index."""
+applied through export (fast, no Inductor) or compile, a model of two attention calls on one
+index, and attention as models write it out (hand-written, SDPA with a finite mask)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
 import ikbo_rewrite
@@ -106,3 +108,41 @@ class TwoSequences(torch.nn.Module):
         if self.third_s_q:  # one query row per candidate: another S_q, its own work list
             outs.append(F.scaled_dot_product_attention(t(q[:, :1]), t(k1[idx]), t(v1[idx])).expand_as(outs[0]))
         return sum(o.transpose(1, 2) for o in outs)
+
+
+class HandWritten(nn.Module):
+    """q [B, H, S_q, D] per candidate; k, v [U, H, L, D] per user, gathered by idx; a key-padding
+    mask from the users' lengths, spelled as ``mask``."""
+
+    def __init__(self, mask: str = "none"):
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, q, k, v, idx, lengths):
+        k, v = k[idx], v[idx]
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        keep = (torch.arange(k.shape[2], device=q.device)[None, :] < lengths[idx][:, None])[:, None, None, :]
+        if self.mask == "masked_fill_inf":
+            scores = scores.masked_fill(~keep, float("-inf"))
+        elif self.mask == "masked_fill_1e9":
+            scores = scores.masked_fill(keep == 0, -1e9)
+        elif self.mask == "where_min":
+            scores = torch.where(keep, scores, torch.finfo(scores.dtype).min)
+        elif self.mask == "bias_1e9":
+            scores = scores + (~keep).to(scores.dtype) * -1e9
+        elif self.mask == "bias_min":
+            scores = scores + (1.0 - keep.to(scores.dtype)) * torch.finfo(scores.dtype).min
+        elif self.mask == "soft":
+            scores = scores.masked_fill(~keep, -1e4)
+        elif self.mask == "causal":
+            scores = scores.masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        return F.softmax(scores, dim=-1) @ v
+
+
+class SdpaFiniteMask(nn.Module):
+    """SDPA with the additive key-padding mask DIN-style code writes (-1e9 for a padded key)."""
+
+    def forward(self, q, k, v, idx, lengths):
+        keep = torch.arange(k.shape[2], device=q.device)[None, :] < lengths[:, None]
+        bias = (~keep).to(q.dtype)[idx][:, None, None, :] * -1e9
+        return F.scaled_dot_product_attention(q, k[idx], v[idx], attn_mask=bias)

@@ -4,46 +4,13 @@ exported graphs and under ``compile(dynamic=True)``, with the key-padding masks 
 keys (the mean of their V rows); what is left names the attention and why."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import ikbo_rewrite
-from rewrite_helpers import check_close, exported, has
+from rewrite_helpers import HandWritten, SdpaFiniteMask, check_close, exported, has
 
 H, S_Q, L, D = 2, 3, 11, 64
-
-
-class HandWritten(nn.Module):
-    """q [B, H, S_q, D] per candidate; k, v [U, H, L, D] per user, gathered by idx; a key-padding
-    mask from the users' lengths, spelled as ``mask``."""
-
-    def __init__(self, mask: str = "none"):
-        super().__init__()
-        self.mask = mask
-
-    def forward(self, q, k, v, idx, lengths):
-        k, v = k[idx], v[idx]
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-        keep = (torch.arange(k.shape[2], device=q.device)[None, :] < lengths[idx][:, None])[:, None, None, :]
-        if self.mask == "masked_fill_inf":
-            scores = scores.masked_fill(~keep, float("-inf"))
-        elif self.mask == "masked_fill_1e9":
-            scores = scores.masked_fill(keep == 0, -1e9)
-        elif self.mask == "where_min":
-            scores = torch.where(keep, scores, torch.finfo(scores.dtype).min)
-        elif self.mask == "bias_1e9":
-            scores = scores + (~keep).to(scores.dtype) * -1e9
-        elif self.mask == "bias_min":
-            scores = scores + (1.0 - keep.to(scores.dtype)) * torch.finfo(scores.dtype).min
-        elif self.mask == "soft":
-            scores = scores.masked_fill(~keep, -1e4)
-        elif self.mask == "causal":
-            scores = scores.masked_fill(torch.ones(S_Q, k.shape[2], dtype=torch.bool).triu(1), float("-inf"))
-        return F.softmax(scores, dim=-1) @ v
 
 
 def _inputs(B, U, seed, empty_user=False):
@@ -108,15 +75,6 @@ def test_what_is_left_names_the_hand_written_attention(mask, why):
     reasons = [r for left in report.left for r in left.reasons]
     assert any("hand-written softmax(q k^T) v" in r and why in r for r in reasons), str(report)
     check_close(module(*args), model, args)
-
-
-class SdpaFiniteMask(nn.Module):
-    """SDPA with the additive key-padding mask DIN-style code writes (-1e9 for a padded key)."""
-
-    def forward(self, q, k, v, idx, lengths):
-        keep = torch.arange(k.shape[2])[None, :] < lengths[:, None]
-        bias = (~keep).to(q.dtype)[idx][:, None, None, :] * -1e9
-        return F.scaled_dot_product_attention(q, k[idx], v[idx], attn_mask=bias)
 
 
 def test_sdpa_with_a_finite_mask_keeps_eager_for_users_without_keys():
