@@ -18,14 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from examples.common import MLP
+
 
 def mlp(*sizes: int) -> nn.Sequential:
-    layers = []
-    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
-        layers.append(nn.Linear(a, b))
-        if i < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    return MLP(sizes)
 
 
 class DcnV2Ranker(nn.Module):
