@@ -263,7 +263,8 @@ def _rows_without_keys(b: Builder, o: Node, v: Node, kv_lengths: Node, idx: Opti
     heads, kv_heads = shape(o)[2], shape(v)[2]
     if not same(heads, kv_heads):
         mean = b.call(aten.repeat_interleave.self_int, mean, b.call(operator.floordiv, b.size(o, 2), b.size(v, 2)), 1)
-    mean = b.call(aten.unsqueeze.default, b.call(torch.ops.prims.convert_element_type.default, mean, tensor_val(o).dtype), 1)
+    mean = b.call(torch.ops.prims.convert_element_type.default, mean, tensor_val(o).dtype)
+    mean = b.call(aten.unsqueeze.default, mean, 1)
     return b.call(aten.where.self, b.call(aten.reshape.default, empty, [-1, 1, 1, 1]), mean, o)
 
 

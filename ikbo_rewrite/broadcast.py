@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from .fx_utils import Builder, RESHAPES, aten, is_constant, is_one, is_op, ndim, norm_dim, same, shape, tensor_val
+from .fx_utils import (Builder, RESHAPES, aten, example_value, is_constant, is_one, is_op, ndim, norm_dim, same, shape,
+                       tensor_val)
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 _PASS_THROUGH = (aten.clone, aten.alias, aten.contiguous)
@@ -52,6 +53,12 @@ class Broadcast:
 def _index_ok(idx, batch) -> bool:
     v = tensor_val(idx)
     return v is not None and v.dtype in INDEX_DTYPES and v.dim() == 1 and same(v.shape[0], batch)
+
+
+def _at_most(a, b) -> bool:
+    """Size ``a`` <= size ``b``, by their values where symbolic (True where one has none)."""
+    a, b = (x if isinstance(x, int) else example_value(x) for x in (a, b))
+    return a is None or b is None or a <= b
 
 
 def _strip(n: Node, targets) -> Node:
@@ -108,9 +115,10 @@ def as_broadcast(n: Node) -> Optional[Broadcast]:
         if ndim(src) and _index_ok(idx, s[0]):
             return Broadcast(n, src, "index", index=idx)
     if is_op(n, aten.embedding) and ndim(n.args[0]) == 2 and not is_constant(n.args[0]):
-        # F.embedding(idx, table) is table[idx] (padding_idx only masks the gradient); a table the
-        # graph holds (nn.Embedding's weight) is a vocabulary, not a batch of users.
-        if _index_ok(n.args[1], s[0]):
+        # F.embedding(idx, table) is table[idx] (padding_idx only masks the gradient). A table the
+        # graph holds (nn.Embedding's weight), or one with more rows than lookups (a weight passed
+        # in, as without freezing), is a vocabulary: work hoisted onto it would run at its size.
+        if _index_ok(n.args[1], s[0]) and _at_most(shape(n.args[0])[0], s[0]):
             return Broadcast(n, n.args[0], "embedding", index=n.args[1])
     if is_op(n, aten.index_select) and ndim(n.args[0]) and norm_dim(n.args[1], ndim(n.args[0])) == 0:
         if _index_ok(n.args[2], s[0]):

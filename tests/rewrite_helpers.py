@@ -135,7 +135,8 @@ class HandWritten(nn.Module):
         elif self.mask == "soft":
             scores = scores.masked_fill(~keep, -1e4)
         elif self.mask == "causal":
-            scores = scores.masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+            later = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(later, float("-inf"))
         return F.softmax(scores, dim=-1) @ v
 
 

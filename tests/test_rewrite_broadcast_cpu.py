@@ -174,3 +174,17 @@ def test_an_embedding_table_the_model_holds_is_no_broadcast():
     module, report = exported(model, args)
     assert report.broadcasts == 0 and report.rewrites == [], str(report)
     torch.testing.assert_close(module(*args), model(*args), rtol=0, atol=0)
+
+
+def test_an_embedding_table_passed_in_with_more_rows_than_lookups_is_no_broadcast():
+    """A vocabulary given as an input (weights unfrozen): work hoisted onto it would run at its size."""
+
+    class Lookup(nn.Module):
+        def forward(self, table, ids):
+            return nn.functional.embedding(ids, table).sum(-1)
+
+    g = torch.Generator().manual_seed(33)
+    args = (torch.randn(50, 8, generator=g).bfloat16(), torch.randint(0, 50, (9,), generator=g))
+    module, report = exported(Lookup(), args)
+    assert report.broadcasts == 0, str(report)
+    torch.testing.assert_close(module(*args), Lookup()(*args), rtol=0, atol=0)
