@@ -39,7 +39,7 @@ class AttentionConfig:
     # KV broadcast: each row's keys over the two CTAs of a cluster (CTA r over split r of
     # split_keys keys), their partial outputs merged in distributed shared memory, with no
     # workspace and no second launch. The op takes it for two splits where
-    # ikbo_fa.attention._SPLIT_PAIR says so.
+    # AttentionPolicy.split_pair says so.
     split_pair: bool = False
 
     def __post_init__(self):

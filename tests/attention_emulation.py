@@ -7,7 +7,6 @@ import importlib
 import pytest
 import torch
 
-from cute_kernels.plans import PlanCache
 from ikbo_fa.checks import LOG2E
 from ikbo_fa.reference import jagged_rows, naive_attention
 from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist
@@ -159,7 +158,7 @@ class EmulatedKernels:
 def install(monkeypatch) -> EmulatedKernels:
     """Route ``ikbo_fa.attention`` on CPU tensors through its GPU path, with the kernels emulated."""
     kernels = EmulatedKernels()
-    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
+    attention_mod._plans.clear()  # plans hold the kernels: none from another test's stand-ins
     monkeypatch.setattr(attention_mod, "on_gpu", lambda q: isinstance(q, torch.Tensor))
     monkeypatch.setattr(attention_mod, "sm_count", lambda device: 132)
     monkeypatch.setattr(attention_mod, "max_active_clusters", lambda device, size: 132 // size)
