@@ -83,6 +83,7 @@ from .checks import (
     resolve_problem,
 )
 from .config import MAX_SPLITS, compile_config, kernel_config, row_packing
+from .fwd_args import FwdScalars, FwdTensors, FwdWorkList
 from .policy import DEFAULT_POLICY, AttentionPolicy
 from .reference import evaluate, jagged_rows
 from .worklist import WorkList, kv_tile_order, kv_worklist, max_tiles_per_head
@@ -484,9 +485,11 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     workspace = plan.merge is not None
     dest, dest_lse = _split_workspace(plan) if workspace else (target, lse)
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
-    plan.kernel(q, k, v, dest, dest_lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm,
-                scale * LOG2E, scale, plan.n_ctas, int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys,
-                plan.prefetch_blocks)
+    plan.kernel(FwdTensors(q, k, v, dest, dest_lse, kvl, offsets),
+                FwdWorkList(cand, cand_start, tile_start, grouped, perm),
+                FwdScalars(int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys, plan.prefetch_blocks,
+                           scale * LOG2E, scale),
+                plan.n_ctas)
     if workspace:
         plan.merge(dest, dest_lse, target, lse, plan.n_splits)
     copy_back(out, target)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -27,6 +28,16 @@ from cute_kernels.warp_specialized import (
 )
 
 from .config import AttentionConfig, box_rows, row_packing
+from .fwd_args import (
+    FwdScalars,
+    FwdTensors,
+    FwdWorkList,
+    GlobalTensors,
+    ProblemDims,
+    SmemLayouts,
+    TiledMmas,
+    TmaOperands,
+)
 from .softmax import LN_2, LOG2_E, OnlineSoftmax
 
 
@@ -127,6 +138,23 @@ class ConsumerState:
     mVg: object
     wg: Int32  # consumer warpgroup, 0 or 1
     mOg: object  # direct_rows: (S_q, D, H, B) view of out in global memory, for store_rows
+
+
+class SharedTensors(NamedTuple):
+    """The CTA's shared-memory tensors."""
+
+    q: object  # Q stages (rows, D, stage)
+    k: object  # K stages
+    v: object  # V stages
+    vt: object  # (D, n, stage) view of V: the MN-major B operand of O += P V
+    o: object  # the output tile, staged for TMA stores
+    meta: object  # TileInfo per Q stage
+
+
+class Pipelines(NamedTuple):
+    q: object
+    k: object
+    v: object
 
 
 # Q slots whose lookups the producer (24 registers) keeps in flight together: at 8 or 16 they
@@ -306,30 +334,9 @@ class IkboAttentionFwdSm90:
 
     # ------------------------------------------------------------------ host
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # [Bq, S_q, H, D]
-        mK: cute.Tensor,  # [Bkv, L, H_kv, D]
-        mV: cute.Tensor,  # [Bkv, L, H_kv, D]
-        mO: cute.Tensor,  # [B, S_q, H, D]
-        mLSE: cute.Tensor | None,  # [B, H, S_q] fp32
-        mCand: cute.Tensor,  # kv: candidates grouped by user [B]; q: idx [B] (int32)
-        mCandStart: cute.Tensor | None,  # kv: [U + 2] first candidate of each group
-        mTileStart: cute.Tensor | None,  # kv: [U + 2] first tile of each group
-        mKvLen: cute.Tensor | None,  # [Bkv] int32, clamped to [0, L]
-        mGrouped: cute.Tensor | None,  # kv: [1] int32, 1 where the work list's order is 0, 1, ...
-        mKvOffsets: cute.Tensor | None,  # jagged: [Bkv + 1] int32 (k, v as [1, total_L, H_kv, D])
-        mPerm: cute.Tensor | None,  # ordered: [U + 1] the groups longest first (tile_start by position)
-        scale_log2: Float32,
-        scale: Float32,
-        n_ctas: Int32,
-        q_flat: Int32,  # kv: 1 where q's and out's batch stride is S_q times their row stride
-        max_keys: Int32,  # jagged: keys past this many in a row are not read
-        n_splits: Int32,  # split_kv: splits of each row's keys (1 otherwise)
-        split_keys: Int32,  # split_kv: keys per split, a multiple of 128
-        prefetch_blocks: Int32,  # ``prefetch``: K/V blocks per CTA to prefetch into L2 (0: none)
-        stream,
-    ):
+    def __call__(self, tensors: FwdTensors, wl: FwdWorkList, scalars: FwdScalars, n_ctas: Int32, stream):
+        """Launch on ``stream`` over a grid of ``n_ctas`` CTAs (fwd_args says what each bundle holds)."""
+        mQ, mK, mV, mO, mLSE, mKvLen, mKvOffsets = tensors
         d, r = self.head_dim, self.slot_rows
         # (rows, D, head) views of q and out as B * S_q rows, for the one-box path (used only
         # where q_flat says the strides allow it).
@@ -390,14 +397,15 @@ class IkboAttentionFwdSm90:
         self.shared_storage = SharedStorage
 
         self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
-            tma_atom_Qf, tma_Qf, tma_atom_Of, tma_Of,
-            mLSE, mCand, mCandStart, mTileStart, mKvLen, mGrouped, mKvOffsets, mPerm, mK, mV,
-            mO if const_expr(self.direct_rows) else None,
-            mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
-            mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
-            q_flat, max_keys, n_splits, split_keys, prefetch_blocks, scale_log2, scale,
-            tiled_mma_qk, tiled_mma_pv, sQ_layout, sO_layout, slot_layout, sK_layout, sV_layout,
+            TmaOperands(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
+                        tma_atom_Qf, tma_Qf, tma_atom_Of, tma_Of),
+            GlobalTensors(mLSE, wl.cand, wl.cand_start, wl.tile_start, mKvLen, wl.grouped, mKvOffsets, wl.perm, mK, mV,
+                          mO if const_expr(self.direct_rows) else None),
+            ProblemDims(mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
+                        mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3]),
+            scalars,
+            TiledMmas(tiled_mma_qk, tiled_mma_pv),
+            SmemLayouts(sQ_layout, sO_layout, sK_layout, sV_layout),
         ).launch(grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  use_pdl=True, **({"cluster": [self.cluster_size, 1, 1]} if self.pair else {}))
 
@@ -405,67 +413,33 @@ class IkboAttentionFwdSm90:
     @cute.kernel
     def kernel(
         self,
-        tma_atom_Q: cute.CopyAtom,
-        mQ: cute.Tensor,
-        tma_atom_K: cute.CopyAtom,
-        mK: cute.Tensor,
-        tma_atom_V: cute.CopyAtom,
-        mV: cute.Tensor,
-        tma_atom_O: cute.CopyAtom,
-        mO: cute.Tensor,
-        tma_atom_Qf: cute.CopyAtom | None,
-        mQf: cute.Tensor | None,
-        tma_atom_Of: cute.CopyAtom | None,
-        mOf: cute.Tensor | None,
-        mLSE: cute.Tensor | None,
-        mCand: cute.Tensor,
-        mCandStart: cute.Tensor | None,
-        mTileStart: cute.Tensor | None,
-        mKvLen: cute.Tensor | None,
-        mGrouped: cute.Tensor | None,
-        mKvOffsets: cute.Tensor | None,
-        mPerm: cute.Tensor | None,
-        mKg: cute.Tensor,  # (L, D, H_kv, batch) view of K in global memory, for exact_rows
-        mVg: cute.Tensor,  # ... and of V
-        mOg: cute.Tensor | None,  # direct_rows: (S_q, D, H, B) view of out, for store_rows
-        n_q_batch: Int32,
-        n_kv_batch: Int32,
-        n_heads: Int32,
-        n_kv_heads: Int32,
-        kv_len: Int32,
-        n_out: Int32,
-        q_flat: Int32,
-        max_keys: Int32,
-        n_splits: Int32,
-        split_keys: Int32,
-        prefetch_blocks: Int32,
-        scale_log2: Float32,
-        scale: Float32,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        sQ_layout: cute.ComposedLayout,
-        sO_layout: cute.ComposedLayout,
-        slot_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
+        tma: TmaOperands,
+        g: GlobalTensors,
+        dims: ProblemDims,
+        scalars: FwdScalars,
+        mmas: TiledMmas,
+        layouts: SmemLayouts,
     ):
+        """The CTA: shared memory and pipelines, the tile walk's Schedule, then the warp roles
+        (producer warp 0; consumer warpgroups 1 and 2), each given the bundles it reads."""
+        n_kv_batch = dims.n_kv_batch
+        n_splits = scalars.n_splits
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+            for atom in (tma.atom_q, tma.atom_k, tma.atom_v, tma.atom_o):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(self.flat_path):
-                for atom in (tma_atom_Qf, tma_atom_Of):
+                for atom in (tma.atom_qf, tma.atom_of):
                     cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sK = storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner)
+        sV = storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner)
         if const_expr(self.prefetch):
             if warp_idx == 0:
-                self.prefetch_first_blocks(tma_atom_K, mK, tma_atom_V, mV, sK, sV, n_kv_batch, n_kv_heads, kv_len,
-                                           n_splits, split_keys, prefetch_blocks)
+                self.prefetch_first_blocks(tma, sK, sV, dims, scalars)
         pipe_q = self.pipelines["Q"].make(storage.mbar_q.data_ptr())
         pipe_k = self.pipelines["K"].make(storage.mbar_k.data_ptr())
         pipe_v = self.pipelines["V"].make(storage.mbar_v.data_ptr())
@@ -483,8 +457,8 @@ class IkboAttentionFwdSm90:
         # above; the K/V prefetches only move lines into L2 (coherent), never into the CTA.
         cute.arch.griddepcontrol_wait()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sQ = storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner)
+        sO = storage.sO.get_tensor(layouts.o.outer, swizzle=layouts.o.inner)
         # The producer's TileInfo for the tile in each Q stage, handed to the consumers with its Q.
         sMeta = storage.tile_meta.get_tensor(cute.make_layout((TileInfo.FIELDS, self.Q_STAGES)))
         # (D, n, stage) view of V: the MN-major B operand of O += P V.
@@ -492,27 +466,27 @@ class IkboAttentionFwdSm90:
             sV, cute.make_ordered_layout((self.head_dim, self.tile_n, self.KV_STAGES), order=(1, 0, 2)))
 
         if const_expr(self.cfg.direction == "kv"):
-            tiles_per_head = mTileStart[n_kv_batch + 1]
+            tiles_per_head = g.tile_start[n_kv_batch + 1]
         else:
-            tiles_per_head = n_out * self.chunks
+            tiles_per_head = dims.n_out * self.chunks
         flat = False
         if const_expr(self.flat_path):
-            flat = q_flat != 0 and mGrouped[0] != 0
-        total = tiles_per_head * n_heads
+            flat = scalars.q_flat != 0 and g.grouped[0] != 0
+        total = tiles_per_head * dims.n_heads
         if const_expr(self.cfg.split_kv):
             total = total * n_splits
-        sched = Schedule(total, tiles_per_head, n_q_batch, n_kv_batch, n_heads, n_kv_heads, kv_len, max_keys, flat,
-                         n_splits, split_keys, rank)
+        sched = Schedule(total, tiles_per_head, dims.n_q_batch, n_kv_batch, dims.n_heads, dims.n_kv_heads,
+                         dims.kv_len, scalars.max_keys, flat, n_splits, scalars.split_keys, rank)
+        smem_t = SharedTensors(sQ, sK, sV, sVt, sO, sMeta)
+        pipes = Pipelines(pipe_q, pipe_k, pipe_v)
 
         if warp_idx < 4:
             self.REGISTERS.enter_producer()
             if warp_idx == 0:
-                self.producer(tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
-                              pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched)
+                self.producer(tma, g, smem_t, pipes, sched)
         else:
             self.REGISTERS.enter_consumer()
-            self.consumer(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
-                          sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, mOg, sched, scale_log2, tidx - 128, storage)
+            self.consumer(mmas, tma, g, smem_t, pipes, sched, scalars.scale_log2, tidx - 128, storage)
         if const_expr(self.pair):
             cluster_end()
 
@@ -629,8 +603,7 @@ class IkboAttentionFwdSm90:
 
     # ------------------------------------------------------------- producer
     @cute.jit
-    def producer(self, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
-                 pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched: Schedule):
+    def producer(self, tma: TmaOperands, g: GlobalTensors, smem: SharedTensors, pipes: Pipelines, sched: Schedule):
         """Warp 0: per tile its TileInfo and Q slots, then K/V blocks last to first."""
         group = sched.group()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.Q_STAGES)
@@ -638,15 +611,12 @@ class IkboAttentionFwdSm90:
         walk = strided_tiles(Int32(0), cluster=self.cluster_size)
         t = walk.first
         while t < sched.total_tiles:
-            info = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched)
-            q_state, kv_state = self.load_tile(info, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K,
-                                               mK, tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k, pipe_v, mCand,
-                                               group)
+            info = self.tile_info(t, g.cand, g.cand_start, g.tile_start, g.kv_lengths, g.kv_offsets, g.perm, sched)
+            q_state, kv_state = self.load_tile(info, q_state, kv_state, tma, smem, pipes, g.cand, group)
             t += walk.stride
 
     @cute.jit
-    def prefetch_first_blocks(self, tma_atom_K, mK, tma_atom_V, mV, sK, sV, n_kv_batch: Int32, n_kv_heads: Int32,
-                              kv_len: Int32, n_splits: Int32, split_keys: Int32, prefetch_blocks: Int32):
+    def prefetch_first_blocks(self, tma: TmaOperands, sK, sV, dims: ProblemDims, scalars: FwdScalars):
         """Warp 0, before the work list is done: K and V blocks that the first tiles read first,
         prefetched into L2 by TMA (no barrier, no shared memory), while DRAM would idle.
 
@@ -656,6 +626,8 @@ class IkboAttentionFwdSm90:
         grid (the short calls this is for) every item is read by some first tile; beyond, some
         lines are read later or evicted, which costs DRAM time only while the CTAs wait."""
         d = self.head_dim
+        n_kv_batch, n_kv_heads, kv_len = dims.n_kv_batch, dims.n_kv_heads, dims.kv_len
+        split_keys, prefetch_blocks = scalars.split_keys, scalars.prefetch_blocks
         lane = cute.arch.lane_idx()
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -663,7 +635,7 @@ class IkboAttentionFwdSm90:
         if const_expr(self.pair):
             splits = Int32(self.cluster_size)
         elif const_expr(self.cfg.split_kv):
-            splits = n_splits
+            splits = scalars.n_splits
         per_depth = splits * n_kv_heads * n_kv_batch
         item = Int32(bid) + Int32(lane) * Int32(grid)
         if Int32(lane) < prefetch_blocks and item < per_depth * prefetch_blocks:
@@ -680,17 +652,20 @@ class IkboAttentionFwdSm90:
                 end = cutlass.min(start + split_keys, kv_len)
             block = (end - 1) // self.tile_n - depth
             if end > start and block * self.tile_n >= start:
-                for atom, mX, sX in ((tma_atom_K, mK, sK), (tma_atom_V, mV, sV)):
+                for atom, mX, sX in ((tma.atom_k, tma.k, sK), (tma.atom_v, tma.v, sV)):
                     gX = cute.local_tile(mX[None, None, head, user], (self.tile_n, d), (None, 0))
                     _, tXgX = cpasync.tma_partition(
                         atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
                     cute.prefetch(atom, tXgX[None, block])
 
     @cute.jit
-    def load_tile(self, info: TileInfo, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK,
-                  tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k, pipe_v, mCand, group: Int32):
+    def load_tile(self, info: TileInfo, q_state, kv_state, tma: TmaOperands, smem: SharedTensors, pipes: Pipelines,
+                  mCand, group: Int32):
         """One tile's loads: its TileInfo and Q slots, then its K/V blocks last to first."""
         d = self.head_dim
+        tma_atom_K, mK, tma_atom_V, mV = tma.atom_k, tma.k, tma.atom_v, tma.v
+        sQ, sK, sV, sMeta = smem.q, smem.k, smem.v, smem.meta
+        pipe_q, pipe_k, pipe_v = pipes
         h_kv = info.head // group
         if const_expr(self.cfg.jagged or self.key_split):
             # The keys start at kv_base: the row's in the one packed batch row (jagged), plus
@@ -718,11 +693,11 @@ class IkboAttentionFwdSm90:
         pipe_q.producer_acquire(q_state, try_acquire_token=True)
         if const_expr(self.flat_path):
             if info.flat:
-                self.load_q_halves(tma_atom_Qf, mQf, sQ, pipe_q, q_state, info)
+                self.load_q_halves(tma.atom_qf, tma.qf, sQ, pipe_q, q_state, info)
             else:
-                self.load_q_slots(tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
+                self.load_q_slots(tma.atom_q, tma.q, sQ, pipe_q, q_state, info, mCand)
         else:
-            self.load_q_slots(tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
+            self.load_q_slots(tma.atom_q, tma.q, sQ, pipe_q, q_state, info, mCand)
         q_state.advance()
         # Blocks last to first (the consumers' order); block j's K and V share a stage.
         # K runs one block ahead of V (K(j-1) is issued before V(j)): the consumers
@@ -791,11 +766,14 @@ class IkboAttentionFwdSm90:
 
     # ------------------------------------------------------------ consumers
     @cute.jit
-    def consumer(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
-                 sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, mOg, sched: Schedule, scale_log2: Float32,
-                 tidx: Int32, storage):
+    def consumer(self, mmas: TiledMmas, tma: TmaOperands, g: GlobalTensors, smem: SharedTensors, pipes: Pipelines,
+                 sched: Schedule, scale_log2: Float32, tidx: Int32, storage):
         """Consumer warpgroups: per tile the main loop over its key blocks, then the epilogue."""
         d, n = self.head_dim, self.tile_n
+        tiled_mma_qk, tiled_mma_pv = mmas
+        sQ, sK, sV, sVt, sMeta = smem.q, smem.k, smem.v, smem.vt, smem.meta
+        pipe_q, pipe_k, pipe_v = pipes
+        mKg, mVg = g.k, g.v
         wg = cute.arch.make_warp_uniform(tidx // 128)
         warp_in_wg = cute.arch.make_warp_uniform((tidx // 32) % 4)
         wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
@@ -818,7 +796,7 @@ class IkboAttentionFwdSm90:
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, tOrP=tOrP,
             acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, col_offset=col_offset, softmax=softmax,
             tOcO_mn=acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, d)))),
-            pipe_k=pipe_k, pipe_v=pipe_v, sQ=sQ, sV=sV, mKg=mKg, mVg=mVg, wg=wg, mOg=mOg)
+            pipe_k=pipe_k, pipe_v=pipe_v, sQ=sQ, sV=sV, mKg=mKg, mVg=mVg, wg=wg, mOg=g.out)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.Q_STAGES)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.KV_STAGES)
@@ -873,8 +851,7 @@ class IkboAttentionFwdSm90:
                 else:
                     store = False
             if store:
-                self.epilogue(st, info, lse, tiled_mma_pv, tidx, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sO, mCand,
-                              wg, warp_in_wg)
+                self.epilogue(st, info, lse, tiled_mma_pv, tidx, tma, g.lse, smem.o, g.cand, wg, warp_in_wg)
             t += walk.stride
         if warp_in_wg == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1066,8 +1043,8 @@ class IkboAttentionFwdSm90:
                 st.acc_O_mn[m, c] = st.acc_O_mn[m, c] * wa + pO_mn[m, c] * wb
 
     @cute.jit
-    def epilogue(self, st: ConsumerState, info: TileInfo, lse, tiled_mma_pv, tidx: Int32, tma_atom_O, mO,
-                 tma_atom_Of, mOf, mLSE, sO, mCand, wg: Int32, warp_in_wg: Int32):
+    def epilogue(self, st: ConsumerState, info: TileInfo, lse, tiled_mma_pv, tidx: Int32, tma: TmaOperands, mLSE,
+                 sO, mCand, wg: Int32, warp_in_wg: Int32):
         """O / row_sum (and the lse) to sO, then one TMA store per stored slot of this warpgroup
         (or, for a flat tile whose 64 rows here are all stored, one box); with ``direct_rows``,
         rows that are not such a box go from registers to out (store_rows). No keys: O = 0,
@@ -1109,7 +1086,7 @@ class IkboAttentionFwdSm90:
                             mLSE[out_b, info.out_head, q_row] = lse[m]
 
         if staged:
-            self.store_staged(info, tma_atom_O, mO, tma_atom_Of, mOf, sO, mCand, wg, warp_in_wg)
+            self.store_staged(info, tma.atom_o, tma.o, tma.atom_of, tma.of, sO, mCand, wg, warp_in_wg)
 
     @cute.jit
     def store_staged(self, info: TileInfo, tma_atom_O, mO, tma_atom_Of, mOf, sO, mCand, wg: Int32,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ikbo_fa.checks import LOG2E
+from ikbo_fa.fwd_args import FwdScalars, FwdTensors, FwdWorkList
 from ikbo_fa.reference import jagged_rows, naive_attention
 from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist
 
@@ -56,8 +57,12 @@ class EmulatedKernels:
         assert ws_lse.dtype == torch.float32 and out.shape[2] * n_splits == ws_o.shape[2]
         attention_mod.merge_splits(ws_o, ws_lse, n_splits, out, lse)
 
-    def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm, scale_log2,
-            scale, n_ctas, q_flat, max_keys, n_splits, split_keys, prefetch_blocks):
+    def fwd(self, tensors, work_list, scalars, n_ctas):
+        """The forward kernel on its bundles (ikbo_fa.fwd_args)."""
+        assert (type(tensors), type(work_list), type(scalars)) == (FwdTensors, FwdWorkList, FwdScalars)
+        q, k, v, out, lse, kvl, offsets = tensors
+        cand, cand_start, tile_start, grouped, perm = work_list
+        q_flat, max_keys, n_splits, split_keys, prefetch_blocks, scale_log2, scale = scalars
         for hook in self.hooks:
             hook("fwd")
         self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k, out=out,
