@@ -15,7 +15,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cute_kernels.accumulator import acc_as_frag_a, acc_mn_view, warpgroup_gemm
 from cute_kernels.cluster_reduce import cluster_end, init_exchange, release_peers, store_remote
 from cute_kernels.interop import cutlass_dtype
-from cute_kernels.scheduler import strided_tiles, warp_search
+from cute_kernels.scheduler import strided_tiles
 from cute_kernels.warp_specialized import (
     Barrier,
     PingPong,
@@ -39,6 +39,7 @@ from .fwd_args import (
     TmaOperands,
 )
 from .softmax import LN_2, LOG2_E, OnlineSoftmax
+from .tile_scheduler import AttentionTileScheduler, Schedule, TileInfo
 
 
 class FwdBarrier(Barrier):
@@ -47,71 +48,6 @@ class FwdBarrier(Barrier):
     EPILOGUE = 1  # + consumer warpgroup: its 128 threads around the sO writes
     V_TAIL = 3  # both consumer warpgroups, after zeroing a V tail
     GEMM_TURN = 4  # + consumer warpgroup: that warpgroup's turn to issue its GEMMs (PingPong)
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """The tile space of one launch (device values, read-only in every role)."""
-
-    total_tiles: Int32
-    tiles_per_head: Int32
-    n_q_batch: Int32
-    n_kv_batch: Int32
-    n_heads: Int32
-    n_kv_heads: Int32
-    kv_len: Int32  # keys per K/V row (jagged: total_L, the rows of the packed K/V)
-    max_keys: Int32  # jagged: the longest history a row may have (the op's max_kv_len)
-    q_flat: cutlass.Boolean  # q and out hold a user's query rows at one stride (checked by the op)
-    n_splits: Int32  # split_kv: CTAs per (tile, head), each over split_keys of the row's keys
-    split_keys: Int32  # split_kv, split_pair: keys per split, a multiple of TILE_N
-    rank: Int32  # split_pair: this CTA's split (its rank in the cluster); 0 otherwise
-
-    def group(self):
-        """Query heads per K/V head."""
-        return self.n_heads // self.n_kv_heads
-
-
-@dataclasses.dataclass(frozen=True)
-class TileInfo:
-    """What the producer looked up for one tile; written to shared memory with the tile's Q
-    (``store``) and read back by the consumers (``load``), so they never search the work list.
-
-    KV broadcast: the tile is rows ``row0 : row0 + 128`` of its user's run of query rows
-    (candidate ``order[first + i]`` holds rows i * S_q : (i + 1) * S_q of the run)."""
-
-    head: Int32
-    kv_coord: Int32  # K/V batch row (a user, or a candidate for Q broadcast); jagged: its offsets entry
-    first: Int32  # KV: work-list position of the user's first candidate; Q: the candidate
-    n_valid: Int32  # KV: rows of the tile that hold a query row (1 to 128)
-    chunk: Int32  # Q: 128-row chunk of the candidate (S_q > 64)
-    q_coord: Int32  # KV: row of q (as [B * S_q] rows) of the tile's first row; Q: query batch row
-    row0: Int32  # KV: the tile's first row in its user's run
-    flat: cutlass.Boolean  # KV: the tile's rows are consecutive rows of q and out (idx grouped)
-    invalid: cutlass.Boolean  # out-of-range index: the tile writes NaN
-    n_keys: Int32  # split_kv: the keys of this split
-    kv_base: Int32  # jagged: the row's first key in the packed K/V; split_kv: plus the split's first
-    out_head: Int32  # the head of out / lse it writes (split_kv: split * H + head of the workspace)
-
-    FIELDS = 12  # Int32 words in shared memory
-    KV_BASE = 10  # the word of kv_base
-
-    @cute.jit
-    def store(self, sMeta, stage: Int32):
-        words = (self.head, self.kv_coord, self.first, self.n_valid, self.chunk, self.q_coord, self.row0,
-                 Int32(1) if self.flat else Int32(0), Int32(1) if self.invalid else Int32(0), self.n_keys,
-                 self.kv_base, self.out_head)
-        for i in cutlass.range_constexpr(TileInfo.FIELDS):
-            sMeta[i, stage] = words[i]
-
-    @staticmethod
-    def load(sMeta, stage: Int32, dense: bool, split: bool = False) -> "TileInfo":
-        """The fields the consumers keep through the main loop: those of the configuration (the
-        others are constants, registers the consumers, at their limit, keep free); kv_base is
-        read from shared memory where it is needed (``KV_BASE``)."""
-        m = [sMeta[i, stage] for i in range(TileInfo.FIELDS)]
-        row0, flat = (m[6], m[7] != 0) if dense else (Int32(0), False)
-        return TileInfo(m[0], m[1], m[2], m[3], m[4], m[5], row0, flat, m[8] != 0, m[9], Int32(0),
-                        m[11] if split else m[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,21 +117,22 @@ class IkboAttentionFwdSm90:
         boxes of at most 4 rows (``direct_rows``), rows that are not one such box go from
         registers straight to out instead.
 
-    Pipelines (PipelineTmaAsync; checked in ``__init__``):
+    Pipelines (PipelineTmaAsync; checked in ``__init__``; the table is ``contract_table`` of
+    ``self.pipelines``, which tests/test_attention_contracts_cpu.py holds it to):
 
         | pipeline | producer -> consumer | full / empty arrives | stages |
         | --- | --- | --- | --- |
-        | Q (+ TileInfo) | producer warp 0 -> both consumer warpgroups | 1 / 8 | 2 |
+        | Q | producer warp 0 -> both consumer warpgroups | 1 / 8 | 2 |
         | K | producer warp 0 -> both consumer warpgroups | 1 / 8 | 2 |
         | V | producer warp 0 -> both consumer warpgroups | 1 / 8 | 2 |
 
       Full: one elected producer thread with the stage's TMA bytes (Q: every slot of the
       128-row tile). Empty: lane 0 of each of the 8 consumer warps. Q stage i % 2 holds the
-      CTA's i-th tile, so the next tile's Q loads while this one runs; it is released after
-      the tile's main loop (the TileInfo slot with it). K and V share one stage index; K is
-      released after S of its block, V after its P V.
+      CTA's i-th tile, and beside it the tile's TileInfo, so the next tile's Q loads while this
+      one runs; it is released after the tile's main loop (the TileInfo slot with it). K and V
+      share one stage index; K is released after S of its block, V after its P V.
 
-    Named barriers (FwdBarrier):
+    Named barriers (FwdBarrier; ``+ wg``: one id per consumer warpgroup, BARRIER_SPANS):
       EPILOGUE + wg (128 threads): warpgroup wg, twice per tile around its sO writes, and
         (``split_pair``) once in ``pair_receive``, when every thread has read the peer's rows.
       V_TAIL (256): both consumer warpgroups, once per tile after zeroing a V tail (kv_lengths
@@ -237,8 +174,8 @@ class IkboAttentionFwdSm90:
     over padded K/V) lanes of warp 0 prefetch into L2 the K/V blocks the first tiles read first
     (``prefetch_blocks`` per CTA, a run-time argument; 0: none), as DRAM idles during the wait.
 
-    Tiles and order: a tile is (head, group, tile-in-group). KV broadcast: groups are users
-    plus a last group of candidates whose index is out of range (written as NaN). A user's
+    Tiles and order (the producer asks ``ikbo_fa.tile_scheduler``): a tile is (head, group,
+    tile-in-group). KV broadcast: groups are users plus a last group of candidates whose index is out of range (written as NaN). A user's
     candidates, grouped on the device (worklist.py), put their query rows in one dense run
     (S_q rows each, any S_q), cut into 128-row tiles, so each K/V block in shared memory serves
     all of them; a candidate may span two tiles, and only a user's last tile has rows past the
@@ -270,6 +207,8 @@ class IkboAttentionFwdSm90:
     # between tiles with one stage).
     Q_STAGES = 2
     REGISTERS = RegisterSplit(producer=24, consumer=240)
+    # Named barriers offset by the consumer warpgroup (ids per barrier; the others take one).
+    BARRIER_SPANS = {"EPILOGUE": 2, "GEMM_TURN": 2}
     CONSUMER_THREADS = 256
 
     def __init__(self, cfg: AttentionConfig):
@@ -298,6 +237,7 @@ class IkboAttentionFwdSm90:
         # Histories of different lengths (KV broadcast): the work list orders the groups longest
         # first, so that the walk's last rounds hold the short tiles.
         self.ordered = cfg.ordered
+        self.scheduler = AttentionTileScheduler(cfg)
         # KV broadcast over padded K/V: every row's first blocks (the last of each split) are
         # known from the shapes alone, so they can be prefetched into L2 while the work list runs.
         self.prefetch = self.dense and not self.ordered
@@ -308,7 +248,7 @@ class IkboAttentionFwdSm90:
         self.key_split = cfg.split_kv or cfg.split_pair
         self.num_threads = self.REGISTERS.threads
         self.ping_pong = PingPong(int(FwdBarrier.GEMM_TURN))
-        check_barriers("IkboAttentionFwdSm90", FwdBarrier, {"EPILOGUE": 2, "GEMM_TURN": 2})
+        check_barriers("IkboAttentionFwdSm90", FwdBarrier, self.BARRIER_SPANS)
 
         elt = self.dtype.width // 8
         d, r = self.head_dim, self.slot_rows
@@ -490,91 +430,7 @@ class IkboAttentionFwdSm90:
         if const_expr(self.pair):
             cluster_end()
 
-    # ------------------------------------------------------------ work list
-    @cute.jit
-    def tile_info(self, t: Int32, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm,
-                  sched: Schedule) -> TileInfo:
-        """Tile t -> its TileInfo (KV broadcast: a search over the groups' first tiles by the
-        whole producer warp, which calls it).
-        split_kv: splits run slowest (t = split * tiles of all heads + ...). ordered: the walk
-        turns back every other round, and heads run fastest over the groups in perm order."""
-        if const_expr(self.ordered):
-            grid, _, _ = cute.arch.grid_dim()
-            G = Int32(grid) // self.cluster_size  # the walk's width, in clusters
-            r = t // G
-            c = t - r * G
-            if r % 2 == 1:
-                c = cutlass.min(G, sched.total_tiles - r * G) - 1 - c
-            t = r * G + c
-        split = sched.rank
-        if const_expr(self.cfg.split_kv):
-            per_split = sched.tiles_per_head * sched.n_heads
-            split = t // per_split
-            t = t - split * per_split
-        h = Int32(0)
-        rem = Int32(0)
-        if const_expr(self.ordered):
-            rem = t // sched.n_heads
-            h = t - rem * sched.n_heads
-        else:
-            h = t // sched.tiles_per_head
-            rem = t - h * sched.tiles_per_head
-        first = Int32(0)
-        n_valid = Int32(self.tile_m)
-        chunk = Int32(0)
-        q_coord = Int32(0)
-        row0 = Int32(0)
-        kv_coord = Int32(0)
-        invalid = False
-        if const_expr(self.cfg.direction == "kv"):
-            # Group u with tile_start[u] <= rem < tile_start[u + 1]; group n_kv_batch
-            # holds the candidates whose index is out of range.
-            # All 32 lanes of the producer warp search at once (warp_search: two rounds of loads
-            # for up to 1023 groups, where a binary search waits on one load after another).
-            lo = warp_search(mTileStart, rem, Int32(0), sched.n_kv_batch + 1)
-            # The group's query rows are one run; this is its tile j. ordered: position lo of
-            # tile_start holds group perm[lo].
-            g = lo
-            if const_expr(self.ordered):
-                g = mPerm[lo]
-            first = mCandStart[g]
-            row0 = (rem - mTileStart[lo]) * self.tile_m
-            n_valid = cutlass.min((mCandStart[g + 1] - first) * self.s_q - row0, self.tile_m)
-            q_coord = first * self.s_q + row0
-            invalid = g == sched.n_kv_batch
-            kv_coord = g
-            if invalid:
-                kv_coord = Int32(0)
-        else:
-            b = rem // self.chunks
-            chunk = rem - b * self.chunks
-            first = b
-            kv_coord = b
-            q_coord = mCand[b]
-            invalid = q_coord < 0 or q_coord >= sched.n_q_batch
-            if invalid:
-                q_coord = Int32(0)
-        n_keys = sched.kv_len
-        kv_base = Int32(0)
-        if const_expr(self.cfg.has_kv_lengths):
-            n_keys = mKvLen[kv_coord]
-        if const_expr(self.cfg.jagged):
-            # Clamped, so that offsets the op did not validate never lead outside K/V.
-            kv_base = cutlass.min(cutlass.max(mKvOffsets[kv_coord], 0), sched.kv_len)
-            end = cutlass.min(cutlass.max(mKvOffsets[kv_coord + 1], kv_base), sched.kv_len)
-            n_keys = cutlass.min(end - kv_base, sched.max_keys)
-        out_head = h
-        if const_expr(self.key_split):
-            start = split * sched.split_keys
-            n_keys = cutlass.min(cutlass.max(n_keys - start, 0), sched.split_keys)
-            kv_base = kv_base + start
-        if const_expr(self.cfg.split_kv):
-            out_head = split * sched.n_heads + h
-        if invalid:
-            n_keys = Int32(0)
-        return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, row0, sched.q_flat, invalid, n_keys, kv_base,
-                        out_head)
-
+    # ------------------------------------------------------------ tiles
     @cute.jit
     def slot_info(self, s, info: TileInfo, mCand):
         """Slot s of a tile -> (stored?, query batch coord, output batch coord, row block).
@@ -611,7 +467,7 @@ class IkboAttentionFwdSm90:
         walk = strided_tiles(Int32(0), cluster=self.cluster_size)
         t = walk.first
         while t < sched.total_tiles:
-            info = self.tile_info(t, g.cand, g.cand_start, g.tile_start, g.kv_lengths, g.kv_offsets, g.perm, sched)
+            info = self.scheduler.tile_info(t, g, sched)
             q_state, kv_state = self.load_tile(info, q_state, kv_state, tma, smem, pipes, g.cand, group)
             t += walk.stride
 

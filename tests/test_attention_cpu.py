@@ -494,7 +494,7 @@ def test_a_policy_change_builds_a_new_plan(emulated, monkeypatch):
     workspace); another policy builds a new plan instead of reusing the old one."""
     pair, no_pair = AttentionPolicy(split_min_keys=512), AttentionPolicy(split_min_keys=512, split_pair=False)
     configs = []
-    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd)
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
     q, kv, idx, _ = _gpu_path_problem(44, "kv", 2048, 32, S_q=1, L=1024)  # two splits of 512 keys
     first = ikbo_fa.attention(q, kv, idx, policy=pair)
     again = ikbo_fa.attention(q, kv, idx, policy=no_pair)
@@ -538,7 +538,7 @@ def test_split_pair_where_two_splits(emulated, monkeypatch, lengths_kind, return
     most two CTAs per resident cluster; where it splits in more, the workspace path stays."""
     policy = AttentionPolicy(split_min_keys=512, split_pair=True)
     configs = []
-    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd)
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
     B, U, L = 2048, 32, 1024  # 64 (user, head) tiles on 132 SMs: two splits of 512 keys
     q, kv, idx, _ = _gpu_path_problem(43, "kv", B, U, S_q=1, L=L)
     kw = {}
@@ -566,7 +566,7 @@ def test_split_pair_where_two_splits(emulated, monkeypatch, lengths_kind, return
 
 def test_split_pair_not_past_two_splits(emulated, monkeypatch):
     configs = []
-    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd)
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
     q, kv, idx, _ = _gpu_path_problem(41, "kv", 256, 4, S_q=1, L=2048)  # four splits
     ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(split_min_keys=512, split_pair=True))
     assert configs[-1].split_kv and not configs[-1].split_pair and emulated.merge_calls == 1
