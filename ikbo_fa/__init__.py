@@ -2,8 +2,9 @@
 (K/V per user, or Q per user) is looked up through an index inside the kernel."""
 from .attention import attention, work_list
 from .config import SHIPPED_CONFIGS, AttentionConfig, compile_config
+from .policy import DEFAULT_POLICY, AttentionPolicy
 from .reference import attention_reference
 from .worklist import WorkList
 
-__all__ = ["SHIPPED_CONFIGS", "AttentionConfig", "WorkList", "attention", "attention_reference", "compile_config",
-           "work_list"]
+__all__ = ["DEFAULT_POLICY", "SHIPPED_CONFIGS", "AttentionConfig", "AttentionPolicy", "WorkList", "attention",
+           "attention_reference", "compile_config", "work_list"]

@@ -83,40 +83,11 @@ from .checks import (
     kv_list,
     resolve_problem,
 )
-from .config import MAX_PREFETCH_BLOCKS, MAX_SPLITS, compile_config, kernel_config, row_packing
+from .config import MAX_SPLITS, compile_config, kernel_config, row_packing
+from .fwd_args import FwdScalars, FwdTensors, FwdWorkList
+from .policy import DEFAULT_POLICY, AttentionPolicy
 from .reference import evaluate, jagged_rows
 from .worklist import WorkList, kv_tile_order, kv_worklist, max_tiles_per_head
-
-# The one-launch work-list kernel groups candidates by user; False builds the same arrays with
-# torch ops (kv_worklist; the definition the kernel is tested against).
-_WORKLIST_KERNEL = True
-# KV broadcast over few tiles splits each row's keys over several CTAs (split_kv); False never
-# splits (the tests compare the two).
-_SPLIT_KV = True
-# Keys per split at least. The merge is a second launch on the critical path; with its 16-byte
-# loads (2.9 us at S_q 1, L 8192, two splits) splits of 512 keys gained at L 1024 and 2048 on the
-# H200 (S_q 1, ratio 64, H 2, CUDA graphs: 21.0 against 22.9 us, 30.7 against 34.4 us):
-# docs/perf/2026-12-03-attention-longest-first.md.
-_SPLIT_MIN_KEYS = 512
-# Two splits of a row's keys run on the two CTAs of a cluster and merge there (AttentionConfig.
-# split_pair), with no workspace and no merge launch. On the H200 (S_q 1, B 2048, ratio 64, H 2,
-# CUDA graphs) 20.2 against 22.3 us at L 1024 and 30.0 against 30.9 at L 2048, the same from
-# L 4096 and over the S_q sweep: docs/perf/2026-12-05-attention-variants-timed.md.
-_SPLIT_PAIR = True
-# Splits where split_cost says they pay, filling the grid's last round too (not only where the
-# tiles leave half the SMs idle); costs in key blocks of a busy SM: a tile's fixed part, the
-# merge in the cluster and the merge launch. Off: on the H200 (S_q sweep, graph) 12-13% faster
-# at S_q 4 and 8, L 8192, but 12% slower at S_q 2 and up to 3% at S_q 8 (L 1024) and 100:
-# docs/perf/2026-12-05-attention-short-calls.md.
-_SPLIT_BY_COST = False
-# KV broadcast over padded K/V: K/V blocks per CTA that the forward kernel prefetches into L2
-# while the work list runs (the first blocks its first tiles read; 0: none). Off until timed:
-# at S_q 1 and 2 the CTAs wait about 2 us for the work list with DRAM idle, and the main loop
-# streams K/V from DRAM (docs/perf/2026-12-05-attention-l2-prefetch.md).
-_PREFETCH_BLOCKS = 0
-_TILE_BLOCKS = 1
-_PAIR_MERGE_BLOCKS = 1
-_MERGE_BLOCKS = 2
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +96,7 @@ class _Plan:
     the compiled kernels, the grid, what to allocate and which inputs need a copy."""
 
     config: object  # AttentionConfig: the forward kernel's compile key
+    policy: AttentionPolicy  # the launch choices it was built with
     kernel: object  # the compiled forward kernel (TVM-FFI callable)
     worklist: object  # the compiled work-list kernel; None: torch work list (KV) or none needed (Q)
     ordered: bool  # KV over histories of their own lengths: the tiles longest first (a perm buffer)
@@ -176,6 +148,7 @@ def attention(
     out: Optional[torch.Tensor] = None,
     validate: Optional[bool] = None,
     work_list: Optional[WorkList] = None,
+    policy: Optional[AttentionPolicy] = None,
 ):
     """IKBO flash attention forward; see the module docstring for the semantics.
 
@@ -199,8 +172,11 @@ def attention(
     the outputs' backward raises (use :func:`attention_reference` for gradients).
     ``work_list`` (KV broadcast): the grouping of idx's candidates by user, built once by
     :func:`work_list` for several calls on the same idx; the call then launches none of its own.
+    ``policy``: the launch choices (``ikbo_fa.AttentionPolicy``; None: ``DEFAULT_POLICY``), for
+    benchmarks and tests of a variant; the results agree to rounding whatever it holds.
     """
     check_return_lse(return_lse)
+    policy = _check_policy(policy)
     if torch.compiler.is_compiling():
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
         wl = () if work_list is None else (work_list.rows_per_cand, work_list.order, work_list.cand_start,
@@ -223,18 +199,8 @@ def attention(
         if work_list is not None:
             check_given_work_list(work_list, p, validate)
         return evaluate(p, return_lse, out)
-    try:
-        # The launch flags beside the signature, as one tuple (not walked item by item: 0.2 us).
-        key = (plan_key(q, kv, idx, kv_lengths, kv_offsets, max_kv_len, out, broadcast, bool(return_lse),
-                        scale is None), _launch_flags(), _work_list_key(work_list))
-        plan = _plans.get(key)
-    except TypeError:
-        key = plan = None  # unhashable options: the full checks raise
-    if plan is None:
-        plan = _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out,
-                          work_list)
-        if key is not None:
-            _plans.keep(key, plan)
+    plan = _plan_for(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out, work_list,
+                     policy)
     if work_list is not None:
         check_work_list_fresh(work_list, idx)
     scale = plan.default_scale if scale is None else check_scale(scale)
@@ -271,6 +237,41 @@ def attention(
         )
 
 
+def _plan_for(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out, work_list,
+              policy: AttentionPolicy) -> "_Plan":
+    """The cached launch plan of a call's signature and policy (built, with the full checks, at
+    the first call)."""
+    try:
+        # The policy beside the signature, as one tuple (not walked item by item: 0.2 us).
+        key = (plan_key(q, kv, idx, kv_lengths, kv_offsets, max_kv_len, out, broadcast, bool(return_lse),
+                        scale is None), policy, _work_list_key(work_list))
+        plan = _plans.get(key)
+    except TypeError:
+        key = plan = None  # unhashable options: the full checks raise
+    if plan is None:
+        plan = _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out,
+                          work_list, policy)
+        if key is not None:
+            _plans.keep(key, plan)
+    return plan
+
+
+def launch_plan(q, kv, idx, *, scale=None, kv_lengths=None, kv_offsets=None, max_kv_len=None, broadcast=None,
+                return_lse=False, out=None, work_list=None, policy=None) -> "_Plan":
+    """The launch plan :func:`attention` uses for these arguments on the GPU path (what it
+    compiled, the grid, the splits), from the same cache; for tests and tools."""
+    return _plan_for(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out, work_list,
+                     _check_policy(policy))
+
+
+def _check_policy(policy) -> AttentionPolicy:
+    if policy is None:
+        return DEFAULT_POLICY
+    if not isinstance(policy, AttentionPolicy):
+        raise TypeError(f"policy must be an ikbo_fa.AttentionPolicy or None, got {type(policy).__name__}")
+    return policy
+
+
 def _work_list_key(work_list) -> Optional[tuple]:
     """A given work list's part of a plan's key: what check_work_list compares with the call (a
     WorkList's arrays are contiguous int32 vectors on one device by construction)."""
@@ -291,6 +292,7 @@ def work_list(
     kv_offsets: Optional[torch.Tensor] = None,
     max_kv_len: Optional[int] = None,
     validate: Optional[bool] = None,
+    policy: Optional[AttentionPolicy] = None,
 ) -> WorkList:
     """The candidates of ``idx`` grouped by user, for KV-broadcast :func:`attention` calls on that
     idx (``work_list=``): the grouping each such call otherwise launches before its kernel. Build
@@ -309,8 +311,10 @@ def work_list(
     and, with validation on, that it groups idx as idx holds then. Asynchronous, no host
     synchronization; CUDA-graph capturable (capture it with the calls that use it). On a CUDA
     device one launch of the work-list kernel where U + 1 groups fit its shared memory (else a few
-    torch ops); elsewhere the torch definition (``ikbo_fa.worklist.kv_worklist``).
+    torch ops); elsewhere the torch definition (``ikbo_fa.worklist.kv_worklist``). ``policy``:
+    as in :func:`attention` (its ``worklist_kernel``).
     """
+    policy = _check_policy(policy)
     n_users, s_q = _count("num_users", num_users, 1), _count("s_q", s_q, 1)
     check_idx(idx)
     if kv_lengths is not None and kv_offsets is not None:
@@ -325,7 +329,7 @@ def work_list(
     if checks.validation_enabled(validate):
         checks.check_index_range("idx", idx, n_users, "U", "the batch of k and v")
     kernel = None
-    if on_gpu(idx) and _WORKLIST_KERNEL and _worklist_fits(n_users) and idx.shape[0] > 0:
+    if on_gpu(idx) and policy.worklist_kernel and _worklist_fits(n_users) and idx.shape[0] > 0:
         require_sm90(idx.device, "work_list")
         kernel = _worklist_kernel(idx.dtype, None if rows is None else "lengths" if kv_lengths is not None
                                   else "offsets")
@@ -355,11 +359,6 @@ def _count(name: str, value, least: int) -> int:
     if int(value) < least:
         raise ValueError(f"{name} must be >= {least}, got {int(value)}")
     return int(value)
-
-
-def _launch_flags() -> tuple:
-    """The module's launch choices, part of a plan's key (tests and A/B runs change them)."""
-    return (_WORKLIST_KERNEL, _SPLIT_KV, _SPLIT_MIN_KEYS, _SPLIT_PAIR, _SPLIT_BY_COST, _PREFETCH_BLOCKS)
 
 
 def _no_keys(kv, kv_offsets) -> bool:
@@ -489,9 +488,11 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     workspace = plan.merge is not None
     dest, dest_lse = _split_workspace(plan) if workspace else (target, lse)
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
-    plan.kernel(q, k, v, dest, dest_lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm,
-                scale * LOG2E, scale, plan.n_ctas, int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys,
-                plan.prefetch_blocks)
+    plan.kernel(FwdTensors(q, k, v, dest, dest_lse, kvl, offsets),
+                FwdWorkList(cand, cand_start, tile_start, grouped, perm),
+                FwdScalars(int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys, plan.prefetch_blocks,
+                           scale * LOG2E, scale),
+                plan.n_ctas)
     if workspace:
         plan.merge(dest, dest_lse, target, lse, plan.n_splits)
     copy_back(out, target)
@@ -546,35 +547,35 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: t
         lse.copy_(total)
 
 
-def kv_splits(tiles: int, heads: int, keys: int, sms: int) -> tuple:
+def kv_splits(tiles: int, heads: int, keys: int, sms: int, policy: AttentionPolicy = DEFAULT_POLICY) -> tuple:
     """(splits, keys per split) for a KV-broadcast problem of about ``tiles`` tiles per head
     whose rows have up to ``keys`` keys: where the tiles fill at most half the SMs, each row's
-    keys go over as many CTAs as fill them, each with at least _SPLIT_MIN_KEYS keys.
-    With _SPLIT_BY_COST, the split count of least ``split_cost`` instead."""
+    keys go over as many CTAs as fill them, each with at least ``policy.split_min_keys`` keys.
+    With ``policy.split_by_cost``, the split count of least ``split_cost`` instead."""
     work = max(1, tiles * heads)
-    if not _SPLIT_KV:
+    if not policy.split_kv:
         return 1, 0
-    if _SPLIT_BY_COST:
-        n = min(range(1, MAX_SPLITS + 1), key=lambda n: (split_cost(work, keys, sms, n), n))
+    if policy.split_by_cost:
+        n = min(range(1, MAX_SPLITS + 1), key=lambda n: (split_cost(work, keys, sms, n, policy), n))
     else:
-        n = 1 if 2 * work > sms else min(sms // work, keys // _SPLIT_MIN_KEYS, MAX_SPLITS)
+        n = 1 if 2 * work > sms else min(sms // work, keys // policy.split_min_keys, MAX_SPLITS)
     if n < 2:
         return 1, 0
     per = -(-keys // (n * 128)) * 128
     return -(-keys // per), per
 
 
-def split_cost(work: int, keys: int, sms: int, n: int) -> float:
+def split_cost(work: int, keys: int, sms: int, n: int, policy: AttentionPolicy = DEFAULT_POLICY) -> float:
     """The time of ``work`` tiles of ``keys`` keys, each split n ways, on ``sms`` SMs, in key
     blocks of the busiest SM: rounds of the persistent grid times (blocks per split + a tile's
-    fixed cost), plus the merge (in the cluster for two splits; a second launch beyond); inf
-    where a split would hold fewer than _SPLIT_MIN_KEYS keys."""
-    if n > 1 and keys // n < _SPLIT_MIN_KEYS:
+    fixed cost), plus the merge (in the cluster for two splits; a second launch beyond), costs
+    from ``policy``; inf where a split would hold fewer than ``policy.split_min_keys`` keys."""
+    if n > 1 and keys // n < policy.split_min_keys:
         return math.inf
     blocks = -(-keys // 128)
     rounds = -(-work * n // sms)
-    merge = 0 if n == 1 else _PAIR_MERGE_BLOCKS if n == 2 and _SPLIT_PAIR else _MERGE_BLOCKS
-    return rounds * (-(-blocks // n) + _TILE_BLOCKS) + merge
+    merge = 0 if n == 1 else policy.pair_merge_blocks if n == 2 and policy.split_pair else policy.merge_blocks
+    return rounds * (-(-blocks // n) + policy.tile_blocks) + merge
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -607,8 +608,8 @@ def _worklist_fits(num_users: int) -> bool:
     return fits(num_users)
 
 
-def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out,
-               work_list=None) -> _Plan:
+def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast, return_lse, out, work_list,
+               policy: AttentionPolicy) -> _Plan:
     """Check every argument (the first call with a signature) and build its launch plan."""
     p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
                         max_kv_len=max_kv_len, broadcast=broadcast, out=out, validate=False, op="attention",
@@ -625,10 +626,11 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         # Tiles per head lie between the dense count and its bound (a partly filled tile per user).
         dense = -(-p.batch * p.s_q // 128)
         tiles = (dense + max_tiles_per_head(p.batch, p.broadcast_batch, p.s_q)) // 2
-        n_splits, split_keys = kv_splits(tiles, p.heads, p.kv_len, sm_count(device))
+        n_splits, split_keys = kv_splits(tiles, p.heads, p.kv_len, sm_count(device), policy)
     n_users = p.broadcast_batch
-    use_worklist_kernel = p.direction == "kv" and work_list is None and _WORKLIST_KERNEL and _worklist_fits(n_users)
-    pair = _SPLIT_PAIR and n_splits == 2
+    use_worklist_kernel = (p.direction == "kv" and work_list is None and policy.worklist_kernel
+                           and _worklist_fits(n_users))
+    pair = policy.split_pair and n_splits == 2
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
                         jagged=p.jagged, split_kv=n_splits > 1 and not pair, split_pair=pair)
     _, _, chunks = row_packing(p.s_q)
@@ -653,6 +655,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
     n_rows = p.kv_batch + 1 if p.jagged else p.kv_batch
     return _Plan(
         config=cfg,
+        policy=policy,
         kernel=_fwd_kernel(cfg),
         worklist=worklist,
         ordered=cfg.ordered,
@@ -678,7 +681,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         merge=_merge_kernel(p.q.dtype, return_lse) if n_splits > 1 and not pair else None,
         n_splits=n_splits,
         split_keys=split_keys,
-        prefetch_blocks=min(_PREFETCH_BLOCKS, MAX_PREFETCH_BLOCKS) if cfg.direction == "kv" and not cfg.ordered else 0,
+        prefetch_blocks=policy.prefetch_blocks if cfg.direction == "kv" and not cfg.ordered else 0,
         default_scale=1.0 / math.sqrt(p.head_dim),
         buf_sizes=tuple(sizes),
         buf_sizes_rows=(*sizes, n_rows),

@@ -39,7 +39,7 @@ class AttentionConfig:
     # KV broadcast: each row's keys over the two CTAs of a cluster (CTA r over split r of
     # split_keys keys), their partial outputs merged in distributed shared memory, with no
     # workspace and no second launch. The op takes it for two splits where
-    # ikbo_fa.attention._SPLIT_PAIR says so.
+    # AttentionPolicy.split_pair says so.
     split_pair: bool = False
 
     def __post_init__(self):
@@ -139,24 +139,26 @@ def compile_config(cfg: AttentionConfig, *, keep_ptx: bool = False, ptxas_report
     from cute_kernels.compile import compile_kernel
     from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
 
+    from .fwd_args import FwdScalars, FwdTensors, FwdWorkList
     from .fwd_sm90 import IkboAttentionFwdSm90
 
     dt = cutlass_dtype(cfg.dtype)
     d = cfg.head_dim
+    kv = cfg.direction == "kv"
+    vec = lambda: fake_tensor(Int32, (None,), align=4)  # noqa: E731
     # Sizes B, H, L, ... are symbolic; strides are multiples of 8 elements (16 B).
-    q = fake_tensor(dt, (None, cfg.s_q, None, d), divisibility=8)
-    k = fake_tensor(dt, (None, None, None, d), divisibility=8)
-    v = fake_tensor(dt, (None, None, None, d), divisibility=8)
-    o = fake_tensor(dt, (None, cfg.s_q, None, d), divisibility=8)
-    lse = fake_tensor(Float32, (None, None, cfg.s_q), align=4) if cfg.return_lse else None
-    cand = fake_tensor(Int32, (None,), align=4)
-    starts = fake_tensor(Int32, (None,), align=4) if cfg.direction == "kv" else None
-    tiles = fake_tensor(Int32, (None,), align=4) if cfg.direction == "kv" else None
-    kv_len = fake_tensor(Int32, (None,), align=4) if cfg.has_kv_lengths else None
-    grouped = fake_tensor(Int32, (1,), align=4) if cfg.direction == "kv" else None
-    offsets = fake_tensor(Int32, (None,), align=4) if cfg.jagged else None
-    perm = fake_tensor(Int32, (None,), align=4) if cfg.ordered else None
-    kernel = IkboAttentionFwdSm90(cfg)
-    return compile_kernel(kernel, q, k, v, o, lse, cand, starts, tiles, kv_len, grouped, offsets, perm,
-                          Float32(1.0), Float32(1.0), Int32(1), Int32(0), Int32(0), Int32(1), Int32(0), Int32(0), fake_stream(),
+    tensors = FwdTensors(
+        q=fake_tensor(dt, (None, cfg.s_q, None, d), divisibility=8),
+        k=fake_tensor(dt, (None, None, None, d), divisibility=8),
+        v=fake_tensor(dt, (None, None, None, d), divisibility=8),
+        out=fake_tensor(dt, (None, cfg.s_q, None, d), divisibility=8),
+        lse=fake_tensor(Float32, (None, None, cfg.s_q), align=4) if cfg.return_lse else None,
+        kv_lengths=vec() if cfg.has_kv_lengths else None,
+        kv_offsets=vec() if cfg.jagged else None,
+    )
+    wl = FwdWorkList(cand=vec(), cand_start=vec() if kv else None, tile_start=vec() if kv else None,
+                     grouped=fake_tensor(Int32, (1,), align=4) if kv else None, perm=vec() if cfg.ordered else None)
+    scalars = FwdScalars(q_flat=Int32(0), max_keys=Int32(0), n_splits=Int32(1), split_keys=Int32(0),
+                         prefetch_blocks=Int32(0), scale_log2=Float32(1.0), scale=Float32(1.0))
+    return compile_kernel(IkboAttentionFwdSm90(cfg), tensors, wl, scalars, Int32(1), fake_stream(),
                           keep_ptx=keep_ptx, ptxas_report=ptxas_report)

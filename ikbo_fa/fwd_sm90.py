@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -14,7 +15,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cute_kernels.accumulator import acc_as_frag_a, acc_mn_view, warpgroup_gemm
 from cute_kernels.cluster_reduce import cluster_end, init_exchange, release_peers, store_remote
 from cute_kernels.interop import cutlass_dtype
-from cute_kernels.scheduler import strided_tiles, warp_search
+from cute_kernels.scheduler import strided_tiles
 from cute_kernels.warp_specialized import (
     Barrier,
     PingPong,
@@ -27,7 +28,18 @@ from cute_kernels.warp_specialized import (
 )
 
 from .config import AttentionConfig, box_rows, row_packing
+from .fwd_args import (
+    FwdScalars,
+    FwdTensors,
+    FwdWorkList,
+    GlobalTensors,
+    ProblemDims,
+    SmemLayouts,
+    TiledMmas,
+    TmaOperands,
+)
 from .softmax import LN_2, LOG2_E, OnlineSoftmax
+from .tile_scheduler import AttentionTileScheduler, Schedule, TileInfo
 
 
 class FwdBarrier(Barrier):
@@ -36,71 +48,6 @@ class FwdBarrier(Barrier):
     EPILOGUE = 1  # + consumer warpgroup: its 128 threads around the sO writes
     V_TAIL = 3  # both consumer warpgroups, after zeroing a V tail
     GEMM_TURN = 4  # + consumer warpgroup: that warpgroup's turn to issue its GEMMs (PingPong)
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """The tile space of one launch (device values, read-only in every role)."""
-
-    total_tiles: Int32
-    tiles_per_head: Int32
-    n_q_batch: Int32
-    n_kv_batch: Int32
-    n_heads: Int32
-    n_kv_heads: Int32
-    kv_len: Int32  # keys per K/V row (jagged: total_L, the rows of the packed K/V)
-    max_keys: Int32  # jagged: the longest history a row may have (the op's max_kv_len)
-    q_flat: cutlass.Boolean  # q and out hold a user's query rows at one stride (checked by the op)
-    n_splits: Int32  # split_kv: CTAs per (tile, head), each over split_keys of the row's keys
-    split_keys: Int32  # split_kv, split_pair: keys per split, a multiple of TILE_N
-    rank: Int32  # split_pair: this CTA's split (its rank in the cluster); 0 otherwise
-
-    def group(self):
-        """Query heads per K/V head."""
-        return self.n_heads // self.n_kv_heads
-
-
-@dataclasses.dataclass(frozen=True)
-class TileInfo:
-    """What the producer looked up for one tile; written to shared memory with the tile's Q
-    (``store``) and read back by the consumers (``load``), so they never search the work list.
-
-    KV broadcast: the tile is rows ``row0 : row0 + 128`` of its user's run of query rows
-    (candidate ``order[first + i]`` holds rows i * S_q : (i + 1) * S_q of the run)."""
-
-    head: Int32
-    kv_coord: Int32  # K/V batch row (a user, or a candidate for Q broadcast); jagged: its offsets entry
-    first: Int32  # KV: work-list position of the user's first candidate; Q: the candidate
-    n_valid: Int32  # KV: rows of the tile that hold a query row (1 to 128)
-    chunk: Int32  # Q: 128-row chunk of the candidate (S_q > 64)
-    q_coord: Int32  # KV: row of q (as [B * S_q] rows) of the tile's first row; Q: query batch row
-    row0: Int32  # KV: the tile's first row in its user's run
-    flat: cutlass.Boolean  # KV: the tile's rows are consecutive rows of q and out (idx grouped)
-    invalid: cutlass.Boolean  # out-of-range index: the tile writes NaN
-    n_keys: Int32  # split_kv: the keys of this split
-    kv_base: Int32  # jagged: the row's first key in the packed K/V; split_kv: plus the split's first
-    out_head: Int32  # the head of out / lse it writes (split_kv: split * H + head of the workspace)
-
-    FIELDS = 12  # Int32 words in shared memory
-    KV_BASE = 10  # the word of kv_base
-
-    @cute.jit
-    def store(self, sMeta, stage: Int32):
-        words = (self.head, self.kv_coord, self.first, self.n_valid, self.chunk, self.q_coord, self.row0,
-                 Int32(1) if self.flat else Int32(0), Int32(1) if self.invalid else Int32(0), self.n_keys,
-                 self.kv_base, self.out_head)
-        for i in cutlass.range_constexpr(TileInfo.FIELDS):
-            sMeta[i, stage] = words[i]
-
-    @staticmethod
-    def load(sMeta, stage: Int32, dense: bool, split: bool = False) -> "TileInfo":
-        """The fields the consumers keep through the main loop: those of the configuration (the
-        others are constants, registers the consumers, at their limit, keep free); kv_base is
-        read from shared memory where it is needed (``KV_BASE``)."""
-        m = [sMeta[i, stage] for i in range(TileInfo.FIELDS)]
-        row0, flat = (m[6], m[7] != 0) if dense else (Int32(0), False)
-        return TileInfo(m[0], m[1], m[2], m[3], m[4], m[5], row0, flat, m[8] != 0, m[9], Int32(0),
-                        m[11] if split else m[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +76,23 @@ class ConsumerState:
     mOg: object  # direct_rows: (S_q, D, H, B) view of out in global memory, for store_rows
 
 
+class SharedTensors(NamedTuple):
+    """The CTA's shared-memory tensors."""
+
+    q: object  # Q stages (rows, D, stage)
+    k: object  # K stages
+    v: object  # V stages
+    vt: object  # (D, n, stage) view of V: the MN-major B operand of O += P V
+    o: object  # the output tile, staged for TMA stores
+    meta: object  # TileInfo per Q stage
+
+
+class Pipelines(NamedTuple):
+    q: object
+    k: object
+    v: object
+
+
 # Q slots whose lookups the producer (24 registers) keeps in flight together: at 8 or 16 they
 # spilled (S_q 8, 16, 24, 40, ...: boxes of 8 or 16 rows).
 Q_SLOTS_UNROLLED = 4
@@ -153,21 +117,22 @@ class IkboAttentionFwdSm90:
         boxes of at most 4 rows (``direct_rows``), rows that are not one such box go from
         registers straight to out instead.
 
-    Pipelines (PipelineTmaAsync; checked in ``__init__``):
+    Pipelines (PipelineTmaAsync; checked in ``__init__``; the table is ``contract_table`` of
+    ``self.pipelines``, which tests/test_attention_contracts_cpu.py holds it to):
 
         | pipeline | producer -> consumer | full / empty arrives | stages |
         | --- | --- | --- | --- |
-        | Q (+ TileInfo) | producer warp 0 -> both consumer warpgroups | 1 / 8 | 2 |
+        | Q | producer warp 0 -> both consumer warpgroups | 1 / 8 | 2 |
         | K | producer warp 0 -> both consumer warpgroups | 1 / 8 | 2 |
         | V | producer warp 0 -> both consumer warpgroups | 1 / 8 | 2 |
 
       Full: one elected producer thread with the stage's TMA bytes (Q: every slot of the
       128-row tile). Empty: lane 0 of each of the 8 consumer warps. Q stage i % 2 holds the
-      CTA's i-th tile, so the next tile's Q loads while this one runs; it is released after
-      the tile's main loop (the TileInfo slot with it). K and V share one stage index; K is
-      released after S of its block, V after its P V.
+      CTA's i-th tile, and beside it the tile's TileInfo, so the next tile's Q loads while this
+      one runs; it is released after the tile's main loop (the TileInfo slot with it). K and V
+      share one stage index; K is released after S of its block, V after its P V.
 
-    Named barriers (FwdBarrier):
+    Named barriers (FwdBarrier; ``+ wg``: one id per consumer warpgroup, BARRIER_SPANS):
       EPILOGUE + wg (128 threads): warpgroup wg, twice per tile around its sO writes, and
         (``split_pair``) once in ``pair_receive``, when every thread has read the peer's rows.
       V_TAIL (256): both consumer warpgroups, once per tile after zeroing a V tail (kv_lengths
@@ -209,8 +174,8 @@ class IkboAttentionFwdSm90:
     over padded K/V) lanes of warp 0 prefetch into L2 the K/V blocks the first tiles read first
     (``prefetch_blocks`` per CTA, a run-time argument; 0: none), as DRAM idles during the wait.
 
-    Tiles and order: a tile is (head, group, tile-in-group). KV broadcast: groups are users
-    plus a last group of candidates whose index is out of range (written as NaN). A user's
+    Tiles and order (the producer asks ``ikbo_fa.tile_scheduler``): a tile is (head, group,
+    tile-in-group). KV broadcast: groups are users plus a last group of candidates whose index is out of range (written as NaN). A user's
     candidates, grouped on the device (worklist.py), put their query rows in one dense run
     (S_q rows each, any S_q), cut into 128-row tiles, so each K/V block in shared memory serves
     all of them; a candidate may span two tiles, and only a user's last tile has rows past the
@@ -242,6 +207,8 @@ class IkboAttentionFwdSm90:
     # between tiles with one stage).
     Q_STAGES = 2
     REGISTERS = RegisterSplit(producer=24, consumer=240)
+    # Named barriers offset by the consumer warpgroup (ids per barrier; the others take one).
+    BARRIER_SPANS = {"EPILOGUE": 2, "GEMM_TURN": 2}
     CONSUMER_THREADS = 256
 
     def __init__(self, cfg: AttentionConfig):
@@ -270,6 +237,7 @@ class IkboAttentionFwdSm90:
         # Histories of different lengths (KV broadcast): the work list orders the groups longest
         # first, so that the walk's last rounds hold the short tiles.
         self.ordered = cfg.ordered
+        self.scheduler = AttentionTileScheduler(cfg)
         # KV broadcast over padded K/V: every row's first blocks (the last of each split) are
         # known from the shapes alone, so they can be prefetched into L2 while the work list runs.
         self.prefetch = self.dense and not self.ordered
@@ -280,7 +248,7 @@ class IkboAttentionFwdSm90:
         self.key_split = cfg.split_kv or cfg.split_pair
         self.num_threads = self.REGISTERS.threads
         self.ping_pong = PingPong(int(FwdBarrier.GEMM_TURN))
-        check_barriers("IkboAttentionFwdSm90", FwdBarrier, {"EPILOGUE": 2, "GEMM_TURN": 2})
+        check_barriers("IkboAttentionFwdSm90", FwdBarrier, self.BARRIER_SPANS)
 
         elt = self.dtype.width // 8
         d, r = self.head_dim, self.slot_rows
@@ -306,30 +274,9 @@ class IkboAttentionFwdSm90:
 
     # ------------------------------------------------------------------ host
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # [Bq, S_q, H, D]
-        mK: cute.Tensor,  # [Bkv, L, H_kv, D]
-        mV: cute.Tensor,  # [Bkv, L, H_kv, D]
-        mO: cute.Tensor,  # [B, S_q, H, D]
-        mLSE: cute.Tensor | None,  # [B, H, S_q] fp32
-        mCand: cute.Tensor,  # kv: candidates grouped by user [B]; q: idx [B] (int32)
-        mCandStart: cute.Tensor | None,  # kv: [U + 2] first candidate of each group
-        mTileStart: cute.Tensor | None,  # kv: [U + 2] first tile of each group
-        mKvLen: cute.Tensor | None,  # [Bkv] int32, clamped to [0, L]
-        mGrouped: cute.Tensor | None,  # kv: [1] int32, 1 where the work list's order is 0, 1, ...
-        mKvOffsets: cute.Tensor | None,  # jagged: [Bkv + 1] int32 (k, v as [1, total_L, H_kv, D])
-        mPerm: cute.Tensor | None,  # ordered: [U + 1] the groups longest first (tile_start by position)
-        scale_log2: Float32,
-        scale: Float32,
-        n_ctas: Int32,
-        q_flat: Int32,  # kv: 1 where q's and out's batch stride is S_q times their row stride
-        max_keys: Int32,  # jagged: keys past this many in a row are not read
-        n_splits: Int32,  # split_kv: splits of each row's keys (1 otherwise)
-        split_keys: Int32,  # split_kv: keys per split, a multiple of 128
-        prefetch_blocks: Int32,  # ``prefetch``: K/V blocks per CTA to prefetch into L2 (0: none)
-        stream,
-    ):
+    def __call__(self, tensors: FwdTensors, wl: FwdWorkList, scalars: FwdScalars, n_ctas: Int32, stream):
+        """Launch on ``stream`` over a grid of ``n_ctas`` CTAs (fwd_args says what each bundle holds)."""
+        mQ, mK, mV, mO, mLSE, mKvLen, mKvOffsets = tensors
         d, r = self.head_dim, self.slot_rows
         # (rows, D, head) views of q and out as B * S_q rows, for the one-box path (used only
         # where q_flat says the strides allow it).
@@ -390,14 +337,15 @@ class IkboAttentionFwdSm90:
         self.shared_storage = SharedStorage
 
         self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
-            tma_atom_Qf, tma_Qf, tma_atom_Of, tma_Of,
-            mLSE, mCand, mCandStart, mTileStart, mKvLen, mGrouped, mKvOffsets, mPerm, mK, mV,
-            mO if const_expr(self.direct_rows) else None,
-            mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
-            mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3],
-            q_flat, max_keys, n_splits, split_keys, prefetch_blocks, scale_log2, scale,
-            tiled_mma_qk, tiled_mma_pv, sQ_layout, sO_layout, slot_layout, sK_layout, sV_layout,
+            TmaOperands(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
+                        tma_atom_Qf, tma_Qf, tma_atom_Of, tma_Of),
+            GlobalTensors(mLSE, wl.cand, wl.cand_start, wl.tile_start, mKvLen, wl.grouped, mKvOffsets, wl.perm, mK, mV,
+                          mO if const_expr(self.direct_rows) else None),
+            ProblemDims(mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
+                        mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3]),
+            scalars,
+            TiledMmas(tiled_mma_qk, tiled_mma_pv),
+            SmemLayouts(sQ_layout, sO_layout, sK_layout, sV_layout),
         ).launch(grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  use_pdl=True, **({"cluster": [self.cluster_size, 1, 1]} if self.pair else {}))
 
@@ -405,67 +353,33 @@ class IkboAttentionFwdSm90:
     @cute.kernel
     def kernel(
         self,
-        tma_atom_Q: cute.CopyAtom,
-        mQ: cute.Tensor,
-        tma_atom_K: cute.CopyAtom,
-        mK: cute.Tensor,
-        tma_atom_V: cute.CopyAtom,
-        mV: cute.Tensor,
-        tma_atom_O: cute.CopyAtom,
-        mO: cute.Tensor,
-        tma_atom_Qf: cute.CopyAtom | None,
-        mQf: cute.Tensor | None,
-        tma_atom_Of: cute.CopyAtom | None,
-        mOf: cute.Tensor | None,
-        mLSE: cute.Tensor | None,
-        mCand: cute.Tensor,
-        mCandStart: cute.Tensor | None,
-        mTileStart: cute.Tensor | None,
-        mKvLen: cute.Tensor | None,
-        mGrouped: cute.Tensor | None,
-        mKvOffsets: cute.Tensor | None,
-        mPerm: cute.Tensor | None,
-        mKg: cute.Tensor,  # (L, D, H_kv, batch) view of K in global memory, for exact_rows
-        mVg: cute.Tensor,  # ... and of V
-        mOg: cute.Tensor | None,  # direct_rows: (S_q, D, H, B) view of out, for store_rows
-        n_q_batch: Int32,
-        n_kv_batch: Int32,
-        n_heads: Int32,
-        n_kv_heads: Int32,
-        kv_len: Int32,
-        n_out: Int32,
-        q_flat: Int32,
-        max_keys: Int32,
-        n_splits: Int32,
-        split_keys: Int32,
-        prefetch_blocks: Int32,
-        scale_log2: Float32,
-        scale: Float32,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        sQ_layout: cute.ComposedLayout,
-        sO_layout: cute.ComposedLayout,
-        slot_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
+        tma: TmaOperands,
+        g: GlobalTensors,
+        dims: ProblemDims,
+        scalars: FwdScalars,
+        mmas: TiledMmas,
+        layouts: SmemLayouts,
     ):
+        """The CTA: shared memory and pipelines, the tile walk's Schedule, then the warp roles
+        (producer warp 0; consumer warpgroups 1 and 2), each given the bundles it reads."""
+        n_kv_batch = dims.n_kv_batch
+        n_splits = scalars.n_splits
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+            for atom in (tma.atom_q, tma.atom_k, tma.atom_v, tma.atom_o):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(self.flat_path):
-                for atom in (tma_atom_Qf, tma_atom_Of):
+                for atom in (tma.atom_qf, tma.atom_of):
                     cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sK = storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner)
+        sV = storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner)
         if const_expr(self.prefetch):
             if warp_idx == 0:
-                self.prefetch_first_blocks(tma_atom_K, mK, tma_atom_V, mV, sK, sV, n_kv_batch, n_kv_heads, kv_len,
-                                           n_splits, split_keys, prefetch_blocks)
+                self.prefetch_first_blocks(tma, sK, sV, dims, scalars)
         pipe_q = self.pipelines["Q"].make(storage.mbar_q.data_ptr())
         pipe_k = self.pipelines["K"].make(storage.mbar_k.data_ptr())
         pipe_v = self.pipelines["V"].make(storage.mbar_v.data_ptr())
@@ -483,8 +397,8 @@ class IkboAttentionFwdSm90:
         # above; the K/V prefetches only move lines into L2 (coherent), never into the CTA.
         cute.arch.griddepcontrol_wait()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sQ = storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner)
+        sO = storage.sO.get_tensor(layouts.o.outer, swizzle=layouts.o.inner)
         # The producer's TileInfo for the tile in each Q stage, handed to the consumers with its Q.
         sMeta = storage.tile_meta.get_tensor(cute.make_layout((TileInfo.FIELDS, self.Q_STAGES)))
         # (D, n, stage) view of V: the MN-major B operand of O += P V.
@@ -492,115 +406,31 @@ class IkboAttentionFwdSm90:
             sV, cute.make_ordered_layout((self.head_dim, self.tile_n, self.KV_STAGES), order=(1, 0, 2)))
 
         if const_expr(self.cfg.direction == "kv"):
-            tiles_per_head = mTileStart[n_kv_batch + 1]
+            tiles_per_head = g.tile_start[n_kv_batch + 1]
         else:
-            tiles_per_head = n_out * self.chunks
+            tiles_per_head = dims.n_out * self.chunks
         flat = False
         if const_expr(self.flat_path):
-            flat = q_flat != 0 and mGrouped[0] != 0
-        total = tiles_per_head * n_heads
+            flat = scalars.q_flat != 0 and g.grouped[0] != 0
+        total = tiles_per_head * dims.n_heads
         if const_expr(self.cfg.split_kv):
             total = total * n_splits
-        sched = Schedule(total, tiles_per_head, n_q_batch, n_kv_batch, n_heads, n_kv_heads, kv_len, max_keys, flat,
-                         n_splits, split_keys, rank)
+        sched = Schedule(total, tiles_per_head, dims.n_q_batch, n_kv_batch, dims.n_heads, dims.n_kv_heads,
+                         dims.kv_len, scalars.max_keys, flat, n_splits, scalars.split_keys, rank)
+        smem_t = SharedTensors(sQ, sK, sV, sVt, sO, sMeta)
+        pipes = Pipelines(pipe_q, pipe_k, pipe_v)
 
         if warp_idx < 4:
             self.REGISTERS.enter_producer()
             if warp_idx == 0:
-                self.producer(tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
-                              pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched)
+                self.producer(tma, g, smem_t, pipes, sched)
         else:
             self.REGISTERS.enter_consumer()
-            self.consumer(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
-                          sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, mOg, sched, scale_log2, tidx - 128, storage)
+            self.consumer(mmas, tma, g, smem_t, pipes, sched, scalars.scale_log2, tidx - 128, storage)
         if const_expr(self.pair):
             cluster_end()
 
-    # ------------------------------------------------------------ work list
-    @cute.jit
-    def tile_info(self, t: Int32, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm,
-                  sched: Schedule) -> TileInfo:
-        """Tile t -> its TileInfo (KV broadcast: a search over the groups' first tiles by the
-        whole producer warp, which calls it).
-        split_kv: splits run slowest (t = split * tiles of all heads + ...). ordered: the walk
-        turns back every other round, and heads run fastest over the groups in perm order."""
-        if const_expr(self.ordered):
-            grid, _, _ = cute.arch.grid_dim()
-            G = Int32(grid) // self.cluster_size  # the walk's width, in clusters
-            r = t // G
-            c = t - r * G
-            if r % 2 == 1:
-                c = cutlass.min(G, sched.total_tiles - r * G) - 1 - c
-            t = r * G + c
-        split = sched.rank
-        if const_expr(self.cfg.split_kv):
-            per_split = sched.tiles_per_head * sched.n_heads
-            split = t // per_split
-            t = t - split * per_split
-        h = Int32(0)
-        rem = Int32(0)
-        if const_expr(self.ordered):
-            rem = t // sched.n_heads
-            h = t - rem * sched.n_heads
-        else:
-            h = t // sched.tiles_per_head
-            rem = t - h * sched.tiles_per_head
-        first = Int32(0)
-        n_valid = Int32(self.tile_m)
-        chunk = Int32(0)
-        q_coord = Int32(0)
-        row0 = Int32(0)
-        kv_coord = Int32(0)
-        invalid = False
-        if const_expr(self.cfg.direction == "kv"):
-            # Group u with tile_start[u] <= rem < tile_start[u + 1]; group n_kv_batch
-            # holds the candidates whose index is out of range.
-            # All 32 lanes of the producer warp search at once (warp_search: two rounds of loads
-            # for up to 1023 groups, where a binary search waits on one load after another).
-            lo = warp_search(mTileStart, rem, Int32(0), sched.n_kv_batch + 1)
-            # The group's query rows are one run; this is its tile j. ordered: position lo of
-            # tile_start holds group perm[lo].
-            g = lo
-            if const_expr(self.ordered):
-                g = mPerm[lo]
-            first = mCandStart[g]
-            row0 = (rem - mTileStart[lo]) * self.tile_m
-            n_valid = cutlass.min((mCandStart[g + 1] - first) * self.s_q - row0, self.tile_m)
-            q_coord = first * self.s_q + row0
-            invalid = g == sched.n_kv_batch
-            kv_coord = g
-            if invalid:
-                kv_coord = Int32(0)
-        else:
-            b = rem // self.chunks
-            chunk = rem - b * self.chunks
-            first = b
-            kv_coord = b
-            q_coord = mCand[b]
-            invalid = q_coord < 0 or q_coord >= sched.n_q_batch
-            if invalid:
-                q_coord = Int32(0)
-        n_keys = sched.kv_len
-        kv_base = Int32(0)
-        if const_expr(self.cfg.has_kv_lengths):
-            n_keys = mKvLen[kv_coord]
-        if const_expr(self.cfg.jagged):
-            # Clamped, so that offsets the op did not validate never lead outside K/V.
-            kv_base = cutlass.min(cutlass.max(mKvOffsets[kv_coord], 0), sched.kv_len)
-            end = cutlass.min(cutlass.max(mKvOffsets[kv_coord + 1], kv_base), sched.kv_len)
-            n_keys = cutlass.min(end - kv_base, sched.max_keys)
-        out_head = h
-        if const_expr(self.key_split):
-            start = split * sched.split_keys
-            n_keys = cutlass.min(cutlass.max(n_keys - start, 0), sched.split_keys)
-            kv_base = kv_base + start
-        if const_expr(self.cfg.split_kv):
-            out_head = split * sched.n_heads + h
-        if invalid:
-            n_keys = Int32(0)
-        return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, row0, sched.q_flat, invalid, n_keys, kv_base,
-                        out_head)
-
+    # ------------------------------------------------------------ tiles
     @cute.jit
     def slot_info(self, s, info: TileInfo, mCand):
         """Slot s of a tile -> (stored?, query batch coord, output batch coord, row block).
@@ -629,8 +459,7 @@ class IkboAttentionFwdSm90:
 
     # ------------------------------------------------------------- producer
     @cute.jit
-    def producer(self, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, sMeta,
-                 pipe_q, pipe_k, pipe_v, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched: Schedule):
+    def producer(self, tma: TmaOperands, g: GlobalTensors, smem: SharedTensors, pipes: Pipelines, sched: Schedule):
         """Warp 0: per tile its TileInfo and Q slots, then K/V blocks last to first."""
         group = sched.group()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.Q_STAGES)
@@ -638,15 +467,12 @@ class IkboAttentionFwdSm90:
         walk = strided_tiles(Int32(0), cluster=self.cluster_size)
         t = walk.first
         while t < sched.total_tiles:
-            info = self.tile_info(t, mCand, mCandStart, mTileStart, mKvLen, mKvOffsets, mPerm, sched)
-            q_state, kv_state = self.load_tile(info, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K,
-                                               mK, tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k, pipe_v, mCand,
-                                               group)
+            info = self.scheduler.tile_info(t, g, sched)
+            q_state, kv_state = self.load_tile(info, q_state, kv_state, tma, smem, pipes, g.cand, group)
             t += walk.stride
 
     @cute.jit
-    def prefetch_first_blocks(self, tma_atom_K, mK, tma_atom_V, mV, sK, sV, n_kv_batch: Int32, n_kv_heads: Int32,
-                              kv_len: Int32, n_splits: Int32, split_keys: Int32, prefetch_blocks: Int32):
+    def prefetch_first_blocks(self, tma: TmaOperands, sK, sV, dims: ProblemDims, scalars: FwdScalars):
         """Warp 0, before the work list is done: K and V blocks that the first tiles read first,
         prefetched into L2 by TMA (no barrier, no shared memory), while DRAM would idle.
 
@@ -656,6 +482,8 @@ class IkboAttentionFwdSm90:
         grid (the short calls this is for) every item is read by some first tile; beyond, some
         lines are read later or evicted, which costs DRAM time only while the CTAs wait."""
         d = self.head_dim
+        n_kv_batch, n_kv_heads, kv_len = dims.n_kv_batch, dims.n_kv_heads, dims.kv_len
+        split_keys, prefetch_blocks = scalars.split_keys, scalars.prefetch_blocks
         lane = cute.arch.lane_idx()
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -663,7 +491,7 @@ class IkboAttentionFwdSm90:
         if const_expr(self.pair):
             splits = Int32(self.cluster_size)
         elif const_expr(self.cfg.split_kv):
-            splits = n_splits
+            splits = scalars.n_splits
         per_depth = splits * n_kv_heads * n_kv_batch
         item = Int32(bid) + Int32(lane) * Int32(grid)
         if Int32(lane) < prefetch_blocks and item < per_depth * prefetch_blocks:
@@ -680,17 +508,20 @@ class IkboAttentionFwdSm90:
                 end = cutlass.min(start + split_keys, kv_len)
             block = (end - 1) // self.tile_n - depth
             if end > start and block * self.tile_n >= start:
-                for atom, mX, sX in ((tma_atom_K, mK, sK), (tma_atom_V, mV, sV)):
+                for atom, mX, sX in ((tma.atom_k, tma.k, sK), (tma.atom_v, tma.v, sV)):
                     gX = cute.local_tile(mX[None, None, head, user], (self.tile_n, d), (None, 0))
                     _, tXgX = cpasync.tma_partition(
                         atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
                     cute.prefetch(atom, tXgX[None, block])
 
     @cute.jit
-    def load_tile(self, info: TileInfo, q_state, kv_state, tma_atom_Q, mQ, tma_atom_Qf, mQf, tma_atom_K, mK,
-                  tma_atom_V, mV, sQ, sK, sV, sMeta, pipe_q, pipe_k, pipe_v, mCand, group: Int32):
+    def load_tile(self, info: TileInfo, q_state, kv_state, tma: TmaOperands, smem: SharedTensors, pipes: Pipelines,
+                  mCand, group: Int32):
         """One tile's loads: its TileInfo and Q slots, then its K/V blocks last to first."""
         d = self.head_dim
+        tma_atom_K, mK, tma_atom_V, mV = tma.atom_k, tma.k, tma.atom_v, tma.v
+        sQ, sK, sV, sMeta = smem.q, smem.k, smem.v, smem.meta
+        pipe_q, pipe_k, pipe_v = pipes
         h_kv = info.head // group
         if const_expr(self.cfg.jagged or self.key_split):
             # The keys start at kv_base: the row's in the one packed batch row (jagged), plus
@@ -718,11 +549,11 @@ class IkboAttentionFwdSm90:
         pipe_q.producer_acquire(q_state, try_acquire_token=True)
         if const_expr(self.flat_path):
             if info.flat:
-                self.load_q_halves(tma_atom_Qf, mQf, sQ, pipe_q, q_state, info)
+                self.load_q_halves(tma.atom_qf, tma.qf, sQ, pipe_q, q_state, info)
             else:
-                self.load_q_slots(tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
+                self.load_q_slots(tma.atom_q, tma.q, sQ, pipe_q, q_state, info, mCand)
         else:
-            self.load_q_slots(tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
+            self.load_q_slots(tma.atom_q, tma.q, sQ, pipe_q, q_state, info, mCand)
         q_state.advance()
         # Blocks last to first (the consumers' order); block j's K and V share a stage.
         # K runs one block ahead of V (K(j-1) is issued before V(j)): the consumers
@@ -791,11 +622,14 @@ class IkboAttentionFwdSm90:
 
     # ------------------------------------------------------------ consumers
     @cute.jit
-    def consumer(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sQ, sK, sV, sVt, sO,
-                 sMeta, pipe_q, pipe_k, pipe_v, mCand, mKg, mVg, mOg, sched: Schedule, scale_log2: Float32,
-                 tidx: Int32, storage):
+    def consumer(self, mmas: TiledMmas, tma: TmaOperands, g: GlobalTensors, smem: SharedTensors, pipes: Pipelines,
+                 sched: Schedule, scale_log2: Float32, tidx: Int32, storage):
         """Consumer warpgroups: per tile the main loop over its key blocks, then the epilogue."""
         d, n = self.head_dim, self.tile_n
+        tiled_mma_qk, tiled_mma_pv = mmas
+        sQ, sK, sV, sVt, sMeta = smem.q, smem.k, smem.v, smem.vt, smem.meta
+        pipe_q, pipe_k, pipe_v = pipes
+        mKg, mVg = g.k, g.v
         wg = cute.arch.make_warp_uniform(tidx // 128)
         warp_in_wg = cute.arch.make_warp_uniform((tidx // 32) % 4)
         wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
@@ -818,7 +652,7 @@ class IkboAttentionFwdSm90:
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, tOrP=tOrP,
             acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, col_offset=col_offset, softmax=softmax,
             tOcO_mn=acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, d)))),
-            pipe_k=pipe_k, pipe_v=pipe_v, sQ=sQ, sV=sV, mKg=mKg, mVg=mVg, wg=wg, mOg=mOg)
+            pipe_k=pipe_k, pipe_v=pipe_v, sQ=sQ, sV=sV, mKg=mKg, mVg=mVg, wg=wg, mOg=g.out)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.Q_STAGES)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.KV_STAGES)
@@ -873,8 +707,7 @@ class IkboAttentionFwdSm90:
                 else:
                     store = False
             if store:
-                self.epilogue(st, info, lse, tiled_mma_pv, tidx, tma_atom_O, mO, tma_atom_Of, mOf, mLSE, sO, mCand,
-                              wg, warp_in_wg)
+                self.epilogue(st, info, lse, tiled_mma_pv, tidx, tma, g.lse, smem.o, g.cand, wg, warp_in_wg)
             t += walk.stride
         if warp_in_wg == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1066,8 +899,8 @@ class IkboAttentionFwdSm90:
                 st.acc_O_mn[m, c] = st.acc_O_mn[m, c] * wa + pO_mn[m, c] * wb
 
     @cute.jit
-    def epilogue(self, st: ConsumerState, info: TileInfo, lse, tiled_mma_pv, tidx: Int32, tma_atom_O, mO,
-                 tma_atom_Of, mOf, mLSE, sO, mCand, wg: Int32, warp_in_wg: Int32):
+    def epilogue(self, st: ConsumerState, info: TileInfo, lse, tiled_mma_pv, tidx: Int32, tma: TmaOperands, mLSE,
+                 sO, mCand, wg: Int32, warp_in_wg: Int32):
         """O / row_sum (and the lse) to sO, then one TMA store per stored slot of this warpgroup
         (or, for a flat tile whose 64 rows here are all stored, one box); with ``direct_rows``,
         rows that are not such a box go from registers to out (store_rows). No keys: O = 0,
@@ -1109,7 +942,7 @@ class IkboAttentionFwdSm90:
                             mLSE[out_b, info.out_head, q_row] = lse[m]
 
         if staged:
-            self.store_staged(info, tma_atom_O, mO, tma_atom_Of, mOf, sO, mCand, wg, warp_in_wg)
+            self.store_staged(info, tma.atom_o, tma.o, tma.atom_of, tma.of, sO, mCand, wg, warp_in_wg)
 
     @cute.jit
     def store_staged(self, info: TileInfo, tma_atom_O, mO, tma_atom_Of, mOf, sO, mCand, wg: Int32,

@@ -43,10 +43,11 @@ def attention_reference(
     out: Optional[torch.Tensor] = None,
     validate: Optional[bool] = None,
     work_list: Optional[WorkList] = None,
+    policy=None,
 ):
     """Same signature and result as :func:`ikbo_fa.attention`, evaluated with PyTorch (any device);
     it also takes float32 and any head dimension D. A ``work_list`` is checked as the op checks
-    it; the result does not depend on it."""
+    it; the result does not depend on it. ``policy`` (the op's launch choices) is ignored."""
     p = resolve_problem(q, kv, idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
                         max_kv_len=max_kv_len, broadcast=broadcast, out=out, validate=validate,
                         op="attention_reference", return_lse=return_lse)

@@ -7,7 +7,7 @@
     python perf/compare_fa4.py --jagged lognormal --L 8192   # K/V of per-user lengths <= L
     python perf/compare_fa4.py --preset gr-cross    # generative-recommender cross attention
     python perf/compare_fa4.py --sweep S_q_fine --H 1 2 4 8 --D 64 128 --dtype bf16 fp16
-    python perf/compare_fa4.py --S-q 1 --L 1024 2048 --variant _SPLIT_PAIR=0 _SPLIT_MIN_KEYS=1024
+    python perf/compare_fa4.py --S-q 1 --L 1024 2048 --variant split_pair=0 split_min_keys=1024
 
 Workload (K/V broadcast): B candidates, U users, idx[b] = the user of candidate b;
 q [B, S_q, H, D] per candidate, k, v [U, L, H, D] per user;
@@ -45,8 +45,8 @@ timed (a wrong one is reported, never timed):
                            once (``ikbo_fa.work_list``), untimed, as FA4 varlen's packing is: what
                            each call of a model costs where several calls share one idx
                            (K/V broadcast only)
-  ikbo SPEC                (``--variant SPEC``) ikbo with launch flags of ikbo_fa.attention set,
-                           e.g. ``_SPLIT_PAIR=0``: choices other than the op's, timed in the
+  ikbo SPEC                (``--variant SPEC``) ikbo with a launch policy (ikbo_fa.AttentionPolicy),
+                           e.g. ``split_pair=0``: choices other than the op's, timed in the
                            same run as the default
 Index metadata (page table, cu_seqlens, the grouping permutation, the padding gather) is
 built once, untimed, which favors the peers ("ikbo" groups idx in every timed call; "ikbo, work
@@ -669,8 +669,10 @@ def _ikbo_setup(p: Problem, inp: Inputs):
     return None
 
 
-def _ikbo_run(p: Problem, st, inp: Inputs):
+def _ikbo_run(p: Problem, st, inp: Inputs, policy=None):
     jagged = {} if p.jagged is None else {"kv_offsets": p.kv_offsets, "max_kv_len": p.max_len}
+    if policy is not None:
+        jagged["policy"] = policy
     return LIBS.ikbo.attention(inp.q, (inp.k, inp.v), p.idx, scale=p.scale, broadcast=p.broadcast, **jagged)
 
 
@@ -691,42 +693,19 @@ def _ikbo_reused_run(p: Problem, wl, inp: Inputs):
                                **jagged)
 
 
-def parse_variant(spec: str) -> dict:
-    """``NAME=VALUE[,NAME=VALUE...]`` -> launch flags of ikbo_fa.attention and their values (flags
-    the op reads when it builds a plan, e.g. ``_SPLIT_PAIR=0``); an unknown name raises ValueError."""
-    import importlib
+def parse_variant(spec: str):
+    """``NAME=VALUE[,NAME=VALUE...]`` -> the ikbo_fa.AttentionPolicy with those fields (e.g.
+    ``split_pair=0``; ``AttentionPolicy.parse``); an unknown name raises ValueError."""
+    from ikbo_fa.policy import AttentionPolicy
 
-    mod = importlib.import_module("ikbo_fa.attention")
-    flags = {}
-    for pair in spec.split(","):
-        name, _, value = pair.strip().partition("=")
-        if not name.startswith("_") or not hasattr(mod, name) or not value.strip().lstrip("-").isdigit():
-            raise ValueError(f"variant {spec!r}: {pair!r} is not NAME=INTEGER for a flag of ikbo_fa.attention")
-        flags[name] = type(getattr(mod, name))(int(value))
-    return flags
-
-
-def with_flags(flags: dict, fn: Callable):
-    """fn() with ikbo_fa.attention's launch flags set (restored after; the op keys its plans by them)."""
-    import importlib
-
-    mod = importlib.import_module("ikbo_fa.attention")
-    old = {name: getattr(mod, name) for name in flags}
-    for name, value in flags.items():
-        setattr(mod, name, value)
-    try:
-        return fn()
-    finally:
-        for name, value in old.items():
-            setattr(mod, name, value)
+    return AttentionPolicy.parse(spec)
 
 
 def variant_provider(spec: str) -> Provider:
-    """ikbo with launch flags set (``parse_variant``), named ``ikbo SPEC``: an A/B of the op's
-    choices in the same run as the default and the peers."""
-    flags = parse_variant(spec)
-    return Provider(f"ikbo {spec}", _ikbo_setup, lambda p, st, i: with_flags(flags, lambda: _ikbo_run(p, st, i)),
-                    needs="ikbo")
+    """ikbo with the launch policy of ``spec`` (``parse_variant``), named ``ikbo SPEC``: an A/B of
+    the op's choices in the same run as the default and the peers."""
+    policy = parse_variant(spec)
+    return Provider(f"ikbo {spec}", _ikbo_setup, lambda p, st, i: _ikbo_run(p, st, i, policy), needs="ikbo")
 
 
 def display_index(name: str) -> int:
@@ -923,7 +902,7 @@ def parse_args(argv=None):
                     help=f"subset of: {', '.join(DISPLAY_ORDER)}")
     ap.add_argument("--variant", nargs="+", default=[], metavar="NAME=VALUE[,...]",
                     help="also time ikbo with launch flags of ikbo_fa.attention set, one provider "
-                         "'ikbo SPEC' per SPEC (e.g. _SPLIT_PAIR=0 _SPLIT_PAIR=0,_SPLIT_MIN_KEYS=1024); "
+                         "'ikbo SPEC' per SPEC (e.g. split_pair=0 split_pair=0,split_min_keys=1024); "
                          "its ikbo_speedup is its time over the default's")
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
     ap.add_argument("--graph-below-ms", type=float, default=1.0,

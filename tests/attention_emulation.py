@@ -2,14 +2,16 @@
 compiled kernels (work list and forward) replaced by stand-ins that check what they receive."""
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
 import torch
 
-from cute_kernels.plans import PlanCache
 from ikbo_fa.checks import LOG2E
+from ikbo_fa.fwd_args import FwdScalars, FwdTensors, FwdWorkList, GlobalTensors
 from ikbo_fa.reference import jagged_rows, naive_attention
+from ikbo_fa.tile_scheduler import AttentionTileScheduler, Schedule
 from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist
 
 attention_mod = importlib.import_module("ikbo_fa.attention")  # the module, not the function
@@ -57,8 +59,16 @@ class EmulatedKernels:
         assert ws_lse.dtype == torch.float32 and out.shape[2] * n_splits == ws_o.shape[2]
         attention_mod.merge_splits(ws_o, ws_lse, n_splits, out, lse)
 
-    def fwd(self, q, k, v, out, lse, cand, cand_start, tile_start, kvl, grouped, offsets, perm, scale_log2,
-            scale, n_ctas, q_flat, max_keys, n_splits, split_keys, prefetch_blocks):
+    def fwd_for(self, cfg):
+        """The stand-in of the compiled kernel of configuration ``cfg``."""
+        return functools.partial(self.fwd, cfg)
+
+    def fwd(self, cfg, tensors, work_list, scalars, n_ctas):
+        """The forward kernel of ``cfg`` on its bundles (ikbo_fa.fwd_args)."""
+        assert (type(tensors), type(work_list), type(scalars)) == (FwdTensors, FwdWorkList, FwdScalars)
+        q, k, v, out, lse, kvl, offsets = tensors
+        cand, cand_start, tile_start, grouped, perm = work_list
+        q_flat, max_keys, n_splits, split_keys, prefetch_blocks, scale_log2, scale = scalars
         for hook in self.hooks:
             hook("fwd")
         self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k, out=out,
@@ -83,12 +93,13 @@ class EmulatedKernels:
             assert tile_start.tolist() == starts.tolist()
         H = q.shape[2]
         # split_pair: two splits merged in the kernel, written as one (out has the H heads)
-        pair = n_splits == 2 and out.shape[2] == H
+        pair = cfg.split_pair
+        assert pair == (n_splits == 2 and out.shape[2] == H)
         if pair:
             assert split_keys % 128 == 0 and split_keys > 0 and n_ctas % 2 == 0 and cand_start is not None
-            n_splits, split_keys = 1, 0
-        assert out.shape[2] == n_splits * H and (lse is None or lse.shape[1] == n_splits * H)
-        if n_splits > 1:  # split_kv: split i holds keys i * split_keys : (i + 1) * split_keys of a row
+        heads = n_splits * H if cfg.split_kv else H
+        assert out.shape[2] == heads and (lse is None or lse.shape[1] == heads)
+        if cfg.split_kv:  # split i holds keys i * split_keys : (i + 1) * split_keys of a row
             assert cand_start is not None and lse is not None and split_keys % 128 == 0 and split_keys > 0
         assert scale_log2 == pytest.approx(scale * LOG2E)
         assert q_flat in (0, 1)
@@ -102,68 +113,82 @@ class EmulatedKernels:
         for t in (q, k, v, out):
             assert t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]), t.stride()
             assert t.data_ptr() % 16 == 0
-        L = k.shape[1]
-        rows = None
         if offsets is not None:  # jagged: one packed batch row, int32 offsets the kernel clamps
             assert k.shape[0] == 1 and offsets.dtype == torch.int32 and offsets.is_contiguous()
-            rows = jagged_rows(offsets, L, max_keys)
         if kvl is not None:
             assert kvl.dtype == torch.int32 and kvl.is_contiguous()
-            assert ((kvl >= 0) & (kvl <= L)).all()
+            assert ((kvl >= 0) & (kvl <= k.shape[1])).all()
         B = out.shape[0]
         if cand_start is not None:  # KV broadcast: groups of the work list
-            U = k.shape[0] if rows is None else offsets.shape[0] - 1
+            U = k.shape[0] if offsets is None else offsets.shape[0] - 1
             assert cand_start.shape == (U + 2,) and tile_start.shape == (U + 2,)
             assert sorted(cand.tolist()) == list(range(B)) and int(cand_start[-1]) == B
-            runs = [(cand[cand_start[u]:cand_start[u + 1]].long(), u) for u in range(U + 1)]
-        else:  # Q broadcast: one candidate per run, Q looked up
-            runs = [(torch.tensor([b]), b) for b in range(B)]
-        for members, r in runs:
-            if len(members) == 0:
-                continue
-            if cand_start is not None:
-                bad = r == U
-                qs = q[members]
-                ks, vs = (k[:1], v[:1]) if bad else (k[r:r + 1], v[r:r + 1])
-            else:
-                c = int(cand[r])
-                bad = not 0 <= c < q.shape[0]
-                qs = q[0:1] if bad else q[c:c + 1]
-                ks, vs = k[r:r + 1], v[r:r + 1]
-            n = len(members)
-            lengths = None if kvl is None else kvl[r if not bad else 0].expand(n)
-            if rows is not None:
-                start, length = (int(t[0 if bad else r]) for t in rows)
-                ks, vs = k[:, start:start + max(length, 1)], v[:, start:start + max(length, 1)]
-                lengths = torch.full((n,), length)
-            ks = ks.expand(n, *ks.shape[1:])
-            vs = vs.expand(n, *vs.shape[1:])
-            full = torch.full((n,), ks.shape[1]) if lengths is None else lengths
-            for i in range(n_splits):
-                lo, hi = (i * split_keys, (i + 1) * split_keys) if n_splits > 1 else (0, ks.shape[1])
-                part = (full - lo).clamp(0, hi - lo)
-                kw, vw = ks[:, lo:hi], vs[:, lo:hi]
-                if kw.shape[1] == 0:  # a split past every key of this row's storage
-                    kw, vw = ks[:, :1], vs[:, :1]
-                o, l = naive_attention(qs.float(), kw.float(), vw.float(), scale,
-                                       part if n_splits > 1 or lengths is not None else None)
-                if bad:
-                    o.fill_(float("nan"))
-                    l.fill_(float("nan"))
-                heads = slice(i * H, (i + 1) * H)
-                out.data[members, :, heads] = o.to(out.dtype)  # through the pointer, as the kernel: autograd sees no write
-                if lse is not None:
-                    lse.data[members, heads] = l
+        self.run_tiles(cfg, q, k, v, out, lse, GlobalTensors(None, cand, cand_start, tile_start, kvl, grouped,
+                                                             offsets, perm, k, v, None), scalars, n_ctas, scale)
+
+    def run_tiles(self, cfg, q, k, v, out, lse, g, scalars, n_ctas, scale):
+        """Every tile of the launch as the kernel's tile scheduler hands it out (its host twin),
+        each by naive attention over exactly that tile's rows, head and keys; every (row, head) of
+        out must be written exactly once."""
+        B, S_q, H, D = out.shape[0], q.shape[1], q.shape[2], q.shape[3]
+        sc = AttentionTileScheduler(cfg)
+        n_kv_batch = k.shape[0] if g.kv_offsets is None else g.kv_offsets.shape[0] - 1
+        tiles_per_head = int(g.tile_start[n_kv_batch + 1]) if sc.dense else B * sc.chunks
+        n_splits = scalars.n_splits if cfg.split_kv else 1
+        parts = 2 if cfg.split_pair else 1
+        heads = out.shape[2]
+        ws_o = torch.zeros(B, S_q, parts * heads, D)
+        ws_lse = torch.zeros(B, parts * heads, S_q)
+        written = torch.zeros(B, S_q, parts * heads, dtype=torch.int32)
+        for rank in range(parts):
+            sched = Schedule(tiles_per_head * H * n_splits, tiles_per_head, q.shape[0], n_kv_batch, H, k.shape[2],
+                             k.shape[1], scalars.max_keys, False, scalars.n_splits, scalars.split_keys, rank)
+            for t in range(sched.total_tiles):
+                info = sc.tile_info_host(t, g, sched, n_ctas)
+                if sc.dense:
+                    run = torch.arange(info.row0, info.row0 + info.n_valid)
+                    cands = g.cand[info.first + run // S_q].long()
+                    rows = run % S_q
+                    q_b = cands
+                else:
+                    rows = torch.arange(info.chunk * 128, min(S_q, info.chunk * 128 + 128))
+                    cands = torch.full_like(rows, info.first)
+                    q_b = torch.full_like(rows, info.q_coord)
+                kv_row = 0 if cfg.jagged else info.kv_coord
+                lo = info.kv_base
+                n = max(info.n_keys, 1)  # a key read (never used) where there is none
+                kw = k[kv_row, lo:lo + n, info.head // sched.group()].float()
+                vw = v[kv_row, lo:lo + n, info.head // sched.group()].float()
+                if kw.shape[0] < n:  # past the row's storage: the kernel masks it
+                    kw, vw = k[kv_row, :1, 0].float(), v[kv_row, :1, 0].float()
+                o, l = naive_attention(q[q_b, rows, info.head].float()[None, :, None], kw[None, :, None],
+                                       vw[None, :, None], scale, torch.tensor([info.n_keys]))
+                o, l = o[0, :, 0], l[0, 0]
+                if info.invalid:
+                    o, l = o.fill_(float("nan")), l.fill_(float("nan"))
+                head = rank * heads + info.out_head
+                ws_o[cands, rows, head] = o
+                ws_lse[cands, head, rows] = l
+                written[cands, rows, head] += 1
+        assert (written == 1).all(), "a row of out written other than once"
+        if parts == 2:
+            merged = torch.empty(B, S_q, H, D)
+            merged_lse = torch.empty(B, H, S_q)
+            attention_mod.merge_splits(ws_o, ws_lse, 2, merged, merged_lse)
+            ws_o, ws_lse = merged, merged_lse
+        out.data.copy_(ws_o.to(out.dtype))  # through the pointer, as the kernel: autograd sees no write
+        if lse is not None:
+            lse.data.copy_(ws_lse)
 
 
 def install(monkeypatch) -> EmulatedKernels:
     """Route ``ikbo_fa.attention`` on CPU tensors through its GPU path, with the kernels emulated."""
     kernels = EmulatedKernels()
-    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
+    attention_mod._plans.clear()  # plans hold the kernels: none from another test's stand-ins
     monkeypatch.setattr(attention_mod, "on_gpu", lambda q: isinstance(q, torch.Tensor))
     monkeypatch.setattr(attention_mod, "sm_count", lambda device: 132)
     monkeypatch.setattr(attention_mod, "max_active_clusters", lambda device, size: 132 // size)
-    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: kernels.fwd)
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", kernels.fwd_for)
     monkeypatch.setattr(attention_mod, "_worklist_kernel", lambda dtype, keys: kernels.worklist)
     monkeypatch.setattr(attention_mod, "_merge_kernel", lambda dtype, with_lse: kernels.merge)
     real_resolve = attention_mod.resolve_problem

@@ -99,20 +99,15 @@ def user_groups(seed, U, ratio, S_q, L, H=2, D=128, order="sorted", dtype=torch.
     return q, k, v, idx.cuda()
 
 
-def run_with_flags(monkeypatch, flags, q, kv, idx, **kw):
-    """``ikbo_fa.attention`` with launch flags of its module set (``flags``: name -> value) and a
-    plan cache of its own -> (out, lse, the call's plan); out poisoned with NaN before the call."""
+def run_with_policy(policy, q, kv, idx, **kw):
+    """``ikbo_fa.attention`` with launch policy ``policy`` (an ``ikbo_fa.AttentionPolicy``) -> (out,
+    lse, the call's plan); out poisoned with NaN before the call."""
     import importlib
 
     import ikbo_fa
-    from cute_kernels.plans import PlanCache
 
     module = importlib.import_module("ikbo_fa.attention")
-    with monkeypatch.context() as m:
-        for name, value in flags.items():
-            m.setattr(module, name, value)
-        m.setattr(module, "_plans", PlanCache())
-        out = torch.full((idx.shape[0], *q.shape[1:]), float("nan"), dtype=q.dtype, device=q.device)
-        _, lse = ikbo_fa.attention(q, kv, idx, out=out, return_lse=True, validate=False, **kw)
-        (plan,) = module._plans.values()
-        return out, lse, plan
+    out = torch.full((idx.shape[0], *q.shape[1:]), float("nan"), dtype=q.dtype, device=q.device)
+    _, lse = ikbo_fa.attention(q, kv, idx, out=out, return_lse=True, validate=False, policy=policy, **kw)
+    plan = module.launch_plan(q, kv, idx, out=out, return_lse=True, policy=policy, **kw)
+    return out, lse, plan

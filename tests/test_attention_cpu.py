@@ -10,8 +10,8 @@ import torch
 
 import ikbo_fa
 from attention_emulation import attention_mod, install
-from cute_kernels.plans import PlanCache
 from attention_inputs import assert_nan_rows_only, materialize, random_jagged_problem, random_problem
+from ikbo_fa import DEFAULT_POLICY, AttentionPolicy
 from ikbo_fa.config import MAX_SPLITS
 from ikbo_fa.reference import attention_reference, naive_attention
 
@@ -251,7 +251,7 @@ def test_gpu_path_scale_values(emulated):
 @pytest.mark.parametrize("use_kernel_worklist", [True, False])
 def test_gpu_path_matches_reference_out_of_range_unvalidated(emulated, monkeypatch, direction, idx_dtype,
                                                              use_kernel_worklist):
-    monkeypatch.setattr(attention_mod, "_WORKLIST_KERNEL", use_kernel_worklist)
+    policy = AttentionPolicy(worklist_kernel=use_kernel_worklist)
     B, U, L = 11, 3, 9
     q, kv, idx, _ = _gpu_path_problem(21, direction, B, U, idx_dtype, L=L, packed=direction == "kv")
     n_kv = U if direction == "kv" else B
@@ -262,7 +262,8 @@ def test_gpu_path_matches_reference_out_of_range_unvalidated(emulated, monkeypat
         bad_idx[call] = -1 - call
         # int64: wraps to a valid user if converted without the clamp
         bad_idx[call + 4] = 2**32 + call if idx_dtype == torch.int64 else U + call
-        out, lse = ikbo_fa.attention(q, kv, bad_idx, kv_lengths=lengths, return_lse=True, validate=False)
+        out, lse = ikbo_fa.attention(q, kv, bad_idx, kv_lengths=lengths, return_lse=True, validate=False,
+                                     policy=policy)
         ref, ref_lse = attention_reference(q, kv, bad_idx, kv_lengths=lengths, return_lse=True, validate=False)
         torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2, equal_nan=True)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4, equal_nan=True)
@@ -351,7 +352,7 @@ def test_gpu_path_large_sq_chunks(emulated):
     ref, ref_lse = attention_reference(q, kv, idx, kv_lengths=lengths, return_lse=True)
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
-    plan = next(iter(attention_mod._plans.values()))
+    plan = attention_mod.launch_plan(q, kv, idx, kv_lengths=lengths, return_lse=True)
     assert plan.rows_per_cand == 130 and plan.config.s_q == 130
 
 
@@ -388,7 +389,7 @@ def test_gpu_path_jagged_without_keys(emulated):
 
 def test_kv_splits_fill_idle_sms_only():
     assert attention_mod.kv_splits(32, 2, 8192, 132) == (2, 4096)  # S_q 1, ratio 64: 64 tiles
-    assert attention_mod._SPLIT_MIN_KEYS == 512
+    assert DEFAULT_POLICY.split_min_keys == 512
     assert attention_mod.kv_splits(4, 2, 1500, 132) == (2, 768)  # at least 512 keys a split
     assert attention_mod.kv_splits(4, 2, 8192, 132) == (8, 1024)
     assert attention_mod.kv_splits(2, 1, 1000 * 1000, 132) == (8, 125056)  # at most 8 splits
@@ -396,38 +397,41 @@ def test_kv_splits_fill_idle_sms_only():
     assert attention_mod.kv_splits(40, 2, 8192, 132) == (1, 0)  # more than half the SMs busy
 
 
-@pytest.mark.parametrize("flag", [0, 2, 99])
-def test_gpu_path_prefetches_only_over_padded_kv(emulated, monkeypatch, flag):
-    """_PREFETCH_BLOCKS reaches the kernel (at most 32, one lane each) where each row's first
-    K/V blocks follow from the shapes: KV broadcast over padded K/V without kv_lengths."""
-    monkeypatch.setattr(attention_mod, "_PREFETCH_BLOCKS", flag)
+@pytest.mark.parametrize("blocks", [0, 2, 32])
+def test_gpu_path_prefetches_only_over_padded_kv(emulated, blocks):
+    """policy.prefetch_blocks reaches the kernel where each row's first K/V blocks follow from
+    the shapes: KV broadcast over padded K/V without kv_lengths."""
+    policy = AttentionPolicy(prefetch_blocks=blocks)
     q, kv, idx, lengths = _gpu_path_problem(50, "kv", 9, 3, jagged=True)
-    torch.testing.assert_close(ikbo_fa.attention(q, kv, idx), attention_reference(q, kv, idx), rtol=1e-2, atol=1e-2)
-    assert emulated.fwd_calls[-1]["prefetch_blocks"] == min(flag, 32)
-    ikbo_fa.attention(q, kv, idx, kv_lengths=lengths)
+    torch.testing.assert_close(ikbo_fa.attention(q, kv, idx, policy=policy), attention_reference(q, kv, idx),
+                               rtol=1e-2, atol=1e-2)
+    assert emulated.fwd_calls[-1]["prefetch_blocks"] == blocks
+    ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, policy=policy)
     assert emulated.fwd_calls[-1]["prefetch_blocks"] == 0
     k = torch.randn(9, 1, 64).bfloat16()
     offsets = torch.tensor([0, 4, 4, 9])
-    ikbo_fa.attention(q, (k, k.clone()), idx, kv_offsets=offsets)
+    ikbo_fa.attention(q, (k, k.clone()), idx, kv_offsets=offsets, policy=policy)
     assert emulated.fwd_calls[-1]["prefetch_blocks"] == 0
     q, kv, idx, _ = _gpu_path_problem(51, "q", 9, 3)
-    ikbo_fa.attention(q, kv, idx)
+    ikbo_fa.attention(q, kv, idx, policy=policy)
     assert emulated.fwd_calls[-1]["prefetch_blocks"] == 0
 
 
-def test_kv_splits_by_cost(monkeypatch):
-    """_SPLIT_BY_COST: the split count of least split_cost (S_q 1, 4 and 64 at B 2048, ratio 64)."""
-    assert not attention_mod._SPLIT_BY_COST
-    monkeypatch.setattr(attention_mod, "_SPLIT_BY_COST", True)
+def test_kv_splits_by_cost():
+    """policy.split_by_cost: the split count of least split_cost (S_q 1, 4 and 64 at B 2048, ratio 64)."""
+    assert not DEFAULT_POLICY.split_by_cost
+    policy = AttentionPolicy(split_by_cost=True)
     cost = attention_mod.split_cost
     # 160 tiles, 64 key blocks: one split takes two rounds of 65 blocks, four splits five of 17
-    assert cost(160, 8192, 132, 1) == 2 * (64 + 1) and cost(160, 8192, 132, 4) == 5 * (16 + 1) + 2
-    assert cost(160, 1024, 132, 4) == float("inf")  # splits of 256 keys
-    assert attention_mod.kv_splits(80, 2, 8192, 132) == (4, 2048)
-    assert attention_mod.kv_splits(32, 2, 1024, 132) == (2, 512)  # the split pair, as without it
-    assert attention_mod.kv_splits(1040, 2, 8192, 132) == (1, 0)  # full rounds: no split
-    monkeypatch.setattr(attention_mod, "_SPLIT_KV", False)
-    assert attention_mod.kv_splits(80, 2, 8192, 132) == (1, 0)
+    assert cost(160, 8192, 132, 1, policy) == 2 * (64 + 1) and cost(160, 8192, 132, 4, policy) == 5 * (16 + 1) + 2
+    assert cost(160, 1024, 132, 4, policy) == float("inf")  # splits of 256 keys
+    # the cost constants are the policy's: a dearer merge launch, a dearer tile
+    assert cost(160, 8192, 132, 4, AttentionPolicy(merge_blocks=9)) == 5 * (16 + 1) + 9
+    assert cost(160, 8192, 132, 2, AttentionPolicy(tile_blocks=3, pair_merge_blocks=4)) == 3 * (32 + 3) + 4
+    assert attention_mod.kv_splits(80, 2, 8192, 132, policy) == (4, 2048)
+    assert attention_mod.kv_splits(32, 2, 1024, 132, policy) == (2, 512)  # the split pair, as without it
+    assert attention_mod.kv_splits(1040, 2, 8192, 132, policy) == (1, 0)  # full rounds: no split
+    assert attention_mod.kv_splits(80, 2, 8192, 132, AttentionPolicy(split_by_cost=True, split_kv=False)) == (1, 0)
 
 
 @pytest.mark.parametrize("n_splits", [2, 3])
@@ -461,7 +465,7 @@ def test_gpu_path_splits_keys_where_tiles_are_few(emulated, monkeypatch, lengths
     """B 256 at ratio 64, S_q 1, L 2048, with splits of at least 512 keys: 4 users, a few
     tiles, so each row's keys go over 4 CTAs; the merged result is the reference's, and
     without splitting the same."""
-    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
+    policy = AttentionPolicy(split_min_keys=512)
     B, U, L = 256, 4, 2048
     q, kv, idx, lengths = _gpu_path_problem(41, "kv", B, U, S_q=1, L=L, jagged=lengths_kind == "jagged")
     kw = {}
@@ -473,37 +477,57 @@ def test_gpu_path_splits_keys_where_tiles_are_few(emulated, monkeypatch, lengths
         g = torch.Generator().manual_seed(42)
         kv = tuple(torch.randn(int(offsets[-1]), 1, 64, generator=g).bfloat16() for _ in range(2))
         kw.update(kv_offsets=offsets, max_kv_len=L)
-    out, lse = ikbo_fa.attention(q, kv, idx, return_lse=True, **kw)
+    out, lse = ikbo_fa.attention(q, kv, idx, return_lse=True, policy=policy, **kw)
     call = emulated.fwd_calls[-1]
     assert call["n_splits"] == 4 and call["split_keys"] == 512 and call["out"].shape[2] == 4 * 2
     assert emulated.merge_calls == 1
     ref, ref_lse = attention_reference(q, kv, idx, return_lse=True, **kw)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(attention_mod, "_SPLIT_KV", False)
-        m.setattr(attention_mod, "_plans", PlanCache())
-        whole = ikbo_fa.attention(q, kv, idx, **kw)
+    whole = ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(split_kv=False), **kw)
     assert emulated.fwd_calls[-1]["n_splits"] == 1
     torch.testing.assert_close(out, whole, rtol=2e-2, atol=2e-2)
 
 
-def test_a_launch_flag_change_builds_a_new_plan(emulated, monkeypatch):
-    """A launch flag reaches the compile key (_SPLIT_PAIR: two splits in a cluster or through the
-    workspace); changing it builds a new plan instead of reusing the old one."""
-    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
-    monkeypatch.setattr(attention_mod, "_SPLIT_PAIR", True)
+def test_a_policy_change_builds_a_new_plan(emulated, monkeypatch):
+    """A policy reaches the compile key (split_pair: two splits in a cluster or through the
+    workspace); another policy builds a new plan instead of reusing the old one."""
+    pair, no_pair = AttentionPolicy(split_min_keys=512), AttentionPolicy(split_min_keys=512, split_pair=False)
     configs = []
-    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd)
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
     q, kv, idx, _ = _gpu_path_problem(44, "kv", 2048, 32, S_q=1, L=1024)  # two splits of 512 keys
-    first = ikbo_fa.attention(q, kv, idx)
-    monkeypatch.setattr(attention_mod, "_SPLIT_PAIR", False)
-    again = ikbo_fa.attention(q, kv, idx)
+    first = ikbo_fa.attention(q, kv, idx, policy=pair)
+    again = ikbo_fa.attention(q, kv, idx, policy=no_pair)
     assert len(emulated.builds) == 2 and len(attention_mod._plans) == 2
     assert [(c.split_pair, c.split_kv) for c in configs] == [(True, False), (False, True)]
     torch.testing.assert_close(first, again, rtol=2e-2, atol=2e-2)
-    ikbo_fa.attention(q, kv, idx)
-    assert len(emulated.builds) == 2  # the flag unchanged: the plan is reused
+    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy.parse("split_min_keys=512"))  # equal to pair
+    ikbo_fa.attention(q, kv, idx)  # DEFAULT_POLICY: the same fields as pair
+    assert len(emulated.builds) == 2  # an equal policy: the plan is reused
+    assert attention_mod.launch_plan(q, kv, idx, policy=no_pair).policy == no_pair
+
+
+def test_policy_parse_and_checks():
+    assert AttentionPolicy.parse("") == DEFAULT_POLICY
+    p = AttentionPolicy.parse(" split_pair=0, prefetch_blocks=2,worklist_kernel=TRUE")
+    assert p == AttentionPolicy(split_pair=False, prefetch_blocks=2) and p.spec() == "split_pair=0,prefetch_blocks=2"
+    assert AttentionPolicy.parse(p.spec()) == p and DEFAULT_POLICY.spec() == ""
+    with pytest.raises(ValueError, match="split_kv, split_min_keys"):  # lists the fields
+        AttentionPolicy.parse("_SPLIT_PAIR=0")
+    for bad, match in (("split_pair", "not NAME=VALUE"), ("split_pair=yes", "takes 0, 1, true or false"),
+                       ("split_min_keys=1k", "takes an integer"), ("prefetch_blocks=33", "at most 32"),
+                       ("merge_blocks=-1", "must be >= 0"), ("split_min_keys=0", "must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            AttentionPolicy.parse(bad)
+    for bad in (dict(split_pair=1), dict(prefetch_blocks=True), dict(split_min_keys=512.0)):
+        with pytest.raises(TypeError, match=f"AttentionPolicy.{next(iter(bad))} must be"):
+            AttentionPolicy(**bad)
+    q, kv, idx, _ = _gpu_path_problem(45, "kv", 6, 2)
+    for op in (ikbo_fa.attention, ikbo_fa.work_list):
+        args = (q, kv, idx) if op is ikbo_fa.attention else (idx, 2)
+        with pytest.raises(TypeError, match="policy must be an ikbo_fa.AttentionPolicy"):
+            op(*args, policy={"split_pair": False})
+    torch.testing.assert_close(attention_reference(q, kv, idx, policy=DEFAULT_POLICY), attention_reference(q, kv, idx))
 
 
 @pytest.mark.parametrize("lengths_kind", ["none", "kv_lengths", "jagged"])
@@ -512,10 +536,9 @@ def test_split_pair_where_two_splits(emulated, monkeypatch, lengths_kind, return
     """_SPLIT_PAIR: where a problem splits in two, the kernel takes both splits in a cluster
     (split_pair) and writes out and lse itself: no workspace, no merge launch, an even grid of at
     most two CTAs per resident cluster; where it splits in more, the workspace path stays."""
-    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
-    monkeypatch.setattr(attention_mod, "_SPLIT_PAIR", True)
+    policy = AttentionPolicy(split_min_keys=512, split_pair=True)
     configs = []
-    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd)
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
     B, U, L = 2048, 32, 1024  # 64 (user, head) tiles on 132 SMs: two splits of 512 keys
     q, kv, idx, _ = _gpu_path_problem(43, "kv", B, U, S_q=1, L=L)
     kw = {}
@@ -527,7 +550,7 @@ def test_split_pair_where_two_splits(emulated, monkeypatch, lengths_kind, return
         g = torch.Generator().manual_seed(42)
         kv = tuple(torch.randn(int(offsets[-1]), 1, 64, generator=g).bfloat16() for _ in range(2))
         kw.update(kv_offsets=offsets, max_kv_len=L)
-    res = ikbo_fa.attention(q, kv, idx, return_lse=return_lse, **kw)
+    res = ikbo_fa.attention(q, kv, idx, return_lse=return_lse, policy=policy, **kw)
     (cfg,), call = configs, emulated.fwd_calls[-1]
     assert cfg.split_pair and not cfg.split_kv and cfg.return_lse == return_lse
     assert call["n_splits"] == 2 and call["split_keys"] == 512 and call["out"].shape[2] == 2
@@ -536,18 +559,16 @@ def test_split_pair_where_two_splits(emulated, monkeypatch, lengths_kind, return
     for got, want in zip(res if return_lse else (res,), ref if return_lse else (ref,)):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     monkeypatch.setattr(attention_mod, "max_active_clusters", lambda device, size: 5)
-    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
-    ikbo_fa.attention(q, kv, idx, return_lse=return_lse, **kw)
+    attention_mod._plans.clear()  # plans hold the grid of the device they were built on
+    ikbo_fa.attention(q, kv, idx, return_lse=return_lse, policy=policy, **kw)
     assert emulated.fwd_calls[-1]["n_ctas"] == 10  # as many clusters as can be resident
 
 
 def test_split_pair_not_past_two_splits(emulated, monkeypatch):
-    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
-    monkeypatch.setattr(attention_mod, "_SPLIT_PAIR", True)
     configs = []
-    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd)
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
     q, kv, idx, _ = _gpu_path_problem(41, "kv", 256, 4, S_q=1, L=2048)  # four splits
-    ikbo_fa.attention(q, kv, idx)
+    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(split_min_keys=512, split_pair=True))
     assert configs[-1].split_kv and not configs[-1].split_pair and emulated.merge_calls == 1
 
 

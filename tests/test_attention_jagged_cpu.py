@@ -390,12 +390,12 @@ def test_op_takes_the_reference_signature():
     assert op == list(inspect.signature(attention_reference).parameters)
     assert op[:3] == ["q", "kv", "idx"]
     assert op[3:] == ["scale", "kv_lengths", "kv_offsets", "max_kv_len", "broadcast", "return_lse", "out",
-                      "validate", "work_list"]
+                      "validate", "work_list", "policy"]
 
 
 def test_reference_signature():
     params = inspect.signature(attention_reference).parameters
     assert list(params) == ["q", "kv", "idx", "scale", "kv_lengths", "kv_offsets", "max_kv_len", "broadcast",
-                            "return_lse", "out", "validate", "work_list"]
+                            "return_lse", "out", "validate", "work_list", "policy"]
     assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY for n in list(params)[3:])
     assert params["kv_offsets"].default is None and params["max_kv_len"].default is None

@@ -277,15 +277,13 @@ def test_longest_first_walk_on_a_small_grid(monkeypatch, S_q, B, U, H):
     """Histories of very different lengths on a grid of 7 CTAs: many rounds of the walk, the odd
     ones turned back, the last one partial; every tile once (NaN-poisoned out), against fp32."""
     attention_mod = __import__("importlib").import_module("ikbo_fa.attention")
-    from cute_kernels.plans import PlanCache
-
     monkeypatch.setattr(attention_mod, "sm_count", lambda device: 7)
-    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
+    attention_mod._plans.clear()  # plans hold the grid of the device they were built on
     q, kv, k, v, idx, offsets = _make("kv", B, U, S_q, H, H, 64, (0, 1, 129, 2000, 50, 700, 128, 3000, 3),
                                       torch.bfloat16, packed=False, seed=S_q + U, offsets_dtype=torch.int32)
     idx = idx[torch.randperm(B, device="cuda")]
     out = torch.full((B, S_q, H, 64), NAN, dtype=torch.bfloat16, device="cuda")
     _, lse = ikbo_fa.attention(q, kv, idx, kv_offsets=offsets, out=out, return_lse=True)
-    (plan,) = attention_mod._plans.values()
+    plan = attention_mod.launch_plan(q, kv, idx, kv_offsets=offsets, out=out, return_lse=True)
     assert plan.ordered and plan.n_ctas == 7
     _check(out, lse, q, k, v, idx, offsets, "kv", 1.0 / math.sqrt(64))

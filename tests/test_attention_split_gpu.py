@@ -6,19 +6,14 @@ import torch
 
 import ikbo_fa
 from attention_inputs import random_jagged_problem
-from cute_kernels.plans import PlanCache
+from ikbo_fa import AttentionPolicy
 
 pytestmark = pytest.mark.gpu
 attention_mod = __import__("importlib").import_module("ikbo_fa.attention")
 NAN = float("nan")
-
-
-@pytest.fixture(autouse=True)
-def short_splits(monkeypatch):
-    """Splits of 512 keys, so that short histories split too: split boundaries inside and at
-    the ends of the key blocks, up to 8 splits, and the merge, at small sizes."""
-    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
-    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
+# Splits of 512 keys, so that short histories split too: split boundaries inside and at the ends
+# of the key blocks, up to 8 splits, and the merge, at small sizes.
+SPLITS = AttentionPolicy(split_min_keys=512)
 
 
 def _problem(seed, U, ratio, S_q, L, H=2, H_kv=2, D=128, order="sorted", dtype=torch.bfloat16):
@@ -37,17 +32,13 @@ def _reference(q, k, v, idx, lengths=None):
     return ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, kv_lengths=lengths, return_lse=True)
 
 
-def _unsplit(monkeypatch, *args, **kw):
-    with monkeypatch.context() as m:
-        m.setattr(attention_mod, "_SPLIT_KV", False)
-        m.setattr(attention_mod, "_plans", PlanCache())
-        return ikbo_fa.attention(*args, **kw)
+def _unsplit(*args, **kw):
+    return ikbo_fa.attention(*args, policy=AttentionPolicy(split_min_keys=512, split_kv=False), **kw)
 
 
-def _only_plan():
-    """The launch plan of the test's calls (short_splits gives each test an empty cache)."""
-    (plan,) = attention_mod._plans.values()
-    return plan
+def _plan(*args, **kw):
+    """The launch plan of a call with SPLITS."""
+    return attention_mod.launch_plan(*args, policy=SPLITS, **kw)
 
 
 def _poison_workspace(monkeypatch):
@@ -70,28 +61,29 @@ def _splits(B, U, S_q, H, L):
 
     dense = -(-B * S_q // 128)
     tiles = (dense + max_tiles_per_head(B, U, S_q)) // 2
-    return attention_mod.kv_splits(tiles, H, L, torch.cuda.get_device_properties(0).multi_processor_count)[0]
+    return attention_mod.kv_splits(tiles, H, L, torch.cuda.get_device_properties(0).multi_processor_count,
+                                   SPLITS)[0]
 
 
 @pytest.mark.parametrize("order", ["sorted", "shuffled"])
 @pytest.mark.parametrize("U, S_q, L", [(32, 1, 2048), (32, 1, 8192), (8, 2, 1024), (2, 17, 4096), (1, 64, 8192)])
-def test_split_matches_fp32_and_unsplit(monkeypatch, U, S_q, L, order):
+def test_split_matches_fp32_and_unsplit(U, S_q, L, order):
     assert _splits(U * 64, U, S_q, 2, L) > 1  # the problem is one that splits
     q, k, v, idx = _problem(S_q * 7 + L, U, 64, S_q, L, order=order)
     out = torch.full_like(q, float("nan"))
-    o, lse = ikbo_fa.attention(q, (k, v), idx, out=out, return_lse=True)
+    o, lse = ikbo_fa.attention(q, (k, v), idx, out=out, return_lse=True, policy=SPLITS)
     ref, ref_lse = _reference(q, k, v, idx)
     err = ((o.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
-    whole = _unsplit(monkeypatch, q, (k, v), idx)
+    whole = _unsplit(q, (k, v), idx)
     assert ((o.float() - whole.float()).norm() / whole.float().norm()).item() < 1e-2
 
 
 def test_split_with_lengths_and_empty_users():
     q, k, v, idx = _problem(5, 4, 64, 1, 4096, H=4, H_kv=1)
     lengths = torch.tensor([4096, 0, 1, 2049], dtype=torch.int32, device="cuda")
-    o, lse = ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, return_lse=True)
+    o, lse = ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, return_lse=True, policy=SPLITS)
     ref, ref_lse = _reference(q, k, v, idx, lengths)
     assert ((o.float() - ref).norm() / ref.norm()).item() < 1e-2
     empty = idx == 1
@@ -103,7 +95,7 @@ def test_split_out_of_range_idx_is_nan_and_isolated():
     q, k, v, idx = _problem(6, 8, 64, 1, 4096)
     bad = idx.clone()
     bad[3] = 8
-    o = ikbo_fa.attention(q, (k, v), bad, validate=False)
+    o = ikbo_fa.attention(q, (k, v), bad, validate=False, policy=SPLITS)
     assert o[3].isnan().all()
     keep = torch.ones(len(idx), dtype=torch.bool, device="cuda")
     keep[3] = False
@@ -113,11 +105,11 @@ def test_split_out_of_range_idx_is_nan_and_isolated():
 def test_split_graph_replay_follows_new_idx():
     q, k, v, idx = _problem(7, 16, 64, 1, 8192)
     static_idx = idx.clone()
-    ikbo_fa.attention(q, (k, v), static_idx)  # compile and plan outside the capture
+    ikbo_fa.attention(q, (k, v), static_idx, policy=SPLITS)  # compile and plan outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ikbo_fa.attention(q, (k, v), static_idx)
+        out = ikbo_fa.attention(q, (k, v), static_idx, policy=SPLITS)
     new = idx[torch.randperm(len(idx), device="cuda")]
     static_idx.copy_(new)
     graph.replay()
@@ -156,7 +148,7 @@ def test_merge_kernel_matches_its_definition(n_splits, dtype, with_lse):
 
 
 @pytest.mark.parametrize("S_q, L, with_lengths", [(1, 4096, False), (17, 2048, True)])
-def test_split_fp16_matches_fp32_and_unsplit(monkeypatch, S_q, L, with_lengths):
+def test_split_fp16_matches_fp32_and_unsplit(S_q, L, with_lengths):
     """fp16 partial outputs in the workspace and the fp16 merge: S_q 1 at D 128, and S_q 17 at
     D 64 with grouped heads, kv_lengths and an empty user."""
     U, ratio, H, H_kv, D = (8, 16, 2, 2, 128) if S_q == 1 else (4, 16, 4, 2, 64)
@@ -164,14 +156,14 @@ def test_split_fp16_matches_fp32_and_unsplit(monkeypatch, S_q, L, with_lengths):
     q, k, v, idx = _problem(S_q + L, U, ratio, S_q, L, H=H, H_kv=H_kv, D=D, order="shuffled", dtype=torch.float16)
     lengths = torch.tensor([L, 0, 1, 1000], dtype=torch.int32, device="cuda") if with_lengths else None
     out = torch.full_like(q, NAN)
-    o, lse = ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, out=out, return_lse=True)
-    assert _only_plan().n_splits > 1
+    o, lse = ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, out=out, return_lse=True, policy=SPLITS)
+    assert _plan(q, (k, v), idx, kv_lengths=lengths, out=out, return_lse=True).n_splits > 1
     ref, ref_lse = _reference(q, k, v, idx, lengths)
     keep = torch.ones(len(idx), dtype=torch.bool, device="cuda") if lengths is None else lengths[idx] > 0
     assert not o.isnan().any() and (o[~keep] == 0).all() and torch.isneginf(lse[~keep]).all()
     assert ((o[keep].float() - ref[keep]).norm() / ref[keep].norm()).item() < 1e-2
     torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)
-    whole = _unsplit(monkeypatch, q, (k, v), idx, kv_lengths=lengths)
+    whole = _unsplit(q, (k, v), idx, kv_lengths=lengths)
     assert ((o.float() - whole.float()).norm() / whole.float().norm()).item() < 1e-2
 
 
@@ -191,8 +183,9 @@ def test_split_jagged_matches_fp32(monkeypatch, S_q, H, H_kv, D, off_dtype):
     q, kv, k, v, idx, offsets = random_jagged_problem(S_q + D, "kv", B, U, S_q, H, H_kv, D, JAGGED_LENGTHS,
                                                       torch.bfloat16, offsets_dtype=off_dtype, device="cuda")
     out = torch.full((B, S_q, H, D), NAN, dtype=torch.bfloat16, device="cuda")
-    _, lse = ikbo_fa.attention(q, kv, idx, kv_offsets=offsets, max_kv_len=HINT, out=out, return_lse=True)
-    plan = _only_plan()
+    _, lse = ikbo_fa.attention(q, kv, idx, kv_offsets=offsets, max_kv_len=HINT, out=out, return_lse=True,
+                               policy=SPLITS)
+    plan = _plan(q, kv, idx, kv_offsets=offsets, max_kv_len=HINT, out=out, return_lse=True)
     assert plan.n_splits > 1 and 3000 > 2 * plan.split_keys
     ref, ref_lse = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, kv_offsets=offsets,
                                                max_kv_len=HINT, return_lse=True)
@@ -214,8 +207,8 @@ def test_q_broadcast_never_splits(B, U, S_q):
     k, v = (torch.randn(B, L, H, D, generator=g).bfloat16().cuda() for _ in range(2))
     idx = torch.randperm(B, generator=g).remainder(U).cuda()
     out = torch.full((B, S_q, H, D), NAN, dtype=torch.bfloat16, device="cuda")
-    _, lse = ikbo_fa.attention(q, (k, v), idx, out=out, return_lse=True)
-    plan = _only_plan()
+    _, lse = ikbo_fa.attention(q, (k, v), idx, out=out, return_lse=True, policy=SPLITS)
+    plan = _plan(q, (k, v), idx, out=out, return_lse=True)
     assert plan.direction == "q" and plan.n_splits == 1 and plan.merge is None
     ref, ref_lse = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, return_lse=True)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2

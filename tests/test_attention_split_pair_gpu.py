@@ -9,29 +9,24 @@ import pytest
 import torch
 
 import ikbo_fa
-from attention_inputs import run_with_flags, user_groups
-from cute_kernels.plans import PlanCache
+from attention_inputs import run_with_policy, user_groups
+from ikbo_fa import AttentionPolicy
 
 pytestmark = pytest.mark.gpu
 attention_mod = importlib.import_module("ikbo_fa.attention")
+PAIR = AttentionPolicy(split_min_keys=512, split_pair=True)
 
 
-@pytest.fixture(autouse=True)
-def fresh_plans(monkeypatch):
-    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
-
-
-def _run(monkeypatch, pair, q, kv, idx, **kw):
-    """The op with _SPLIT_PAIR set to ``pair`` -> (out, lse, the config it compiled)."""
-    out, lse, plan = run_with_flags(monkeypatch, {"_SPLIT_PAIR": pair}, q, kv, idx, **kw)
+def _run(pair, q, kv, idx, **kw):
+    """The op with split pairs on or off -> (out, lse, the config it compiled)."""
+    out, lse, plan = run_with_policy(AttentionPolicy(split_min_keys=512, split_pair=pair), q, kv, idx, **kw)
     return out, lse, plan.config
 
 
-def _pair(monkeypatch, q, kv, idx, **kw):
+def _pair(q, kv, idx, **kw):
     """The op with split pairs and with the workspace split: both two splits, both against fp32."""
-    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
-    out, lse, cfg = _run(monkeypatch, True, q, kv, idx, **kw)
-    ws, ws_lse, ws_cfg = _run(monkeypatch, False, q, kv, idx, **kw)
+    out, lse, cfg = _run(True, q, kv, idx, **kw)
+    ws, ws_lse, ws_cfg = _run(False, q, kv, idx, **kw)
     assert cfg.split_pair and ws_cfg.split_kv
     k, v = kv
     ref, ref_lse = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, return_lse=True,
@@ -54,12 +49,12 @@ def _pair(monkeypatch, q, kv, idx, **kw):
 @pytest.mark.parametrize("order", ["sorted", "shuffled"])
 @pytest.mark.parametrize("S_q, U, ratio, L", [(1, 32, 64, 1024), (1, 20, 65, 1500), (2, 16, 64, 1200),
                                               (17, 6, 30, 1100), (64, 4, 3, 1400)])
-def test_split_pair_matches_fp32(monkeypatch, order, S_q, U, ratio, L):
+def test_split_pair_matches_fp32(order, S_q, U, ratio, L):
     """Tiles of at most 64 rows (only warpgroup 0's rows exchanged) and of more, splits ending
     inside a key block. Every shape has at most 66 (tile, head) pairs and fewer than 1536 keys:
     two splits of at least 512."""
     q, k, v, idx = user_groups(S_q + U, U, ratio, S_q, L, order=order)
-    _pair(monkeypatch, q, (k, v), idx)
+    _pair(q, (k, v), idx)
 
 
 def test_split_pair_lengths_nan_and_small_grid(monkeypatch):
@@ -67,15 +62,16 @@ def test_split_pair_lengths_nan_and_small_grid(monkeypatch):
     none); an out-of-range index; 3 clusters, so each walks many tiles (the exchange's barriers
     change phase many times); fp16, D 64, grouped heads."""
     monkeypatch.setattr(attention_mod, "max_active_clusters", lambda device, size: 3)
+    attention_mod._plans.clear()  # plans hold the grid of the device they were built on
     q, k, v, idx = user_groups(3, 8, 10, 17, 1400, H=4, D=64, order="shuffled", dtype=torch.float16)
     k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()
     idx[5] = 8
     lengths = torch.randint(0, 1401, (8,))
     lengths[:4] = torch.tensor([0, 1, 511, 512])
-    _pair(monkeypatch, q, (k, v), idx, kv_lengths=lengths.cuda())
+    _pair(q, (k, v), idx, kv_lengths=lengths.cuda())
 
 
-def test_split_pair_jagged(monkeypatch):
+def test_split_pair_jagged():
     U, ratio, S_q, H, D = 30, 60, 1, 2, 128
     lens = torch.randint(0, 2000, (U,))
     lens[:3] = torch.tensor([0, 700, 1999])
@@ -83,21 +79,18 @@ def test_split_pair_jagged(monkeypatch):
     idx = torch.arange(U).repeat_interleave(ratio).cuda()
     q = torch.randn(U * ratio, S_q, H, D, dtype=torch.bfloat16, device="cuda")
     k, v = (torch.randn(int(offsets[-1]), H, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    _pair(monkeypatch, q, (k, v), idx, kv_offsets=offsets, max_kv_len=2000)
+    _pair(q, (k, v), idx, kv_offsets=offsets, max_kv_len=2000)
 
 
-def test_split_pair_graph_replay(monkeypatch):
-    monkeypatch.setattr(attention_mod, "_SPLIT_MIN_KEYS", 512)
-    monkeypatch.setattr(attention_mod, "_SPLIT_PAIR", True)
+def test_split_pair_graph_replay():
     q, k, v, idx = user_groups(9, 32, 64, 1, 1024)
     out = torch.empty_like(q)
-    ikbo_fa.attention(q, (k, v), idx, out=out)
+    ikbo_fa.attention(q, (k, v), idx, out=out, policy=PAIR)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ikbo_fa.attention(q, (k, v), idx, out=out)
-    (plan,) = attention_mod._plans.values()
-    assert plan.config.split_pair
+        ikbo_fa.attention(q, (k, v), idx, out=out, policy=PAIR)
+    assert attention_mod.launch_plan(q, (k, v), idx, out=out, policy=PAIR).config.split_pair
     for _ in range(3):
         idx.copy_(idx[torch.randperm(idx.shape[0], device="cuda")])
         q.copy_(torch.randn_like(q))

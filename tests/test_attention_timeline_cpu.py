@@ -46,16 +46,15 @@ def test_summary_without_events(timeline):
     assert timeline.summarize([(0.0, 1.0)], []) == {"span_us": None, "kernels": {}}
 
 
-def test_set_flags(timeline, monkeypatch):
-    mod = importlib.import_module("ikbo_fa.attention")
-    monkeypatch.setattr(mod, "_SPLIT_KV", True)
-    monkeypatch.setattr(mod, "_SPLIT_MIN_KEYS", 512)
-    assert timeline.set_flags(["_SPLIT_KV=0", "_SPLIT_MIN_KEYS=2048"]) == {"_SPLIT_KV": False,
-                                                                         "_SPLIT_MIN_KEYS": 2048}
-    assert mod._SPLIT_KV is False and mod._SPLIT_MIN_KEYS == 2048
-    for bad in ("_NO_SUCH_FLAG=1", "_SPLIT_KV", "attention=1"):
-        with pytest.raises(SystemExit, match="--set: variant"):
-            timeline.set_flags([bad])
+def test_parse_policy(timeline):
+    from ikbo_fa import DEFAULT_POLICY, AttentionPolicy
+
+    assert timeline.parse_policy(["split_kv=0", "split_min_keys=2048"]) == AttentionPolicy(split_kv=False,
+                                                                                         split_min_keys=2048)
+    assert timeline.parse_policy([]) == DEFAULT_POLICY
+    for bad in ("_NO_SUCH_FLAG=1", "split_kv", "attention=1", "_SPLIT_KV=0"):
+        with pytest.raises(SystemExit, match="--set: policy"):
+            timeline.parse_policy([bad])
 
 
 def test_needs_a_gpu(timeline):

@@ -452,33 +452,31 @@ def test_main_dry_run(dry_run, tmp_path, capsys):
 
 
 def test_main_dry_run_variants(dry_run, tmp_path, monkeypatch):
-    """--variant: one more ikbo provider per spec, run with the op's launch flags set (and put back
-    after each call), listed right after ikbo, timed against it."""
-    import importlib
+    """--variant: one more ikbo provider per spec, run with that launch policy, listed right after
+    ikbo, timed against it."""
+    from ikbo_fa import AttentionPolicy
 
-    mod = importlib.import_module("ikbo_fa.attention")
     seen = []
 
-    def recording(q, kv, idx, **kw):
-        seen.append((mod._SPLIT_PAIR, mod._SPLIT_MIN_KEYS))
+    def recording(q, kv, idx, policy=None, **kw):
+        seen.append(policy)
         return ikbo_attention(q, kv, idx, **kw)
 
     monkeypatch.setattr(cf.LIBS, "ikbo", types.SimpleNamespace(attention=recording))
-    before = (mod._SPLIT_PAIR, mod._SPLIT_MIN_KEYS)
     data = _run_main(tmp_path, ["--no-plot", "--L", "8", "--providers", "ikbo", "sdpa materialized",
-                                "--variant", "_SPLIT_PAIR=0", "_SPLIT_PAIR=0,_SPLIT_MIN_KEYS=1024"])
+                                "--variant", "split_pair=0", "split_pair=0,split_min_keys=1024"])
     names = [r["provider"] for r in data["rows"]]
-    assert names == ["ikbo", "ikbo _SPLIT_PAIR=0", "ikbo _SPLIT_PAIR=0,_SPLIT_MIN_KEYS=1024", "sdpa materialized"]
+    assert names == ["ikbo", "ikbo split_pair=0", "ikbo split_pair=0,split_min_keys=1024", "sdpa materialized"]
     assert all(r["status"] == "ok" for r in data["rows"])
     assert all(r["ikbo_speedup"] > 0 for r in data["rows"][1:])
-    assert {before, (False, before[1]), (False, 1024)} <= set(seen)
-    assert (mod._SPLIT_PAIR, mod._SPLIT_MIN_KEYS) == before
-    assert data["argv"][-2:] == ["_SPLIT_PAIR=0", "_SPLIT_PAIR=0,_SPLIT_MIN_KEYS=1024"]
+    assert set(seen) == {None, AttentionPolicy(split_pair=False),
+                         AttentionPolicy(split_pair=False, split_min_keys=1024)}
+    assert data["argv"][-2:] == ["split_pair=0", "split_pair=0,split_min_keys=1024"]
 
 
-@pytest.mark.parametrize("spec", ["_NO_SUCH_FLAG=1", "_SPLIT_PAIR", "_SPLIT_PAIR=yes", "attention=1"])
+@pytest.mark.parametrize("spec", ["_NO_SUCH_FLAG=1", "split_pair", "_SPLIT_PAIR=0", "attention=1"])
 def test_bad_variant_names_the_pair(spec):
-    with pytest.raises(ValueError, match="not NAME=INTEGER for a flag of ikbo_fa.attention"):
+    with pytest.raises(ValueError, match="is not NAME=VALUE for a field of AttentionPolicy"):
         cf.parse_variant(spec)
 
 

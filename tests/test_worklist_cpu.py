@@ -7,6 +7,7 @@ import torch
 import ikbo_fa
 from attention_emulation import attention_mod, install
 from attention_inputs import random_problem
+from ikbo_fa import AttentionPolicy
 from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist, max_tiles_per_head
 
 
@@ -78,14 +79,14 @@ def test_worklist_random_against_python(U, B, rows, sort):
 @pytest.mark.parametrize("kernel_flag, fits, uses_kernel", [(True, True, True), (False, True, False),
                                                            (True, False, False)])
 def test_the_op_plans_the_kernel_work_list_where_it_can(monkeypatch, kernel_flag, fits, uses_kernel):
-    """The one-launch kernel builds the work list unless ``_WORKLIST_KERNEL`` is off or the users
-    exceed its shared memory; the torch work list then gives the same result."""
+    """The one-launch kernel builds the work list unless ``policy.worklist_kernel`` is off or the
+    users exceed its shared memory; the torch work list then gives the same result."""
     emulated = install(monkeypatch)
-    monkeypatch.setattr(attention_mod, "_WORKLIST_KERNEL", kernel_flag)
     monkeypatch.setattr(attention_mod, "_worklist_fits", lambda n: fits)
+    policy = AttentionPolicy(worklist_kernel=kernel_flag)
     q, kv, k, v, idx, lengths = random_problem(3, "kv", 13, 4, 3, 2, 1, 64, 9, torch.bfloat16, jagged=True)
-    out = ikbo_fa.attention(q, kv, idx, kv_lengths=lengths)
-    (plan,) = attention_mod._plans.values()
+    out = ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, policy=policy)
+    plan = attention_mod.launch_plan(q, kv, idx, kv_lengths=lengths, policy=policy)
     assert (plan.worklist is not None) == uses_kernel
     assert emulated.worklist_calls == int(uses_kernel) and len(emulated.fwd_calls) == 1
     torch.testing.assert_close(out, ikbo_fa.attention_reference(q, kv, idx, kv_lengths=lengths), rtol=1e-2,

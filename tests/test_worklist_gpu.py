@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ikbo_fa
-from cute_kernels.plans import PlanCache
+from ikbo_fa import AttentionPolicy
 from ikbo_fa.reference import jagged_rows
 from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist, max_tiles_per_head
 from ikbo_fa.worklist_sm90 import KvWorklistSm90, fits, kv_worklist_sm90, worklist_kernel
@@ -14,6 +14,7 @@ from ikbo_fa.worklist_sm90 import KvWorklistSm90, fits, kv_worklist_sm90, workli
 attention_mod = importlib.import_module("ikbo_fa.attention")
 
 pytestmark = pytest.mark.gpu
+TORCH_WORKLIST = AttentionPolicy(worklist_kernel=False)  # the work list by torch ops
 
 POISON = -7
 
@@ -170,7 +171,7 @@ def test_worklist_kernel_is_graph_capturable():
 # (a candidate's rows do not depend on the slot it lands in).
 @pytest.mark.parametrize("S_q", [1, 64, 130])
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-def test_attention_same_with_either_worklist(monkeypatch, S_q, idx_dtype):
+def test_attention_same_with_either_worklist(S_q, idx_dtype):
     B, U, H, D, L = 300, 17, 2, 64, 200
     g = torch.Generator().manual_seed(S_q)
     q = torch.randn(B, S_q, H, D, generator=g).to(torch.bfloat16).cuda()
@@ -178,21 +179,18 @@ def test_attention_same_with_either_worklist(monkeypatch, S_q, idx_dtype):
     v = torch.randn(U, L, 1, D, generator=g).to(torch.bfloat16).cuda()
     idx = _random_idx(B, U, idx_dtype, seed=S_q, bad_fraction=0.03)
     lengths = torch.randint(0, L + 1, (U,), generator=g).cuda()
-    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
     out = torch.full((B, S_q, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
     ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, out=out, validate=False)
-    assert attention_mod._plans and all(p.worklist is not None for p in attention_mod._plans.values())
-    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
-    monkeypatch.setattr(attention_mod, "_WORKLIST_KERNEL", False)
-    ref = ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, validate=False)
-    assert all(p.worklist is None for p in attention_mod._plans.values())
+    assert attention_mod.launch_plan(q, (k, v), idx, kv_lengths=lengths, out=out).worklist is not None
+    ref = ikbo_fa.attention(q, (k, v), idx, kv_lengths=lengths, validate=False, policy=TORCH_WORKLIST)
+    assert attention_mod.launch_plan(q, (k, v), idx, kv_lengths=lengths, policy=TORCH_WORKLIST).worklist is None
     assert torch.equal(out.isnan(), ref.isnan())
     assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(ref))
     bad = (idx < 0) | (idx >= U)
     assert out[bad].isnan().all() and not out[~bad].isnan().any()
 
 
-def test_torch_worklist_first_built_during_graph_capture(monkeypatch):
+def test_torch_worklist_first_built_during_graph_capture():
     """An eager call right after the capture that first saw its user count (no replay yet)
     gets the right work list; the replay then gives the same output."""
     B, U, S_q, H, D, L = 300, 7, 64, 1, 64, 128
@@ -201,13 +199,13 @@ def test_torch_worklist_first_built_during_graph_capture(monkeypatch):
     k = torch.randn(U, L, H, D, generator=g).to(torch.bfloat16).cuda()
     v = torch.randn(U, L, H, D, generator=g).to(torch.bfloat16).cuda()
     idx = _random_idx(B, U, torch.int64, seed=11, bad_fraction=0)
-    monkeypatch.setattr(attention_mod, "_plans", PlanCache())
-    monkeypatch.setattr(attention_mod, "_WORKLIST_KERNEL", False)
-    ikbo_fa.attention(q, (k[:5], v[:5]), idx % 5, validate=False)  # compiled outside the capture, another U
+    attention_mod._plans.clear()  # the plan of U = 7 is first built during the capture
+    # compiled outside the capture, for another U
+    ikbo_fa.attention(q, (k[:5], v[:5]), idx % 5, validate=False, policy=TORCH_WORKLIST)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = ikbo_fa.attention(q, (k, v), idx, validate=False)
-    eager = ikbo_fa.attention(q, (k, v), idx, validate=False)
+        captured = ikbo_fa.attention(q, (k, v), idx, validate=False, policy=TORCH_WORKLIST)
+    eager = ikbo_fa.attention(q, (k, v), idx, validate=False, policy=TORCH_WORKLIST)
     ref = ikbo_fa.attention_reference(q, (k, v), idx)
     assert (eager.float() - ref.float()).norm() / ref.float().norm() < 1e-2
     graph.replay()

@@ -2,7 +2,7 @@
 
     python tools/attention_timeline.py --S-q 1 --L 1024 2048 4096 [--B 2048 --ratio 64 --H 2 --D 128]
     python tools/attention_timeline.py --preset gr-cross
-    python tools/attention_timeline.py --S-q 1 --L 1024 --set _SPLIT_KV=0
+    python tools/attention_timeline.py --S-q 1 --L 1024 --set split_kv=0
 
 For each shape, ikbo_fa.attention and FA4 varlen (when flash-attn-4 is installed) run eagerly
 with a device sync between calls, under torch.profiler; per provider it prints the median
@@ -13,7 +13,6 @@ GPU). Launch gaps that CUDA graphs remove are in the span; host time is not. Wri
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import sys
@@ -65,17 +64,13 @@ def _timeline(fn, iters: int) -> dict:
     return summarize(calls, kernels)
 
 
-def set_flags(pairs: list) -> dict:
-    """``NAME=VALUE`` pairs -> launch flags of ikbo_fa.attention set for the rest of the process
+def parse_policy(pairs: list):
+    """``NAME=VALUE`` pairs -> the ikbo_fa.AttentionPolicy the ikbo provider runs with
     (``perf.compare_fa4.parse_variant``), for A/B runs of the op's choices."""
     try:
-        flags = cf.parse_variant(",".join(pairs)) if pairs else {}
+        return cf.parse_variant(",".join(pairs))
     except ValueError as e:
         raise SystemExit(f"--set: {e}") from None
-    mod = importlib.import_module("ikbo_fa.attention")
-    for name, value in flags.items():
-        setattr(mod, name, value)
-    return flags
 
 
 def main(argv=None) -> int:
@@ -90,12 +85,12 @@ def main(argv=None) -> int:
     ap.add_argument("--jagged", default=None)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="flags of ikbo_fa.attention for an A/B run, e.g. _SPLIT_KV=0")
+                    help="fields of ikbo_fa.AttentionPolicy for an A/B run, e.g. split_kv=0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("attention_timeline needs a CUDA GPU")
-    flags = set_flags(args.set)
+    flags = parse_policy(args.set).spec()
     if args.preset:
         pre = cf.PRESETS[args.preset]
         args.S_q, args.L, args.B, args.ratio = pre["S_q"], pre["L"], pre["B"][0], pre["ratio"][0]
@@ -103,6 +98,8 @@ def main(argv=None) -> int:
     cf.load_fa4()
     cf.load_ikbo()
     provs = {p.name: p for p in cf.providers()}
+    if flags:
+        provs["ikbo"] = cf.variant_provider(flags)
     results = []
     for s_q in args.S_q:
         for L in args.L:

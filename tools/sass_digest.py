@@ -1,14 +1,16 @@
 """The SASS of kernel configurations, compiled for sm_90a (no GPU needed), for comparing builds.
 
-    python tools/sass_digest.py write DIR [--ops lce linear attention worklist] [--all]
-    python tools/sass_digest.py compare DIR_BEFORE DIR_AFTER
+    python tools/sass_digest.py write DIR [--ops lce linear attention worklist merge] [--all]
+    python tools/sass_digest.py compare DIR_BEFORE DIR_AFTER [--params]
 
 ``write`` compiles each configuration, disassembles its cubin with cuobjdump (a CUDA toolkit's,
 or that of the ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` wheels; ``$CUOBJDUMP``
 names it) and writes its SASS, with the
 kernel's symbol names normalized (they carry source paths), plus ``digests.json``. ``compare``
 names the configurations whose SASS differs. A change that only moves code keeps every digest:
-that is the check a structural refactor must pass before it needs a GPU A/B.
+that is the check a structural refactor must pass before it needs a GPU A/B. ``--params`` also
+compares the SASS with the kernel-parameter bank's offsets (``c[0x0][0x...]`` operands) replaced
+by one placeholder: a change that regroups a kernel's parameters moves them and nothing else.
 
 By default a few configurations per op (the published ones and one of each tile family);
 ``--all`` takes every shipped configuration.
@@ -71,6 +73,15 @@ def _configs(ops, everything: bool):
 
         for dt in (torch.int32, torch.int64):
             yield f"worklist-{str(dt)[6:]}", lambda dt=dt: compile_worklist(dt)
+            if everything:  # the longest-first group orders
+                for keys in ("lengths", "offsets"):
+                    yield f"worklist-{str(dt)[6:]}-{keys}", lambda dt=dt, keys=keys: compile_worklist(dt, keys)
+    if "merge" in ops:
+        from ikbo_fa.merge_sm90 import compile_merge
+
+        for dt in (torch.bfloat16, torch.float16):
+            for lse in (False, True):
+                yield f"merge-{str(dt)[6:]}{'-lse' if lse else ''}", lambda dt=dt, lse=lse: compile_merge(dt, lse)
 
 
 def _sass(cubin: bytes, cuobjdump: str) -> str:
@@ -109,16 +120,38 @@ def write(out: Path, ops, everything: bool) -> None:
     (out / "digests.json").write_text(json.dumps(digests, indent=1) + "\n")
 
 
-def compare(before: Path, after: Path) -> int:
+_PARAM = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
+_ENCODING = re.compile(r"/\* 0x[0-9a-f]{16} \*/")
+
+
+def without_param_offsets(sass: str) -> str:
+    """``sass`` with every kernel-parameter bank operand (``c[0x0][0x...]``) as ``c[0x0][P]`` and,
+    on those lines, the instruction word that encodes the offset dropped (the control word on the
+    next line is kept)."""
+    return "\n".join(_ENCODING.sub("", _PARAM.sub("c[0x0][P]", line)) if _PARAM.search(line) else line
+                     for line in sass.split("\n"))
+
+
+def compare(before: Path, after: Path, params: bool = False) -> int:
+    """Print the configurations whose SASS differs byte for byte and, with ``params``, those that
+    still differ once parameter offsets are normalized; nonzero where the chosen check fails."""
     a = json.loads((before / "digests.json").read_text())
     b = json.loads((after / "digests.json").read_text())
-    differ = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
-    for k in differ:
-        print(f"differs: {k}")
+    both = sorted(a.keys() & b.keys())
+    differ = [k for k in both if a[k] != b[k]]
     for k in sorted(a.keys() ^ b.keys()):
         print(f"only in {'before' if k in a else 'after'}: {k}")
-    print(f"{len(a.keys() & b.keys()) - len(differ)} of {len(a.keys() & b.keys())} identical")
-    return 1 if differ else 0
+    for k in differ:
+        print(f"differs: {k}")
+    print(f"strict: {len(both) - len(differ)} of {len(both)} identical")
+    if not params:
+        return 1 if differ else 0
+    still = [k for k in differ if without_param_offsets((before / f"{k}.sass").read_text())
+             != without_param_offsets((after / f"{k}.sass").read_text())]
+    for k in still:
+        print(f"differs beyond parameter offsets: {k}")
+    print(f"parameter offsets normalized: {len(both) - len(still)} of {len(both)} identical")
+    return 1 if still else 0
 
 
 def main(argv=None) -> int:
@@ -126,17 +159,20 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write")
     w.add_argument("dir", type=Path)
-    w.add_argument("--ops", nargs="+", default=["lce", "linear", "attention", "worklist"],
-                   choices=["lce", "linear", "attention", "worklist"])
+    w.add_argument("--ops", nargs="+", default=["lce", "linear", "attention", "worklist", "merge"],
+                   choices=["lce", "linear", "attention", "worklist", "merge"])
     w.add_argument("--all", action="store_true", help="every shipped configuration")
     c = sub.add_parser("compare")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
+    c.add_argument("--params", action="store_true",
+                   help="also compare with kernel-parameter offsets (c[0x0][0x...]) normalized; the exit status "
+                        "then follows that check")
     args = ap.parse_args(argv)
     if args.cmd == "write":
         write(args.dir, args.ops, args.all)
         return 0
-    return compare(args.before, args.after)
+    return compare(args.before, args.after, args.params)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""The launch policy of ``ikbo_fa.attention``: every launch choice and cost constant the op reads
+when it builds a plan, as one frozen value (part of the plan's key, not of the compile key).
+
+The op uses ``DEFAULT_POLICY``; a benchmark or test times or checks a variant by passing another
+(``attention(..., policy=AttentionPolicy(split_pair=False))`` or ``AttentionPolicy.parse(spec)``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .config import MAX_PREFETCH_BLOCKS
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPolicy:
+    """Every launch choice and cost constant of ikbo_fa.attention (not the compile key)."""
+
+    # KV broadcast groups candidates by user with the one-launch work-list kernel; False builds
+    # the same arrays with torch ops (kv_worklist, the definition the kernel is tested against).
+    worklist_kernel: bool = True
+    # KV broadcast over few tiles splits each row's keys over several CTAs; False never splits.
+    split_kv: bool = True
+    # Keys per split at least. The merge is a second launch on the critical path; with its 16-byte
+    # loads (2.9 us at S_q 1, L 8192, two splits) splits of 512 keys gained at L 1024 and 2048 on
+    # the H200 (S_q 1, ratio 64, H 2, CUDA graphs: 21.0 against 22.9 us, 30.7 against 34.4 us):
+    # docs/perf/2026-12-03-attention-longest-first.md.
+    split_min_keys: int = 512
+    # Two splits of a row's keys run on the two CTAs of a cluster and merge there
+    # (AttentionConfig.split_pair), with no workspace and no merge launch. On the H200 (S_q 1,
+    # B 2048, ratio 64, H 2, CUDA graphs) 20.2 against 22.3 us at L 1024 and 30.0 against 30.9 at
+    # L 2048, the same from L 4096 and over the S_q sweep: docs/perf/2026-12-05-attention-variants-timed.md.
+    split_pair: bool = True
+    # Splits where split_cost says they pay, filling the grid's last round too (not only where the
+    # tiles leave half the SMs idle). Off: on the H200 (S_q sweep, graph) 12-13% faster at S_q 4
+    # and 8, L 8192, but 12% slower at S_q 2 and up to 3% at S_q 8 (L 1024) and 100:
+    # docs/perf/2026-12-05-attention-short-calls.md.
+    split_by_cost: bool = False
+    # KV broadcast over padded K/V: K/V blocks per CTA that the forward kernel prefetches into L2
+    # while the work list runs (the first blocks its first tiles read; 0: none; at most
+    # MAX_PREFETCH_BLOCKS). Off until timed: docs/perf/2026-12-05-attention-l2-prefetch.md.
+    prefetch_blocks: int = 0
+    # split_cost's costs, in key blocks of a busy SM: a tile's fixed part, the merge in the
+    # cluster (split_pair) and the merge launch.
+    tile_blocks: int = 1
+    pair_merge_blocks: int = 1
+    merge_blocks: int = 2
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool":
+                if not isinstance(value, bool):
+                    raise TypeError(f"AttentionPolicy.{f.name} must be a bool, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"AttentionPolicy.{f.name} must be an int, got {value!r}")
+            elif value < 0:
+                raise ValueError(f"AttentionPolicy.{f.name} must be >= 0, got {value}")
+        if self.split_min_keys < 1:
+            raise ValueError(f"AttentionPolicy.split_min_keys must be >= 1, got {self.split_min_keys}")
+        if self.prefetch_blocks > MAX_PREFETCH_BLOCKS:
+            raise ValueError(f"AttentionPolicy.prefetch_blocks must be at most {MAX_PREFETCH_BLOCKS} (one lane of "
+                             f"warp 0 each), got {self.prefetch_blocks}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "AttentionPolicy":
+        """``'split_pair=0,prefetch_blocks=2'`` -> DEFAULT_POLICY with those fields replaced (bools
+        from 0/1/true/false, ints in decimal; an empty spec is DEFAULT_POLICY). A pair that is not
+        NAME=VALUE for a field raises ValueError listing the fields."""
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        changes = {}
+        for pair in filter(None, (p.strip() for p in spec.split(","))):
+            name, eq, text = (s.strip() for s in pair.partition("="))
+            if name not in fields or not eq:
+                raise ValueError(f"policy {spec!r}: {pair!r} is not NAME=VALUE for a field of AttentionPolicy "
+                                 f"({', '.join(fields)})")
+            changes[name] = _value(spec, name, fields[name], text)
+        return dataclasses.replace(DEFAULT_POLICY, **changes)
+
+    def spec(self) -> str:
+        """The fields that differ from DEFAULT_POLICY as ``parse`` reads them ('' for the default)."""
+        return ",".join(f"{f.name}={int(v) if isinstance(v, bool) else v}" for f in dataclasses.fields(self)
+                        if (v := getattr(self, f.name)) != getattr(DEFAULT_POLICY, f.name))
+
+
+def _value(spec: str, name: str, kind: str, text: str):
+    if kind == "bool":
+        value = {"0": False, "1": True, "false": False, "true": True}.get(text.lower())
+        if value is None:
+            raise ValueError(f"policy {spec!r}: {name} takes 0, 1, true or false, got {text!r}")
+        return value
+    if not text.lstrip("-").isdigit():
+        raise ValueError(f"policy {spec!r}: {name} takes an integer, got {text!r}")
+    return int(text)
+
+
+DEFAULT_POLICY = AttentionPolicy()

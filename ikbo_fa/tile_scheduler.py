@@ -1,0 +1,256 @@
+"""The attention forward kernel's tile scheduler: tile number -> the work of that tile.
+
+A launch's tiles are numbered 0 .. total - 1 and a persistent grid walks them (CTA c, or
+cluster c of split pairs, takes c, c + G, c + 2 G, ...: ``cute_kernels.scheduler.strided_tiles``).
+``AttentionTileScheduler.tile_info(t, g, sched)`` maps a tile number to its ``TileInfo``: the
+head, the K/V row and key range, the query rows (KV broadcast: 128 consecutive rows of a
+user's run of grouped candidates; Q broadcast: one candidate's chunk), the split and the head of
+out it writes. The order, per configuration (``AttentionConfig``):
+
+- head slowest, then group, then tile within the group (users in order: CTAs running together
+  share a user's K/V through L2);
+- ``ordered`` (KV broadcast with kv_lengths or jagged K/V): the groups in the work list's
+  ``perm`` order (longest first), heads fastest, and the walk turned back every other round
+  (round r of G hands CTA c position r G + c, or r G + n - 1 - c on odd rounds of n positions);
+- ``split_kv``: every tile ``n_splits`` times, split slowest; ``split_pair``: both CTAs of a
+  cluster take the same tile, CTA r split r.
+
+``tile_info_host`` is its twin on the host (Python ints, torch tensors): the same mapping, step
+for step, for the test emulation and for checking the walk on the CPU. A new tile order is a new
+scheduler class with these two methods, not an edit of the kernel.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+from cute_kernels.scheduler import warp_search
+
+from .config import AttentionConfig, row_packing
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The tile space of one launch (device values, read-only in every role)."""
+
+    total_tiles: Int32
+    tiles_per_head: Int32
+    n_q_batch: Int32
+    n_kv_batch: Int32
+    n_heads: Int32
+    n_kv_heads: Int32
+    kv_len: Int32  # keys per K/V row (jagged: total_L, the rows of the packed K/V)
+    max_keys: Int32  # jagged: the longest history a row may have (the op's max_kv_len)
+    q_flat: cutlass.Boolean  # q and out hold a user's query rows at one stride (checked by the op)
+    n_splits: Int32  # split_kv: CTAs per (tile, head), each over split_keys of the row's keys
+    split_keys: Int32  # split_kv, split_pair: keys per split, a multiple of TILE_N
+    rank: Int32  # split_pair: this CTA's split (its rank in the cluster); 0 otherwise
+
+    def group(self):
+        """Query heads per K/V head."""
+        return self.n_heads // self.n_kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class TileInfo:
+    """What the producer looked up for one tile; written to shared memory with the tile's Q
+    (``store``) and read back by the consumers (``load``), so they never search the work list.
+
+    KV broadcast: the tile is rows ``row0 : row0 + 128`` of its user's run of query rows
+    (candidate ``order[first + i]`` holds rows i * S_q : (i + 1) * S_q of the run)."""
+
+    head: Int32
+    kv_coord: Int32  # K/V batch row (a user, or a candidate for Q broadcast); jagged: its offsets entry
+    first: Int32  # KV: work-list position of the user's first candidate; Q: the candidate
+    n_valid: Int32  # KV: rows of the tile that hold a query row (1 to 128)
+    chunk: Int32  # Q: 128-row chunk of the candidate (S_q > 64)
+    q_coord: Int32  # KV: row of q (as [B * S_q] rows) of the tile's first row; Q: query batch row
+    row0: Int32  # KV: the tile's first row in its user's run
+    flat: cutlass.Boolean  # KV: the tile's rows are consecutive rows of q and out (idx grouped)
+    invalid: cutlass.Boolean  # out-of-range index: the tile writes NaN
+    n_keys: Int32  # split_kv: the keys of this split
+    kv_base: Int32  # jagged: the row's first key in the packed K/V; split_kv: plus the split's first
+    out_head: Int32  # the head of out / lse it writes (split_kv: split * H + head of the workspace)
+
+    FIELDS = 12  # Int32 words in shared memory
+    KV_BASE = 10  # the word of kv_base
+
+    @cute.jit
+    def store(self, sMeta, stage: Int32):
+        words = (self.head, self.kv_coord, self.first, self.n_valid, self.chunk, self.q_coord, self.row0,
+                 Int32(1) if self.flat else Int32(0), Int32(1) if self.invalid else Int32(0), self.n_keys,
+                 self.kv_base, self.out_head)
+        for i in cutlass.range_constexpr(TileInfo.FIELDS):
+            sMeta[i, stage] = words[i]
+
+    @staticmethod
+    def load(sMeta, stage: Int32, dense: bool, split: bool = False) -> "TileInfo":
+        """The fields the consumers keep through the main loop: those of the configuration (the
+        others are constants, registers the consumers, at their limit, keep free); kv_base is
+        read from shared memory where it is needed (``KV_BASE``)."""
+        m = [sMeta[i, stage] for i in range(TileInfo.FIELDS)]
+        row0, flat = (m[6], m[7] != 0) if dense else (Int32(0), False)
+        return TileInfo(m[0], m[1], m[2], m[3], m[4], m[5], row0, flat, m[8] != 0, m[9], Int32(0),
+                        m[11] if split else m[0])
+
+
+class AttentionTileScheduler:
+    """Tile number -> TileInfo for one configuration (compile-time fields only)."""
+
+    TILE_M = 128
+
+    def __init__(self, cfg: AttentionConfig):
+        self.tile_m = self.TILE_M
+        self.s_q = cfg.s_q
+        self.dense = cfg.direction == "kv"  # KV broadcast: a user's query rows as one dense run
+        self.chunks = 1 if self.dense else row_packing(cfg.s_q)[2]  # Q broadcast: 128-row chunks per candidate
+        self.ordered = cfg.ordered
+        self.split_kv = cfg.split_kv
+        self.key_split = cfg.split_kv or cfg.split_pair
+        self.cluster_size = 2 if cfg.split_pair else 1
+        self.has_kv_lengths = cfg.has_kv_lengths
+        self.jagged = cfg.jagged
+
+    @cute.jit
+    def tile_info(self, t: Int32, g, sched: Schedule) -> TileInfo:
+        """Tile t -> its TileInfo, on the device (KV broadcast: a search over the groups' first
+        tiles by the whole warp, which calls it). ``g``: the work list's tensors (``cand``,
+        ``cand_start``, ``tile_start``, ``perm``) and the rows' keys (``kv_lengths``,
+        ``kv_offsets``), as ``fwd_args.GlobalTensors`` holds them."""
+        mCand, mCandStart, mTileStart, mPerm = g.cand, g.cand_start, g.tile_start, g.perm
+        mKvLen, mKvOffsets = g.kv_lengths, g.kv_offsets
+        if const_expr(self.ordered):
+            grid, _, _ = cute.arch.grid_dim()
+            G = Int32(grid) // self.cluster_size  # the walk's width, in clusters
+            r = t // G
+            c = t - r * G
+            if r % 2 == 1:
+                c = cutlass.min(G, sched.total_tiles - r * G) - 1 - c
+            t = r * G + c
+        split = sched.rank
+        if const_expr(self.split_kv):
+            per_split = sched.tiles_per_head * sched.n_heads
+            split = t // per_split
+            t = t - split * per_split
+        h = Int32(0)
+        rem = Int32(0)
+        if const_expr(self.ordered):
+            rem = t // sched.n_heads
+            h = t - rem * sched.n_heads
+        else:
+            h = t // sched.tiles_per_head
+            rem = t - h * sched.tiles_per_head
+        first = Int32(0)
+        n_valid = Int32(self.tile_m)
+        chunk = Int32(0)
+        q_coord = Int32(0)
+        row0 = Int32(0)
+        kv_coord = Int32(0)
+        invalid = False
+        if const_expr(self.dense):
+            # Group u with tile_start[u] <= rem < tile_start[u + 1]; group n_kv_batch
+            # holds the candidates whose index is out of range.
+            # All 32 lanes of the producer warp search at once (warp_search: two rounds of loads
+            # for up to 1023 groups, where a binary search waits on one load after another).
+            lo = warp_search(mTileStart, rem, Int32(0), sched.n_kv_batch + 1)
+            # The group's query rows are one run; this is its tile j. ordered: position lo of
+            # tile_start holds group perm[lo].
+            g = lo
+            if const_expr(self.ordered):
+                g = mPerm[lo]
+            first = mCandStart[g]
+            row0 = (rem - mTileStart[lo]) * self.tile_m
+            n_valid = cutlass.min((mCandStart[g + 1] - first) * self.s_q - row0, self.tile_m)
+            q_coord = first * self.s_q + row0
+            invalid = g == sched.n_kv_batch
+            kv_coord = g
+            if invalid:
+                kv_coord = Int32(0)
+        else:
+            b = rem // self.chunks
+            chunk = rem - b * self.chunks
+            first = b
+            kv_coord = b
+            q_coord = mCand[b]
+            invalid = q_coord < 0 or q_coord >= sched.n_q_batch
+            if invalid:
+                q_coord = Int32(0)
+        n_keys = sched.kv_len
+        kv_base = Int32(0)
+        if const_expr(self.has_kv_lengths):
+            n_keys = mKvLen[kv_coord]
+        if const_expr(self.jagged):
+            # Clamped, so that offsets the op did not validate never lead outside K/V.
+            kv_base = cutlass.min(cutlass.max(mKvOffsets[kv_coord], 0), sched.kv_len)
+            end = cutlass.min(cutlass.max(mKvOffsets[kv_coord + 1], kv_base), sched.kv_len)
+            n_keys = cutlass.min(end - kv_base, sched.max_keys)
+        out_head = h
+        if const_expr(self.key_split):
+            start = split * sched.split_keys
+            n_keys = cutlass.min(cutlass.max(n_keys - start, 0), sched.split_keys)
+            kv_base = kv_base + start
+        if const_expr(self.split_kv):
+            out_head = split * sched.n_heads + h
+        if invalid:
+            n_keys = Int32(0)
+        return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, row0, sched.q_flat, invalid, n_keys, kv_base,
+                        out_head)
+
+
+    def tile_info_host(self, t: int, g, sched: Schedule, grid: int) -> TileInfo:
+        """``tile_info`` on the host: ``g``'s fields are torch tensors (or None), ``sched``'s
+        Python ints, ``grid`` the launch's CTA count (the walk's width)."""
+        item = lambda x, i: int(x[i])  # noqa: E731
+        if self.ordered:
+            G = grid // self.cluster_size
+            r, c = divmod(t, G)
+            if r % 2 == 1:
+                c = min(G, sched.total_tiles - r * G) - 1 - c
+            t = r * G + c
+        split = sched.rank
+        if self.split_kv:
+            split, t = divmod(t, sched.tiles_per_head * sched.n_heads)
+        if self.ordered:
+            rem, h = divmod(t, sched.n_heads)
+        else:
+            h, rem = divmod(t, sched.tiles_per_head)
+        first, n_valid, chunk, q_coord, row0, kv_coord, invalid = 0, self.tile_m, 0, 0, 0, 0, False
+        if self.dense:
+            starts = g.tile_start[:sched.n_kv_batch + 1].tolist()
+            lo = bisect.bisect_right(starts, rem) - 1  # warp_search
+            grp = item(g.perm, lo) if self.ordered else lo
+            first = item(g.cand_start, grp)
+            row0 = (rem - starts[lo]) * self.tile_m
+            n_valid = min((item(g.cand_start, grp + 1) - first) * self.s_q - row0, self.tile_m)
+            q_coord = first * self.s_q + row0
+            invalid = grp == sched.n_kv_batch
+            kv_coord = 0 if invalid else grp
+        else:
+            b, chunk = divmod(rem, self.chunks)
+            first = kv_coord = b
+            q_coord = item(g.cand, b)
+            invalid = not 0 <= q_coord < sched.n_q_batch
+            if invalid:
+                q_coord = 0
+        n_keys, kv_base = sched.kv_len, 0
+        if self.has_kv_lengths:
+            n_keys = item(g.kv_lengths, kv_coord)
+        if self.jagged:
+            kv_base = min(max(item(g.kv_offsets, kv_coord), 0), sched.kv_len)
+            end = min(max(item(g.kv_offsets, kv_coord + 1), kv_base), sched.kv_len)
+            n_keys = min(end - kv_base, sched.max_keys)
+        out_head = h
+        if self.key_split:
+            start = split * sched.split_keys
+            n_keys = min(max(n_keys - start, 0), sched.split_keys)
+            kv_base += start
+        if self.split_kv:
+            out_head = split * sched.n_heads + h
+        if invalid:
+            n_keys = 0
+        return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, row0, sched.q_flat, invalid, n_keys, kv_base,
+                        out_head)

@@ -1,0 +1,109 @@
+"""The attention tile scheduler's host twin (``AttentionTileScheduler.tile_info_host``, the mapping
+the kernel's ``tile_info`` computes) against brute force, for the tile order of every shipped
+configuration: every (head, split, candidate, query row) in exactly one tile, with its user's key
+range and the right head of out; the longest-first walk by round; out-of-range indices in tiles
+of no key. The emulated op runs every tile through the same twin (attention_emulation.py)."""
+import pytest
+import torch
+
+import ikbo_fa
+from ikbo_fa.tile_scheduler import AttentionTileScheduler, Schedule
+from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist
+
+ORDERS = sorted({(c.direction, c.s_q, c.has_kv_lengths, c.jagged, c.split_kv, c.split_pair)
+                 for c in ikbo_fa.SHIPPED_CONFIGS}, key=str)
+
+
+class Rows:
+    """The work-list tensors the scheduler reads (fwd_args.GlobalTensors' names)."""
+
+    def __init__(self, **kw):
+        self.cand = self.cand_start = self.tile_start = self.perm = self.kv_lengths = self.kv_offsets = None
+        self.__dict__.update(kw)
+
+
+def _problem(direction, s_q, lengths, jagged, seed, B=37, U=6, L=700):
+    g = torch.Generator().manual_seed(seed)
+    n_rows = U if direction == "kv" else B
+    keys = torch.randint(0, L + 1, (n_rows,), generator=g)
+    keys[:2] = torch.tensor([0, L])
+    idx = torch.randint(0, U, (B,), generator=g)
+    idx[[3, 11]] = torch.tensor([-1, U])  # out of range: tiles that write NaN
+    if direction == "q":
+        rows = Rows(cand=idx.int(), kv_lengths=keys.int() if lengths else None)
+        if jagged:
+            rows.kv_offsets = torch.cat([torch.zeros(1), keys.cumsum(0)]).int()
+        return rows, idx, keys, B, U, B * AttentionTileScheduler(_cfg(direction, s_q, lengths, jagged)).chunks
+    order, cand_start, tile_start, _ = kv_worklist(idx, U, s_q)
+    rows = Rows(cand=order, cand_start=cand_start, tile_start=tile_start)
+    if lengths or jagged:
+        rows.perm, rows.tile_start = kv_tile_order(cand_start, keys, s_q)
+        if lengths:
+            rows.kv_lengths = keys.int()
+        else:
+            rows.kv_offsets = torch.cat([torch.zeros(1), keys.cumsum(0)]).int()
+    return rows, idx, keys, U, U, int(rows.tile_start[U + 1])
+
+
+def _cfg(direction, s_q, lengths, jagged, split_kv=False, split_pair=False):
+    return ikbo_fa.AttentionConfig(torch.bfloat16, 128, s_q, direction, lengths, True, jagged=jagged,
+                                   split_kv=split_kv, split_pair=split_pair)
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=lambda o: "-".join(map(str, o)))
+@pytest.mark.parametrize("grid", [7, 132])
+def test_every_row_once_with_its_keys(order, grid):
+    direction, s_q, lengths, jagged, split_kv, split_pair = order
+    cfg = _cfg(direction, s_q, lengths, jagged, split_kv, split_pair)
+    sc = AttentionTileScheduler(cfg)
+    rows, idx, keys, n_kv, U, tiles_per_head = _problem(direction, s_q, lengths, jagged, seed=s_q + grid)
+    B, H, H_kv, L = idx.shape[0], 4, 2, 700
+    n_splits, split_keys = (3, 256) if split_kv else (2, 384) if split_pair else (1, 0)
+    ranks = 2 if split_pair else 1
+    grid = grid - grid % 2 if split_pair else grid
+    total_L = int(keys.sum()) if jagged else L
+    seen = {}
+    for rank in range(ranks):
+        sched = Schedule(tiles_per_head * H * (n_splits if split_kv else 1), tiles_per_head, U, n_kv, H, H_kv,
+                         total_L, L, False, n_splits, split_keys, rank)
+        assert sched.group() == 2
+        walk = [sc.tile_info_host(t, rows, sched, grid) for t in range(sched.total_tiles)]
+        for info in walk:
+            split = rank if split_pair else info.out_head // H
+            if direction == "kv":
+                run = range(info.row0, info.row0 + info.n_valid)
+                members = [(int(rows.cand[info.first + j // s_q]), j % s_q) for j in run]
+                assert info.q_coord == info.first * s_q + info.row0 and 1 <= info.n_valid <= 128
+            else:
+                members = [(info.first, r) for r in range(info.chunk * 128, min(s_q, info.chunk * 128 + 128))]
+                assert info.q_coord == (0 if info.invalid else int(idx[info.first]))
+            for b, r in members:
+                key = (b, r, info.head, split)
+                assert key not in seen, key
+                seen[key] = info
+        if sc.ordered and not split_kv:  # longest first: each round's tiles no shorter than the next's
+            G = grid // sc.cluster_size
+            blocks = [key_bucket(torch.tensor([-(-i.n_keys // 128)])).item() for i in walk]
+            logical = [None] * len(walk)
+            for t, b in enumerate(blocks):  # undo the turn-back: position of tile t in the walk's order
+                r, c = divmod(t, G)
+                if r % 2:
+                    c = min(G, len(walk) - r * G) - 1 - c
+                logical[r * G + c] = b
+            assert logical == sorted(logical, reverse=True)
+    # every (candidate, row, head, split) once, with the keys of its user (Q broadcast: its own row)
+    splits = n_splits if (split_kv or split_pair) else 1
+    assert len(seen) == B * s_q * H * splits
+    for (b, r, h, split), info in seen.items():
+        u = int(idx[b])
+        bad = not 0 <= u < U
+        assert info.invalid == bad and info.head == h
+        row = b if direction == "q" else (0 if bad else u)
+        assert info.kv_coord == row
+        n = 0 if bad else int(keys[row]) if (lengths or jagged) else L
+        base = int(keys[:row].sum()) if jagged and not bad else 0
+        if split_kv or split_pair:
+            base += split * split_keys
+            n = 0 if bad else min(max(n - split * split_keys, 0), split_keys)
+        assert (info.n_keys, info.kv_base if info.n_keys else base) == (n, base)
+        assert info.out_head == (split * H + h if split_kv else h)
