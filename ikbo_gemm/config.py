@@ -144,25 +144,26 @@ def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool
     from cute_kernels.compile import compile_kernel
     from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
 
-    from .lce_sm90 import LceSm90
+    from .lce_sm90 import LceEpilogue, LceLaunch, LceOperands, LceSm90
 
     dt = cutlass_dtype(cfg.dtype)
     kernel = LceSm90(cfg)
     operand = dict(divisibility=8, align=16)
     args = (
-        fake_tensor(dt, (1, None, None), **operand),  # w_cand [1, M, K_cand_pad]
-        fake_tensor(dt, (1, None, None), **operand),  # w_user [1, M, K_user_pad]
-        fake_tensor(dt, (None, None, None), **operand),  # e_cand [B, K_cand, N]
-        fake_tensor(dt, (None, None, None), **operand),  # e_user [U, K_user, N]
-        fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),  # idx [B]
-        fake_tensor(dt, (None, None, None), **operand),  # out [B, M, N]
-        fake_tensor(cutlass.Float32, (None, cfg.tile_n * cfg.tile_w), divisibility=512, align=16),  # workspace
-        fake_tensor(cutlass.Int32, (None,), align=4),  # flags
-        cutlass.Int32(0),  # tile_begin
-        cutlass.Int32(1),  # tile_end
-        cutlass.Int32(1),  # grid_size
-        cutlass.Int32(1),  # wait_prior
-        cutlass.Int32(1),  # cooperative
+        LceOperands(
+            w_cand=fake_tensor(dt, (1, None, None), **operand),
+            w_user=fake_tensor(dt, (1, None, None), **operand),
+            e_cand=fake_tensor(dt, (None, None, None), **operand),
+            e_user=fake_tensor(dt, (None, None, None), **operand),
+            idx=fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),
+        ),
+        LceEpilogue(
+            out=fake_tensor(dt, (None, None, None), **operand),
+            workspace=fake_tensor(cutlass.Float32, (None, cfg.tile_n * cfg.tile_w), divisibility=512, align=16),
+            flags=fake_tensor(cutlass.Int32, (None,), align=4),
+        ),
+        LceLaunch(tile_begin=cutlass.Int32(0), tile_end=cutlass.Int32(1), grid_size=cutlass.Int32(1),
+                  wait_prior=cutlass.Int32(1), cooperative=cutlass.Int32(1)),
         fake_stream(),
     )
     return compile_kernel(kernel, *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
@@ -313,22 +314,23 @@ def compile_linear_config(cfg: LinearConfig, *, keep_ptx: bool = False, ptxas_re
     from cute_kernels.compile import compile_kernel
     from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
 
-    from .linear_sm90 import LinearSm90
+    from .linear_sm90 import LinearEpilogue, LinearLaunch, LinearOperands, LinearSm90
 
     dt = cutlass_dtype(cfg.dtype)
     operand = dict(divisibility=8, align=16)
     ws = fake_tensor(cutlass.Float32, (None, None, None), divisibility=8, align=16)
-    out = ws if cfg.phase == "user" else fake_tensor(dt, (None, None), **operand)
     args = (
-        fake_tensor(dt, (None, None), **operand),  # a [rows, K_pad]
-        fake_tensor(dt, (None, None), **operand),  # b [N, K_pad]
-        out,  # [rows, N] (user phase: the workspace)
-        ws,  # [splits, U_pad, N_pad] fp32
-        fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),  # idx [B]
-        fake_tensor(dt, (None,), align=2) if cfg.has_bias else None,  # bias [N]
-        cutlass.Int32(1),  # n_users
-        cutlass.Int32(1),  # n_splits
-        cutlass.Int32(1),  # grid_size
+        LinearOperands(
+            a=fake_tensor(dt, (None, None), **operand),
+            b=fake_tensor(dt, (None, None), **operand),
+            idx=fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),
+        ),
+        LinearEpilogue(
+            out=ws if cfg.phase == "user" else fake_tensor(dt, (None, None), **operand),
+            ws=ws,
+            bias=fake_tensor(dt, (None,), align=2) if cfg.has_bias else None,
+        ),
+        LinearLaunch(*(cutlass.Int32(1) for _ in LinearLaunch._fields)),
         fake_stream(),
     )
     return compile_kernel(LinearSm90(cfg), *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)

@@ -48,6 +48,7 @@ from cute_kernels.checks import capturing, check_index_range, check_out_target, 
 
 from .checks import check_lce_inputs, check_schedule
 from .config import LceConfig, LceGeometry, compile_config, pick_config
+from .lce_sm90 import LceEpilogue, LceLaunch, LceOperands
 from .reference import lce_reference
 
 
@@ -277,7 +278,7 @@ def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
     target = store_target(out, (*plan.out_shape[:2], n8))
     workspace = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
     flags = torch.zeros(plan.n_flags, dtype=torch.int32, device=device)
-    args = (w_c, w_u, e_c, e_u, idx_k, target, workspace, flags)
+    args = (LceOperands(w_c, w_u, e_c, e_u, idx_k), LceEpilogue(target, workspace, flags))
     inputs = (w_cand, w_user, e_cand, e_user, idx)
     launches = plan.launches
     too_few = _context_too_small(launches, device)
@@ -325,14 +326,17 @@ def _context_too_small(launches, device) -> str:
 def _launch_all(launches, args) -> str:
     """Issue every launch of a plan. Returns why the driver refused the cooperative (fused)
     grid, which can never be resident whole in this context, or "" when all launched."""
-    w_c, w_u, e_c, e_u, idx, target, workspace, flags = args
+    operands, epilogue = args
     # Every launch's arguments first: a second launch (the spare SMs') can start only once the
     # host has issued it, so nothing else runs on the host between the launches.
     calls = []
     for launch in launches:
         part = slice(*launch.batches)
-        per_launch = (w_c, w_u, e_c[part], e_u, idx[part], target[part], workspace, flags)
-        calls.append((launch, (*per_launch, *launch.tiles, launch.grid, launch.wait_prior, launch.cooperative)))
+        calls.append((launch, (
+            operands._replace(e_cand=operands.e_cand[part], idx=operands.idx[part]),
+            epilogue._replace(out=epilogue.out[part]),
+            LceLaunch(*launch.tiles, launch.grid, launch.wait_prior, launch.cooperative),
+        )))
     for launch, call_args in calls:
         try:
             launch.kernel(*call_args)

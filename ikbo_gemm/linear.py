@@ -53,6 +53,7 @@ from cute_kernels.checks import check_index_range, check_out_target, validation_
 
 from .checks import check_linear_inputs
 from .config import LinearConfig, compile_linear_config, linear_configs, pick_cand_split, pick_cand_tile, pick_linear_tile
+from .linear_sm90 import LinearEpilogue, LinearLaunch, LinearOperands
 from .reference import linear_reference
 
 _INPUT_NAMES = ("x_cand", "x_user", "idx", "w_cand", "w_user", "bias")
@@ -340,8 +341,10 @@ def _run(plan: _Plan, x_cand, x_user, idx, w_cand, w_user, bias, out) -> torch.T
         out = torch.empty(plan.out_shape, dtype=x_cand.dtype, device=device)
     target = store_target(out, (plan.out_shape[0], plan.n8))
     ws = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
-    plan.user(xu, wu, ws, ws, idx_k, None, plan.n_users, plan.splits, plan.grid_user)
-    plan.cand(xc, wc, target, ws, idx_k, bias_k, plan.n_users, plan.splits, plan.grid_cand)
+    plan.user(LinearOperands(xu, wu, idx_k), LinearEpilogue(ws, ws, None),
+              LinearLaunch(plan.n_users, plan.splits, plan.grid_user))
+    plan.cand(LinearOperands(xc, wc, idx_k), LinearEpilogue(target, ws, bias_k),
+              LinearLaunch(plan.n_users, plan.splits, plan.grid_cand))
     return copy_back(out, target)
 
 

@@ -8,6 +8,7 @@ import importlib
 import torch
 
 from cute_kernels.plans import PlanCache
+from ikbo_gemm.linear_sm90 import LinearEpilogue, LinearLaunch, LinearOperands
 from ikbo_gemm.reference import apply_activation
 from lce_emulation import h200_clusters
 
@@ -31,7 +32,10 @@ class EmulatedLaunches:
     def kernel(self, cfg):
         return lambda *args: self.launch(cfg, *args)
 
-    def launch(self, cfg, a, b, out, ws, idx, bias, n_users, n_splits, grid):
+    def launch(self, cfg, operands: LinearOperands, epilogue: LinearEpilogue, launch: LinearLaunch):
+        assert isinstance(operands, LinearOperands) and isinstance(epilogue, LinearEpilogue)
+        assert isinstance(launch, LinearLaunch)
+        (a, b, idx), (out, ws, bias), (n_users, n_splits, grid) = operands, epilogue, launch
         for hook in self.hooks:
             hook(f"linear-{cfg.phase}")
         tma = (a, b) if cfg.phase == "user" else (a, b, out)
