@@ -9,8 +9,8 @@ from .config import compile_config as _compile_lce
 from .config import compile_linear_config as _compile_linear
 from .config import LINEAR_SHIPPED_CONFIGS as _LINEAR_SHIPPED
 from .config import SHIPPED_CONFIGS as _LCE_SHIPPED
-from .lce import lce
-from .linear import linear, split_weight
+from .lce import LcePolicy, lce
+from .linear import PlanRules, linear, split_weight
 from .reference import lce_reference, linear_reference
 
 SHIPPED_CONFIGS = tuple(_LCE_SHIPPED) + tuple(_LINEAR_SHIPPED)
@@ -25,5 +25,5 @@ def compile_config(cfg, *, keep_ptx: bool = False, ptxas_report: bool = False):
     raise TypeError(f"compile_config takes an LceConfig or a LinearConfig, got {type(cfg).__name__}")
 
 
-__all__ = ["SHIPPED_CONFIGS", "LceConfig", "LinearConfig", "compile_config", "lce", "lce_reference", "linear",
-           "linear_reference", "split_weight"]
+__all__ = ["SHIPPED_CONFIGS", "LceConfig", "LcePolicy", "LinearConfig", "PlanRules", "compile_config", "lce",
+           "lce_reference", "linear", "linear_reference", "split_weight"]

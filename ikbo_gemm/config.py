@@ -114,18 +114,19 @@ SHIPPED_CONFIGS = [
 LOAD_BOUND_COST = 1.2
 
 
-def tile_cost(tile_n: int, tile_w: int, m: int, n: int) -> float:
+def tile_cost(tile_n: int, tile_w: int, m: int, n: int, load_bound_cost: float = LOAD_BOUND_COST) -> float:
     """Relative time of one batch's tiles: the executed (padded) output, weighted when load-bound."""
     executed = -(-n // tile_n) * tile_n * -(-m // tile_w) * tile_w
-    return executed * (LOAD_BOUND_COST if 1 / tile_n + 1 / tile_w > 1 / 64 else 1.0)
+    return executed * (load_bound_cost if 1 / tile_n + 1 / tile_w > 1 / 64 else 1.0)
 
 
-def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: int) -> LceConfig:
+def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: int,
+                load_bound_cost: float = LOAD_BOUND_COST) -> LceConfig:
     """The tile of least ``tile_cost`` (ties: the wider, then the taller); a cluster as wide
     as the tile's column slices of N allow (up to 4) and, with more than one batch, deep in
     batches: 128-column tiles fill 4 or 8 CTAs (each w tile then feeds all of them), 64-column
     tiles go two batches deep when 4 slices wide."""
-    tile_n, tile_w = min(TILES, key=lambda t: (tile_cost(*t, m, n), -t[0], -t[1]))
+    tile_n, tile_w = min(TILES, key=lambda t: (tile_cost(*t, m, n, load_bound_cost), -t[0], -t[1]))
     column_tiles = -(-n // tile_n)
     cn = max(c for c in (1, 2, 4) if c <= column_tiles)
     if b == 1:

@@ -6,7 +6,6 @@ import importlib
 
 import torch
 
-from cute_kernels.plans import PlanCache
 from ikbo_gemm.lce_sm90 import LceEpilogue, LceLaunch, LceOperands
 
 lce_mod = importlib.import_module("ikbo_gemm.lce")  # the module (the package exports the op under its name)
@@ -62,7 +61,6 @@ class EmulatedLaunches:
 def install(monkeypatch) -> EmulatedLaunches:
     """Route ``ikbo_gemm.lce`` on CPU tensors through its GPU path, with the kernel emulated."""
     kernels = EmulatedLaunches()
-    monkeypatch.setattr(lce_mod, "_plans", PlanCache())
     monkeypatch.setattr(lce_mod, "on_gpu", lambda x: isinstance(x, torch.Tensor))
     monkeypatch.setattr(lce_mod, "require_sm90", lambda device, op: None)
     monkeypatch.setattr(lce_mod, "max_active_clusters", h200_clusters)

@@ -7,7 +7,6 @@ import importlib
 
 import torch
 
-from cute_kernels.plans import PlanCache
 from ikbo_gemm.linear_sm90 import LinearEpilogue, LinearLaunch, LinearOperands
 from ikbo_gemm.reference import apply_activation
 from lce_emulation import h200_clusters
@@ -80,7 +79,6 @@ class EmulatedLaunches:
 def install(monkeypatch) -> EmulatedLaunches:
     """Route ``ikbo_gemm.linear`` on CPU tensors through its GPU path, with the kernel emulated."""
     kernels = EmulatedLaunches()
-    monkeypatch.setattr(linear_mod, "_plans", PlanCache())
     monkeypatch.setattr(linear_mod, "on_gpu", lambda x: isinstance(x, torch.Tensor))
     monkeypatch.setattr(linear_mod, "require_sm90", lambda device, op: None)
     monkeypatch.setattr(linear_mod, "sm_count", lambda device: H200_SMS)
