@@ -1,6 +1,6 @@
-"""Static configurations of the package's kernels: the compile keys, the shipped sets, the picks
-and the compiles. LCE: LceConfig and the tiling of a problem (LceGeometry, shared by the host
-plan and the kernel); linear: LinearConfig."""
+"""Static configurations of the package's kernels: the compile keys, the shipped sets and the
+picks (the compile step is ``ikbo_gemm.compile``). LCE: LceConfig and the tiling of a problem
+(LceGeometry, shared by the host plan and the kernel); linear: LinearConfig."""
 from __future__ import annotations
 
 import dataclasses
@@ -136,38 +136,6 @@ def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: i
     else:
         cb = 2 if cn == 4 else 1
     return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n)
-
-
-def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool = False):
-    """Compile one configuration for sm_90a (no GPU needed) -> CompiledKernel."""
-    import cutlass
-
-    from cute_kernels.compile import compile_kernel
-    from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
-
-    from .lce_sm90 import LceEpilogue, LceLaunch, LceOperands, LceSm90
-
-    dt = cutlass_dtype(cfg.dtype)
-    kernel = LceSm90(cfg)
-    operand = dict(divisibility=8, align=16)
-    args = (
-        LceOperands(
-            w_cand=fake_tensor(dt, (1, None, None), **operand),
-            w_user=fake_tensor(dt, (1, None, None), **operand),
-            e_cand=fake_tensor(dt, (None, None, None), **operand),
-            e_user=fake_tensor(dt, (None, None, None), **operand),
-            idx=fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),
-        ),
-        LceEpilogue(
-            out=fake_tensor(dt, (None, None, None), **operand),
-            workspace=fake_tensor(cutlass.Float32, (None, cfg.tile_n * cfg.tile_w), divisibility=512, align=16),
-            flags=fake_tensor(cutlass.Int32, (None,), align=4),
-        ),
-        LceLaunch(tile_begin=cutlass.Int32(0), tile_end=cutlass.Int32(1), grid_size=cutlass.Int32(1),
-                  wait_prior=cutlass.Int32(1), cooperative=cutlass.Int32(1)),
-        fake_stream(),
-    )
-    return compile_kernel(kernel, *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
 
 
 # ---------------------------------------------------------------------------------- linear
@@ -306,32 +274,3 @@ LINEAR_SHIPPED_CONFIGS = [
     LinearConfig(dtype, torch.int32, tm, tn, "user", split_k=2)
     for dtype in (torch.float16, torch.bfloat16) for tm, tn in LINEAR_SPLIT_TILES
 ]
-
-
-def compile_linear_config(cfg: LinearConfig, *, keep_ptx: bool = False, ptxas_report: bool = False):
-    """Compile one linear configuration for sm_90a (no GPU needed) -> CompiledKernel."""
-    import cutlass
-
-    from cute_kernels.compile import compile_kernel
-    from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
-
-    from .linear_sm90 import LinearEpilogue, LinearLaunch, LinearOperands, LinearSm90
-
-    dt = cutlass_dtype(cfg.dtype)
-    operand = dict(divisibility=8, align=16)
-    ws = fake_tensor(cutlass.Float32, (None, None, None), divisibility=8, align=16)
-    args = (
-        LinearOperands(
-            a=fake_tensor(dt, (None, None), **operand),
-            b=fake_tensor(dt, (None, None), **operand),
-            idx=fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),
-        ),
-        LinearEpilogue(
-            out=ws if cfg.phase == "user" else fake_tensor(dt, (None, None), **operand),
-            ws=ws,
-            bias=fake_tensor(dt, (None,), align=2) if cfg.has_bias else None,
-        ),
-        LinearLaunch(*(cutlass.Int32(1) for _ in LinearLaunch._fields)),
-        fake_stream(),
-    )
-    return compile_kernel(LinearSm90(cfg), *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)

@@ -47,7 +47,8 @@ from cute_kernels import (
 from cute_kernels.checks import capturing, check_index_range, check_out_target, validation_enabled
 
 from .checks import check_lce_inputs, check_schedule
-from .config import CLUSTERS, LOAD_BOUND_COST, TILES, LceConfig, LceGeometry, compile_config, pick_config
+from .compile import compile_lce_config
+from .config import CLUSTERS, LOAD_BOUND_COST, TILES, LceConfig, LceGeometry, pick_config
 from .lce_sm90 import LceEpilogue, LceLaunch, LceOperands
 from .reference import lce_reference
 
@@ -86,7 +87,7 @@ DEFAULT_POLICY = LcePolicy()
 
 
 def _kernel(cfg: LceConfig) -> CompiledKernel:
-    return kernel_cache.get(("ikbo_gemm.lce", cfg), lambda: compile_config(cfg), package="ikbo_gemm")
+    return kernel_cache.get(("ikbo_gemm.lce", cfg), lambda: compile_lce_config(cfg), package="ikbo_gemm")
 
 
 def _ceil(x: int, m: int) -> int:

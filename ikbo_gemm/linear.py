@@ -52,10 +52,10 @@ from cute_kernels import (
 from cute_kernels.checks import check_index_range, check_out_target, validation_enabled
 
 from .checks import check_linear_inputs
+from .compile import compile_linear_config
 from .config import (
     LINEAR_TILES,
     LinearConfig,
-    compile_linear_config,
     linear_configs,
     pick_cand_split,
     pick_cand_tile,
