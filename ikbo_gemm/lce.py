@@ -44,7 +44,13 @@ from cute_kernels import (
     tma_ready,
 )
 
-from cute_kernels.checks import capturing, check_index_range, check_out_target, validation_enabled
+from cute_kernels.checks import (
+    capturing,
+    check_index_range,
+    check_out_target,
+    policy_or_default,
+    validation_enabled,
+)
 
 from .checks import check_lce_inputs, check_schedule
 from .compile import compile_lce_config
@@ -268,7 +274,7 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
                              "traces takes the shipped plan)")
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
         return into_out(out, torch.ops.ikbo_gemm.lce(w_cand, w_user, e_cand, e_user, idx, validate, schedule))
-    policy = _check_policy(policy)
+    policy = policy_or_default("lce", "policy", policy, LcePolicy, DEFAULT_POLICY)
     check_schedule(schedule)
     plan = _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy)
     if out is not None:
@@ -285,14 +291,6 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
             (w_cand, w_user, e_cand, e_user),
             out,
         )
-
-
-def _check_policy(policy) -> LcePolicy:
-    if policy is None:
-        return DEFAULT_POLICY
-    if not isinstance(policy, LcePolicy):
-        raise TypeError(f"lce: policy must be an ikbo_gemm.LcePolicy or None, got {type(policy).__name__}")
-    return policy
 
 
 def _lce_shape(w_cand, w_user, e_cand, e_user, idx, validate=None, schedule="fused"):

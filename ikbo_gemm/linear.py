@@ -49,7 +49,7 @@ from cute_kernels import (
     store_target,
     tma_ready,
 )
-from cute_kernels.checks import check_index_range, check_out_target, validation_enabled
+from cute_kernels.checks import check_index_range, check_out_target, policy_or_default, validation_enabled
 
 from .checks import check_linear_inputs
 from .compile import compile_linear_config
@@ -344,7 +344,7 @@ def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, o
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
         return into_out(out, torch.ops.ikbo_gemm.linear(x_cand, x_user, idx, w_cand, w_user, bias, activation,
                                                         validate))
-    rules = _check_rules(rules)
+    rules = policy_or_default("linear", "rules", rules, PlanRules, DEFAULT_RULES)
     plan = _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules)
     inputs = (x_cand, x_user, idx, w_cand, w_user, bias)
     if out is not None:
@@ -366,14 +366,6 @@ def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, o
 def linear_with_rules(*args, rules: Optional[PlanRules] = None, **kwargs):
     """:func:`linear` with ``rules`` (the name the benchmarks call)."""
     return linear(*args, rules=rules, **kwargs)
-
-
-def _check_rules(rules) -> PlanRules:
-    if rules is None:
-        return DEFAULT_RULES
-    if not isinstance(rules, PlanRules):
-        raise TypeError(f"linear: rules must be an ikbo_gemm.PlanRules or None, got {type(rules).__name__}")
-    return rules
 
 
 def _pad_k(t: torch.Tensor, k8: int) -> torch.Tensor:

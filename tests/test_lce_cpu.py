@@ -328,7 +328,7 @@ def test_policy_checks_its_fields(policy, error, match):
 
 def test_policy_argument_is_checked():
     args = random_problem(3, 2, 16, 8, 8, 8, torch.float16, seed=5)
-    with pytest.raises(TypeError, match="policy must be an ikbo_gemm.LcePolicy or None, got dict"):
+    with pytest.raises(TypeError, match="policy must be LcePolicy or None, got dict"):
         lce(*args, policy={"spare_sms": False})
 
 

@@ -311,7 +311,7 @@ def test_forced_choices_of_the_plan_rules():
 
 def test_rules_argument_is_checked():
     args = _inputs(3, 3, 2, 16, 8, 8)
-    with pytest.raises(TypeError, match="rules must be an ikbo_gemm.PlanRules or None, got str"):
+    with pytest.raises(TypeError, match="rules must be PlanRules or None, got str"):
         ikbo_gemm.linear(**args, rules="small")
 
 
