@@ -130,6 +130,7 @@ class HandWritten:
     def __init__(self):
         self.scale, self.guards = 1.0, []
         self.mask, self.mask_drops, self.fill = None, False, None
+        self.mask_scale = 1.0  # the part of the scale applied after the mask (it scales the fill too)
 
 
 def _scores(ctx: Context, x, hw: HandWritten) -> tuple[Optional[tuple], str]:
@@ -150,6 +151,7 @@ def _scores(ctx: Context, x, hw: HandWritten) -> tuple[Optional[tuple], str]:
             continue
         if hw.mask is not None:
             return None, "the scores are masked twice"
+        hw.mask_scale = hw.scale
         if is_op(x, aten.masked_fill):
             hw.mask, hw.mask_drops, hw.fill = x.args[1], True, number(ctx, x.args[2], hw.guards)
             if hw.fill is None:
@@ -236,5 +238,7 @@ def read(ctx: Context, n: Node):
             inner = b.call(aten.permute.default, bc.source, [0, 1, 3, 2])
         k = b.call(aten.index.Tensor, inner, [index_node(bc, b)])
         ctx.broadcasts[k] = bc.with_node(k, inner)
+    if hw.mask is not None and hw.mask_scale <= 0:
+        return None, gathers, f"{name}: the mask is scaled by {hw.mask_scale:g}"
     return Sdpa(n, n, q, k, v, hw.mask, 0.0, False, hw.scale, mask_drops=hw.mask_drops, fill=hw.fill,
-                guards=hw.guards, name=name), gathers, ""
+                guards=hw.guards, name=name, mask_scale=hw.mask_scale), gathers, ""

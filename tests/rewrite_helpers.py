@@ -120,6 +120,10 @@ class HandWritten(nn.Module):
 
     def forward(self, q, k, v, idx, lengths):
         k, v = k[idx], v[idx]
+        if self.mask == "scaled_after_masking":  # the scale applies to the fill too
+            keep = (torch.arange(k.shape[2], device=q.device)[None, :] < lengths[idx][:, None])[:, None, None, :]
+            scores = (q @ k.transpose(-2, -1)).masked_fill(~keep, -1e9) * q.shape[-1] ** -0.5
+            return F.softmax(scores, dim=-1) @ v
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
         keep = (torch.arange(k.shape[2], device=q.device)[None, :] < lengths[idx][:, None])[:, None, None, :]
         if self.mask == "masked_fill_inf":
