@@ -151,8 +151,9 @@ def resolve_problem(q, kv, idx, *, scale, kv_lengths, broadcast, out, validate, 
     k, v = split_kv(kv, dtypes, jagged=jagged)
     checks.check_same_dtype(["q", "k", "v"], [q, k, v])
     check_idx(idx)
-    if kv_lengths is not None:  # its length is checked once the k/v batch is known
-        checks.check_tensor("kv_lengths", kv_lengths, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[k/v batch]")
+    if kv_lengths is not None:  # its kind here; its length once the k/v batch is known
+        checks.check_tensor("kv_lengths", kv_lengths, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[k/v batch]",
+                            empty_batch=True)
     if jagged:
         checks.check_tensor("kv_offsets", kv_offsets, ndim=1, dtypes=checks.INDEX_DTYPES, layout="[R + 1]")
         if kv_offsets.shape[0] < 2:

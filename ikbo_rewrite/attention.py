@@ -19,10 +19,10 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import guard_bool, statically_known_true
 
+from . import softmax_attention
 from .broadcast import index_node
 from .context import Context
 from .fx_utils import Builder, aten, bound_args, example_value, replace, same, shape, tensor_val
-from . import softmax_attention
 from .masks import drops, prefix_lengths
 
 HEAD_DIMS = (64, 128)
@@ -54,6 +54,7 @@ class Sdpa:
     fill: Optional[float] = None  # the value masked scores take, where the model writes one
     guards: list = dataclasses.field(default_factory=list)  # on symbols the scale was computed from
     name: str = ""  # how the report names a hand-written attention
+    mask_scale: float = 1.0  # a scale applied to the masked scores (the fill included)
 
 
 def read_sdpa(n: Node) -> tuple[Optional[Sdpa], str]:
@@ -91,9 +92,9 @@ def _check(ctx: Context, s: Sdpa) -> tuple[str, list]:
         return "q, k and v are not [batch, heads, seq, dim]", []
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
         return f"dtype {q.dtype}: the op takes fp16 or bf16", []
-    if not all(same(a, b) for a, b in zip(k.shape, v.shape)) or not same(q.shape[3], k.shape[3]):
-        return "k and v differ in shape, or q's head dim differs from k's", []
     guards = []
+    if not all(_equal_guarded(ctx, a, b, guards) for a, b in zip((*k.shape, q.shape[3]), (*v.shape, k.shape[3]))):
+        return "k and v differ in shape, or q's head dim differs from k's", []
     d = q.shape[3]
     if not any(same(d, x) for x in HEAD_DIMS):
         value = example_value(d)
@@ -177,13 +178,13 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
         return "q, k and v are not one side gathered, the other per candidate"
     lengths = None
     if s.mask is not None:
-        if s.fill is not None and not drops(s.fill):
-            return f"the masked scores are set to {s.fill:g}: a soft mask (a dropped key needs <= -65504)"
         lengths, why = prefix_lengths(ctx, s.mask, shape(s.k)[2], drop=s.mask_drops)
         if lengths is None:
             return why
-        if s.fill is not None:
-            lengths.fills.append(s.fill)
+        lengths.fills = [f * s.mask_scale for f in lengths.fills + ([] if s.fill is None else [s.fill])]
+        soft = [f for f in lengths.fills if not drops(f)]
+        if soft:
+            return f"the masked scores are set to {soft[0]:g}: a soft mask (a dropped key needs <= -65504)"
         if direction == "kv" and (lengths.broadcast is None or lengths.broadcast.key != bc.key):
             return "the mask's lengths are per candidate, not per user"
         if direction == "q" and lengths.broadcast is not None and lengths.broadcast.key != bc.key:
@@ -235,6 +236,17 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
                    + (", kv_lengths from the key-padding mask" if lengths is not None else "") + shared
                    + _no_keys_note(s, lengths, fill))
     return ""
+
+
+def _equal_guarded(ctx: Context, a, b, guards: list) -> bool:
+    """Sizes ``a`` and ``b`` are equal: provably, or (where the pass may guard) by their values
+    here, the guard appended to ``guards``."""
+    if same(a, b):
+        return True
+    if ctx.guards and example_value(a) is not None and example_value(a) == example_value(b):
+        guards.append(a == b)
+        return True
+    return False
 
 
 def _equal(ctx: Context, b: Builder, x: tuple, y: tuple, what: str) -> bool:

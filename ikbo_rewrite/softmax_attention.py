@@ -39,12 +39,12 @@ def _strip(n, targets):
 
 def _noop_expand(n):
     """``n`` without expands and copies that keep its shape (Inductor writes them before a bmm)."""
-    while is_op(n, aten.expand, *SAME) and same_shape(n, n.args[0]):
+    while is_op(n, aten.expand, *SAME) and _same_shape(n, n.args[0]):
         n = n.args[0]
     return n
 
 
-def same_shape(a, b) -> bool:
+def _same_shape(a, b) -> bool:
     sa, sb = shape(a), shape(b)
     return sa is not None and sb is not None and len(sa) == len(sb) and all(same(x, y) for x, y in zip(sa, sb))
 
@@ -124,22 +124,23 @@ def number(ctx: Context, n, guards: list) -> Optional[float]:
     return None
 
 
-class HandWritten:
+class _Scores:
     """What the scores of a softmax(QK^T)V are made of."""
 
     def __init__(self):
         self.scale, self.guards = 1.0, []
         self.mask, self.mask_drops, self.fill = None, False, None
+        self.mask_scale = 1.0  # the part of the scale applied after the mask (it scales the fill too)
 
 
-def _scores(ctx: Context, x, hw: HandWritten) -> tuple[Optional[tuple], str]:
+def _scores(ctx: Context, x, hw: _Scores) -> tuple[Optional[tuple], str]:
     """Peel the scale and the mask off the scores: (q, k^T) of the contraction, or (None, why)."""
     while True:
         found = _contraction(x)
         if found is not None:
             return found, ""
-        if is_op(x, aten.mul, aten.div) and len(n_tensor_args(x)) == 1:
-            t = n_tensor_args(x)[0]
+        if is_op(x, aten.mul, aten.div) and len(_tensor_args(x)) == 1:
+            t = _tensor_args(x)[0]
             if is_op(x, aten.div) and t is not x.args[0]:
                 return None, "the scores divide a constant"
             c = number(ctx, x.args[1] if t is x.args[0] else x.args[0], hw.guards)
@@ -150,6 +151,7 @@ def _scores(ctx: Context, x, hw: HandWritten) -> tuple[Optional[tuple], str]:
             continue
         if hw.mask is not None:
             return None, "the scores are masked twice"
+        hw.mask_scale = hw.scale
         if is_op(x, aten.masked_fill):
             hw.mask, hw.mask_drops, hw.fill = x.args[1], True, number(ctx, x.args[2], hw.guards)
             if hw.fill is None:
@@ -163,7 +165,7 @@ def _scores(ctx: Context, x, hw: HandWritten) -> tuple[Optional[tuple], str]:
                 hw.mask, hw.mask_drops, hw.fill, x = x.args[0], False, b, x.args[1]
             else:
                 return None, "the scores go through a where without a constant side"
-        elif is_op(x, aten.add) and len(n_tensor_args(x)) == 2 and len(x.args) == 2:
+        elif is_op(x, aten.add) and len(_tensor_args(x)) == 2 and len(x.args) == 2:
             a, b = x.args
             # The scores are the side that leads to the contraction; the other is the bias.
             if _leads_to_contraction(a):
@@ -180,7 +182,7 @@ def _is_tensor(n) -> bool:
     return tensor_val(n) is not None
 
 
-def n_tensor_args(n: Node) -> list:
+def _tensor_args(n: Node) -> list:
     return [a for a in n.args if _is_tensor(a) and ndim(a) > 0]
 
 
@@ -215,7 +217,7 @@ def read(ctx: Context, n: Node):
     x = _softmax_input(_noop_expand(p))
     if x is None:
         return None, [], ""
-    hw = HandWritten()
+    hw = _Scores()
     qk, why = _scores(ctx, x, hw)
     name = f"hand-written softmax(q k^T) v at {n.name}"
     if qk is None:
@@ -236,5 +238,7 @@ def read(ctx: Context, n: Node):
             inner = b.call(aten.permute.default, bc.source, [0, 1, 3, 2])
         k = b.call(aten.index.Tensor, inner, [index_node(bc, b)])
         ctx.broadcasts[k] = bc.with_node(k, inner)
+    if hw.mask is not None and hw.mask_scale <= 0:
+        return None, gathers, f"{name}: the mask is scaled by {hw.mask_scale:g}"
     return Sdpa(n, n, q, k, v, hw.mask, 0.0, False, hw.scale, mask_drops=hw.mask_drops, fill=hw.fill,
-                guards=hw.guards, name=name), gathers, ""
+                guards=hw.guards, name=name, mask_scale=hw.mask_scale), gathers, ""

@@ -57,17 +57,34 @@ def bf16(*tensors):
 class FakeCudaGraph:
     """An ATen graph of CUDA tensors built node by node on a machine without a GPU (fake
     tensors), to give the pass the graphs Inductor makes on the GPU. ``op`` computes a node's
-    value under the fake mode, or takes ``val`` where an op's fake kernel needs a real device."""
+    value under the fake mode, or takes ``val`` where an op's fake kernel needs a real device.
+    A size given as ``(name, value)`` is a symbol of that value, as ``compile(dynamic=True)``
+    makes every input size (one symbol per name)."""
 
     def __init__(self):
         from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        self.mode = FakeTensorMode()
+        self.shape_env = ShapeEnv()
+        self.mode = FakeTensorMode(shape_env=self.shape_env)
         self.graph = Graph()
+        self.symbols = {}
+
+    def size(self, s):
+        if not isinstance(s, tuple):
+            return s
+        from torch._dynamo.source import ConstantSource
+        from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+        name, value = s
+        if name not in self.symbols:
+            expr = self.shape_env.create_symbol(value, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+            self.symbols[name] = self.shape_env.create_symintnode(expr, hint=value)
+        return self.symbols[name]
 
     def empty(self, shape, dtype) -> torch.Tensor:
         with self.mode:
-            return torch.empty(shape, dtype=dtype, device="cuda")
+            return torch.empty([self.size(s) for s in shape], dtype=dtype, device="cuda")
 
     def input(self, name: str, shape, dtype) -> Node:
         n = self.graph.placeholder(name)
@@ -120,6 +137,10 @@ class HandWritten(nn.Module):
 
     def forward(self, q, k, v, idx, lengths):
         k, v = k[idx], v[idx]
+        if self.mask == "scaled_after_masking":  # the scale applies to the fill too
+            keep = (torch.arange(k.shape[2], device=q.device)[None, :] < lengths[idx][:, None])[:, None, None, :]
+            scores = (q @ k.transpose(-2, -1)).masked_fill(~keep, -1e9) * q.shape[-1] ** -0.5
+            return F.softmax(scores, dim=-1) @ v
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
         keep = (torch.arange(k.shape[2], device=q.device)[None, :] < lengths[idx][:, None])[:, None, None, :]
         if self.mask == "masked_fill_inf":

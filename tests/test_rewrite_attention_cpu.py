@@ -277,3 +277,40 @@ def test_symbolic_head_dim_under_dynamic_compile():
     assert len(compiled.reports) == 2 and "attention" not in compiled.report.kinds()
     assert "head dim" in str(compiled.report) and "cannot be guarded" not in str(compiled.report)
     torch._dynamo.reset()
+
+
+def _flash_graph_with_symbols(D):
+    """The post-grad graph of target attention that ``compile(dynamic=True)`` makes on the GPU
+    (SDPA's flash kernel): every input size a symbol, the head dim's value ``D``."""
+    f = FakeCudaGraph()
+    bf = torch.bfloat16
+    q = f.input("q", (("B", 40), ("H", 2), 1, ("D", D)), bf)
+    k, v = (f.input(x, (("U", 3), ("H", 2), ("L", 200), ("D", D)), bf) for x in ("k", "v"))
+    idx = f.input("idx", (("B", 40),), torch.int64)
+    kg, vg = f.op(torch.ops.aten.index.Tensor, k, [idx]), f.op(torch.ops.aten.index.Tensor, v, [idx])
+    outs = tuple(f.empty((), torch.float32) for _ in range(9))
+    att = f.op(torch.ops.aten._scaled_dot_product_flash_attention.default, q, kg, vg, val=outs)
+    return f, f.module(f.op(operator.getitem, att, 0, val=q.meta["val"]))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_symbolic_head_dim_in_the_gpu_graph_is_guarded(D):
+    from ikbo_rewrite.passes import run
+
+    f, gm = _flash_graph_with_symbols(D)
+    report = run(gm, guards=True)
+    assert report.kinds() == ["attention"] and report.left == [], str(report)
+    assert f"D {D}" in str(report)
+    guards = [str(g.expr) for g in f.shape_env.guards]
+    assert len(guards) == 1 and guards[0].startswith("Eq(s") and guards[0].endswith(f", {D})"), guards
+
+
+def test_symbolic_head_dim_without_guards_or_of_another_value_is_left():
+    f, gm = _flash_graph_with_symbols(128)
+    report = ikbo_rewrite.rewrite(gm)  # an ATen graph given as it is: no guards
+    assert report.rewrites == [] and "cannot be guarded" in str(report), str(report)
+    from ikbo_rewrite.passes import run
+
+    f, gm = _flash_graph_with_symbols(96)
+    report = run(gm, guards=True)
+    assert report.rewrites == [] and "head dim" in str(report) and not f.shape_env.guards, str(report)

@@ -24,7 +24,7 @@ def _inputs(B, U, seed, empty_user=False):
     return q, k, v, idx, lengths
 
 
-FINITE = ["masked_fill_1e9", "where_min", "bias_1e9", "bias_min"]
+FINITE = ["masked_fill_1e9", "where_min", "bias_1e9", "bias_min", "scaled_after_masking"]
 
 
 @pytest.mark.parametrize("mask", ["none", "masked_fill_inf"] + FINITE)
