@@ -82,8 +82,9 @@ from .checks import (
     kv_list,
     resolve_problem,
 )
-from .config import MAX_SPLITS, compile_config, kernel_config, row_packing
+from .config import MAX_SPLITS, kernel_config, row_packing
 from .fwd_args import FwdScalars, FwdTensors, FwdWorkList
+from .fwd_compile import compile_config
 from .policy import DEFAULT_POLICY, AttentionPolicy
 from .reference import evaluate, jagged_rows
 from .worklist import WorkList, kv_tile_order, kv_worklist, max_tiles_per_head

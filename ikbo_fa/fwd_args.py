@@ -1,6 +1,6 @@
 """The forward kernel's arguments, as named bundles defined once.
 
-Host -> compiled kernel (what ``attention._run`` passes, what ``config.compile_config`` compiles
+Host -> compiled kernel (what ``attention._run`` passes, what ``fwd_compile.compile_config`` compiles
 with as fake tensors, what the test emulation receives): ``FwdTensors``, ``FwdWorkList``,
 ``FwdScalars``, in that order, then the grid's CTA count and the stream. Absent tensors are None
 (the configuration says which are present).
