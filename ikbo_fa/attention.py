@@ -83,7 +83,7 @@ from .checks import (
     resolve_problem,
 )
 from .config import MAX_SPLITS, kernel_config, row_packing
-from .fwd_args import FwdScalars, FwdTensors, FwdWorkList
+from .fwd_args import FwdScalars, FwdTensors, FwdWorkList, WorkListScalars
 from .fwd_compile import compile_config
 from .policy import DEFAULT_POLICY, AttentionPolicy
 from .reference import evaluate, jagged_rows
@@ -505,7 +505,8 @@ def _group(idx, n_users: int, rows_per_cand: int, kernel, parts, rows, lengths: 
     False): the tiles longest first by them; None: in user order (perm None)."""
     if kernel is not None:
         perm = parts[4] if rows is not None else None
-        kernel(idx, parts[0], parts[1], parts[2], parts[3], perm, rows, n_users, rows_per_cand, total_keys, max_keys)
+        kernel(idx, FwdWorkList(parts[0], parts[1], parts[2], parts[3], perm), rows,
+               WorkListScalars(n_users, rows_per_cand, total_keys, max_keys))
         return parts[0], parts[1], parts[2], parts[3], perm
     order, cand_start, tile_start, grouped = kv_worklist(idx, n_users, rows_per_cand)
     perm = None
@@ -595,7 +596,7 @@ def _merge_kernel(dtype: torch.dtype, with_lse: bool):
 
 
 def _worklist_kernel(idx_dtype: torch.dtype, keys: Optional[str]):
-    from .worklist_sm90 import worklist_kernel
+    from .worklist_sm90 import worklist_kernel  # imports the DSL's kernel modules at first use
 
     return worklist_kernel(idx_dtype, keys).fn
 
