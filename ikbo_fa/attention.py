@@ -173,7 +173,8 @@ def attention(
     ``work_list`` (KV broadcast): the grouping of idx's candidates by user, built once by
     :func:`work_list` for several calls on the same idx; the call then launches none of its own.
     ``policy``: the launch choices (``ikbo_fa.AttentionPolicy``; None: ``DEFAULT_POLICY``), for
-    benchmarks and tests of a variant; the results agree to rounding whatever it holds.
+    benchmarks and tests of a variant; the results agree to rounding whatever it holds (traced by
+    torch.compile, the registered op runs DEFAULT_POLICY).
     """
     policy = _check_policy(policy)
     if torch.compiler.is_compiling():
