@@ -1,7 +1,8 @@
 """IKBO flash attention forward for Hopper: target attention where one side
 (K/V per user, or Q per user) is looked up through an index inside the kernel."""
 from .attention import attention, work_list
-from .config import SHIPPED_CONFIGS, AttentionConfig, compile_config
+from .config import SHIPPED_CONFIGS, AttentionConfig
+from .fwd_compile import compile_config
 from .policy import DEFAULT_POLICY, AttentionPolicy
 from .reference import attention_reference
 from .worklist import WorkList

@@ -83,8 +83,9 @@ from .checks import (
     kv_list,
     resolve_problem,
 )
-from .config import MAX_SPLITS, compile_config, kernel_config, row_packing
-from .fwd_args import FwdScalars, FwdTensors, FwdWorkList
+from .config import MAX_SPLITS, kernel_config, row_packing
+from .fwd_args import FwdScalars, FwdTensors, FwdWorkList, WorkListScalars
+from .fwd_compile import compile_config
 from .policy import DEFAULT_POLICY, AttentionPolicy
 from .reference import evaluate, jagged_rows
 from .worklist import WorkList, kv_tile_order, kv_worklist, max_tiles_per_head
@@ -173,7 +174,8 @@ def attention(
     ``work_list`` (KV broadcast): the grouping of idx's candidates by user, built once by
     :func:`work_list` for several calls on the same idx; the call then launches none of its own.
     ``policy``: the launch choices (``ikbo_fa.AttentionPolicy``; None: ``DEFAULT_POLICY``), for
-    benchmarks and tests of a variant; the results agree to rounding whatever it holds.
+    benchmarks and tests of a variant; the results agree to rounding whatever it holds (traced by
+    torch.compile, the registered op runs DEFAULT_POLICY).
     """
     check_return_lse(return_lse)
     policy = _check_policy(policy)
@@ -507,7 +509,8 @@ def _group(idx, n_users: int, rows_per_cand: int, kernel, parts, rows, lengths: 
     False): the tiles longest first by them; None: in user order (perm None)."""
     if kernel is not None:
         perm = parts[4] if rows is not None else None
-        kernel(idx, parts[0], parts[1], parts[2], parts[3], perm, rows, n_users, rows_per_cand, total_keys, max_keys)
+        kernel(idx, FwdWorkList(parts[0], parts[1], parts[2], parts[3], perm), rows,
+               WorkListScalars(n_users, rows_per_cand, total_keys, max_keys))
         return parts[0], parts[1], parts[2], parts[3], perm
     order, cand_start, tile_start, grouped = kv_worklist(idx, n_users, rows_per_cand)
     perm = None
@@ -597,7 +600,7 @@ def _merge_kernel(dtype: torch.dtype, with_lse: bool):
 
 
 def _worklist_kernel(idx_dtype: torch.dtype, keys: Optional[str]):
-    from .worklist_sm90 import worklist_kernel
+    from .worklist_sm90 import worklist_kernel  # imports the DSL's kernel modules at first use
 
     return worklist_kernel(idx_dtype, keys).fn
 

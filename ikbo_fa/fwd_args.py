@@ -1,6 +1,6 @@
 """The forward kernel's arguments, as named bundles defined once.
 
-Host -> compiled kernel (what ``attention._run`` passes, what ``config.compile_config`` compiles
+Host -> compiled kernel (what ``attention._run`` passes, what ``fwd_compile.compile_config`` compiles
 with as fake tensors, what the test emulation receives): ``FwdTensors``, ``FwdWorkList``,
 ``FwdScalars``, in that order, then the grid's CTA count and the stream. Absent tensors are None
 (the configuration says which are present).
@@ -8,6 +8,9 @@ with as fake tensors, what the test emulation receives): ``FwdTensors``, ``FwdWo
 ``__call__`` -> device kernel: ``TmaOperands``, ``GlobalTensors``, ``ProblemDims``,
 ``FwdScalars`` (their fields, flattened in order, are the kernel's parameters), and the
 compile-time ``TiledMmas`` and ``SmemLayouts`` (no parameter bytes).
+
+The work-list kernel (worklist_sm90.py) writes a ``FwdWorkList`` from idx, with
+``WorkListScalars``.
 """
 from __future__ import annotations
 
@@ -37,6 +40,15 @@ class FwdWorkList(NamedTuple):
     tile_start: Optional[cute.Tensor]  # kv: [U + 2] first tile of each group (ordered: by position)
     grouped: Optional[cute.Tensor]  # kv: [1] int32, 1 where the work list's order is 0, 1, ...
     perm: Optional[cute.Tensor]  # ordered: [U + 1] the groups longest first
+
+
+class WorkListScalars(NamedTuple):
+    """Run-time scalars of the work-list kernel."""
+
+    n_users: Int32  # U
+    rows_per_cand: Int32  # S_q
+    total_keys: Int32  # offsets: the key rows of the packed K/V
+    max_keys: Int32  # offsets: keys past this many in a row are not read
 
 
 class FwdScalars(NamedTuple):

@@ -20,6 +20,7 @@ from cutlass import Int32, Uint32, const_expr
 from cute_kernels.compile import compile_kernel, kernel_cache
 from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
 
+from .fwd_args import FwdWorkList, WorkListScalars
 from .worklist import TILE_ROWS
 
 FULL_MASK = 0xFFFFFFFF
@@ -76,16 +77,9 @@ class KvWorklistSm90:
     def __call__(
         self,
         mIdx: cute.Tensor,  # [B] int32 or int64
-        mOrder: cute.Tensor,  # [B] int32
-        mCandStart: cute.Tensor,  # [U + 2] int32
-        mTileStart: cute.Tensor,  # [U + 2] int32
-        mGrouped: cute.Tensor,  # [1] int32
-        mPerm: cute.Tensor | None,  # keys: [U + 1] int32, the groups longest first
+        wl: FwdWorkList,  # written: cand (the order) [B], cand_start, tile_start [U + 2], grouped [1], perm
         mRows: cute.Tensor | None,  # keys: kv_lengths [U] or kv_offsets [U + 1], int32
-        n_users: Int32,
-        rows_per_cand: Int32,
-        total_keys: Int32,  # offsets: the key rows of the packed K/V
-        max_keys: Int32,  # offsets: keys past this many in a row are not read
+        scalars: WorkListScalars,
         stream,
     ):
         @cute.struct
@@ -96,13 +90,12 @@ class KvWorklistSm90:
             buckets: cute.struct.MemRange[Int32, self.BUCKETS]
 
         self.shared_storage = SharedStorage
-        self.kernel(mIdx, mOrder, mCandStart, mTileStart, mGrouped, mPerm, mRows, n_users, rows_per_cand,
-                    total_keys, max_keys).launch(grid=[1, 1, 1], block=[self.NUM_THREADS, 1, 1], stream=stream)
+        self.kernel(mIdx, wl, mRows, scalars).launch(grid=[1, 1, 1], block=[self.NUM_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mIdx: cute.Tensor, mOrder: cute.Tensor, mCandStart: cute.Tensor, mTileStart: cute.Tensor,
-               mGrouped: cute.Tensor, mPerm: cute.Tensor | None, mRows: cute.Tensor | None, n_users: Int32,
-               rows_per_cand: Int32, total_keys: Int32, max_keys: Int32):
+    def kernel(self, mIdx: cute.Tensor, wl: FwdWorkList, mRows: cute.Tensor | None, scalars: WorkListScalars):
+        mOrder, mCandStart, mTileStart, mGrouped, mPerm = wl
+        n_users, rows_per_cand, total_keys, max_keys = scalars
         # The attention kernel that follows is launched with programmatic dependent launch:
         # let it start its prologue now (it waits for this grid to finish before reading).
         cute.arch.griddepcontrol_launch_dependents()
@@ -352,16 +345,9 @@ def compile_worklist(idx_dtype, keys=None, keep_ptx: bool = False, ptxas_report:
     vec = lambda: fake_tensor(Int32, (None,), align=4)  # noqa: E731
     args = (
         fake_tensor(dt, (None,), align=idx_dtype.itemsize),
-        vec(),
-        vec(),
-        vec(),
-        fake_tensor(Int32, (1,), align=4),
+        FwdWorkList(vec(), vec(), vec(), fake_tensor(Int32, (1,), align=4), vec() if keys else None),
         vec() if keys else None,
-        vec() if keys else None,
-        Int32(1),
-        Int32(1),
-        Int32(0),
-        Int32(0),
+        WorkListScalars(Int32(1), Int32(1), Int32(0), Int32(0)),
         fake_stream(),
     )
     return compile_kernel(KvWorklistSm90(dt, keys), *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
@@ -375,10 +361,10 @@ def fits(num_users: int) -> bool:
 def worklist_kernel(idx_dtype, keys=None):
     """The compiled kernel for ``idx_dtype`` (torch.int32 or torch.int64), compiled at first use.
 
-    Call: ``fn(idx, order, cand_start, tile_start, grouped, perm, rows, num_users, rows_per_cand,
-    total_keys, max_keys)`` with contiguous int32 outputs of B, U + 2, U + 2, 1 and (``keys``)
-    U + 1 entries, on the current stream; without ``keys`` perm and rows are None (and the last
-    two ignored).
+    Call: ``fn(idx, FwdWorkList(order, cand_start, tile_start, grouped, perm), rows,
+    WorkListScalars(num_users, rows_per_cand, total_keys, max_keys))`` with contiguous int32
+    outputs of B, U + 2, U + 2, 1 and (``keys``) U + 1 entries, on the current stream; without
+    ``keys`` perm and rows are None (and the last two scalars ignored).
     """
     return kernel_cache.get(
         ("ikbo_fa.worklist_sm90", idx_dtype, keys), lambda: compile_worklist(idx_dtype, keys), package="ikbo_fa"
@@ -393,6 +379,6 @@ def kv_worklist_sm90(idx, num_users: int, rows_per_cand: int):
     b = idx.shape[0]
     buf = torch.empty(b + 2 * (num_users + 2) + 1, dtype=torch.int32, device=idx.device)
     order, cand_start, tile_start, grouped = buf.split([b, num_users + 2, num_users + 2, 1])
-    worklist_kernel(idx.dtype).fn(idx, order, cand_start, tile_start, grouped, None, None, num_users,
-                                  rows_per_cand, 0, 0)
+    worklist_kernel(idx.dtype).fn(idx, FwdWorkList(order, cand_start, tile_start, grouped, None), None,
+                                  WorkListScalars(num_users, rows_per_cand, 0, 0))
     return order, cand_start, tile_start, grouped

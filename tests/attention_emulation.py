@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ikbo_fa.checks import LOG2E
-from ikbo_fa.fwd_args import FwdScalars, FwdTensors, FwdWorkList, GlobalTensors
+from ikbo_fa.fwd_args import FwdScalars, FwdTensors, FwdWorkList, GlobalTensors, WorkListScalars
 from ikbo_fa.reference import jagged_rows, naive_attention
 from ikbo_fa.tile_scheduler import AttentionTileScheduler, Schedule
 from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist
@@ -33,8 +33,11 @@ class EmulatedKernels:
         # work list built from other lengths: the same results in another order).
         self.check_longest_first = True
 
-    def worklist(self, idx, order, cand_start, tile_start, grouped, perm, rows, n_users, rows_per_cand,
-                 total_keys, max_keys):
+    def worklist(self, idx, work_list, rows, scalars):
+        """The work-list kernel on its bundles (ikbo_fa.fwd_args)."""
+        assert (type(work_list), type(scalars)) == (FwdWorkList, WorkListScalars)
+        order, cand_start, tile_start, grouped, perm = work_list
+        n_users, rows_per_cand, total_keys, max_keys = scalars
         for hook in self.hooks:
             hook("worklist")
         self.worklist_calls += 1

@@ -156,3 +156,16 @@ def _ieee_fp32_matmul():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.fixture
+def fresh_attention_plans():
+    """ikbo_fa.attention's plan cache emptied before and after the test: for tests that change what
+    a plan holds (the device's SM count or clusters, the configuration picked, the kernels), so
+    that no plan built under the change outlives the test."""
+    import importlib
+
+    plans = importlib.import_module("ikbo_fa.attention")._plans
+    plans.clear()
+    yield plans
+    plans.clear()

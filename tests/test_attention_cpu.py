@@ -533,7 +533,7 @@ def test_policy_parse_and_checks():
 @pytest.mark.parametrize("lengths_kind", ["none", "kv_lengths", "jagged"])
 @pytest.mark.parametrize("return_lse", [True, False])
 def test_split_pair_where_two_splits(emulated, monkeypatch, lengths_kind, return_lse):
-    """_SPLIT_PAIR: where a problem splits in two, the kernel takes both splits in a cluster
+    """policy.split_pair: where a problem splits in two, the kernel takes both splits in a cluster
     (split_pair) and writes out and lse itself: no workspace, no merge launch, an even grid of at
     most two CTAs per resident cluster; where it splits in more, the workspace path stays."""
     policy = AttentionPolicy(split_min_keys=512, split_pair=True)

@@ -300,14 +300,13 @@ def test_unsorted_equals_sorted():
 
 
 @pytest.mark.parametrize("rows", ["kv_lengths", "jagged"])
-def test_serial_main_loop(monkeypatch, rows):
+def test_serial_main_loop(monkeypatch, fresh_attention_plans, rows):
     """The serial main loop (``overlap=False``: a diagnostic configuration the op never picks) on
     histories of their own lengths: none, one key, block edges (the V tail zeroed); fp16, D 64."""
     attention_mod = importlib.import_module("ikbo_fa.attention")
     kernel_config = attention_mod.kernel_config
     monkeypatch.setattr(attention_mod, "kernel_config",
                         lambda *a, **kw: dataclasses.replace(kernel_config(*a, **kw), overlap=False))
-    attention_mod._plans.clear()  # plans of the configurations the op picks
     U, ratio, S_q, H, D, L = 9, 50, 1, 2, 64, 400
     idx = torch.arange(U).repeat_interleave(ratio).cuda()
     q = torch.randn(U * ratio, S_q, H, D, dtype=torch.float16, device="cuda")

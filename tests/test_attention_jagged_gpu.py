@@ -273,12 +273,11 @@ def test_bad_offsets_validated_or_clamped(off_dtype):
 
 
 @pytest.mark.parametrize("S_q, B, U, H", [(1, 700, 9, 3), (17, 500, 25, 2)])
-def test_longest_first_walk_on_a_small_grid(monkeypatch, S_q, B, U, H):
+def test_longest_first_walk_on_a_small_grid(monkeypatch, fresh_attention_plans, S_q, B, U, H):
     """Histories of very different lengths on a grid of 7 CTAs: many rounds of the walk, the odd
     ones turned back, the last one partial; every tile once (NaN-poisoned out), against fp32."""
     attention_mod = __import__("importlib").import_module("ikbo_fa.attention")
     monkeypatch.setattr(attention_mod, "sm_count", lambda device: 7)
-    attention_mod._plans.clear()  # plans hold the grid of the device they were built on
     q, kv, k, v, idx, offsets = _make("kv", B, U, S_q, H, H, 64, (0, 1, 129, 2000, 50, 700, 128, 3000, 3),
                                       torch.bfloat16, packed=False, seed=S_q + U, offsets_dtype=torch.int32)
     idx = idx[torch.randperm(B, device="cuda")]

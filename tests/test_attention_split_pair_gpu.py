@@ -57,12 +57,11 @@ def test_split_pair_matches_fp32(order, S_q, U, ratio, L):
     _pair(q, (k, v), idx)
 
 
-def test_split_pair_lengths_nan_and_small_grid(monkeypatch):
+def test_split_pair_lengths_nan_and_small_grid(monkeypatch, fresh_attention_plans):
     """kv_lengths with users of no key and of keys in the first split only (the second split has
     none); an out-of-range index; 3 clusters, so each walks many tiles (the exchange's barriers
     change phase many times); fp16, D 64, grouped heads."""
     monkeypatch.setattr(attention_mod, "max_active_clusters", lambda device, size: 3)
-    attention_mod._plans.clear()  # plans hold the grid of the device they were built on
     q, k, v, idx = user_groups(3, 8, 10, 17, 1400, H=4, D=64, order="shuffled", dtype=torch.float16)
     k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()
     idx[5] = 8

@@ -7,6 +7,7 @@ import torch
 
 import ikbo_fa
 from ikbo_fa import AttentionPolicy
+from ikbo_fa.fwd_args import FwdWorkList, WorkListScalars
 from ikbo_fa.reference import jagged_rows
 from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist, max_tiles_per_head
 from ikbo_fa.worklist_sm90 import KvWorklistSm90, fits, kv_worklist_sm90, worklist_kernel
@@ -36,7 +37,7 @@ def _check_against_reference(idx, U, rows):
     kernel = worklist_kernel(idx.dtype).fn
     buf = torch.full((B + 2 * (U + 2) + 1,), POISON, dtype=torch.int32, device="cuda")
     order, cand_start, tile_start, grouped = buf.split_with_sizes([B, U + 2, U + 2, 1])
-    kernel(idx, order, cand_start, tile_start, grouped, None, None, U, rows, 0, 0)
+    kernel(idx, FwdWorkList(order, cand_start, tile_start, grouped, None), None, WorkListScalars(U, rows, 0, 0))
     ref_order, ref_cand_start, ref_tile_start, ref_grouped = kv_worklist(idx, U, rows)
     torch.testing.assert_close(cand_start, ref_cand_start, rtol=0, atol=0)
     torch.testing.assert_close(tile_start, ref_tile_start, rtol=0, atol=0)
@@ -121,8 +122,8 @@ def test_worklist_kernel_orders_groups_longest_first(case, keys_from):
         keys = jagged_rows(src, total, max_keys)[1]
     buf = torch.full((B + 3 * (U + 2),), POISON, dtype=torch.int32, device="cuda")
     order, cand_start, tile_start, grouped, perm = buf.split_with_sizes([B, U + 2, U + 2, 1, U + 1])
-    worklist_kernel(idx.dtype, keys_from).fn(idx, order, cand_start, tile_start, grouped, perm, src, U, rows,
-                                             total, max_keys)
+    worklist_kernel(idx.dtype, keys_from).fn(idx, FwdWorkList(order, cand_start, tile_start, grouped, perm), src,
+                                             WorkListScalars(U, rows, total, max_keys))
     ref = kv_worklist(idx, U, rows)
     torch.testing.assert_close(cand_start, ref[1], rtol=0, atol=0)
     ref_perm, _ = kv_tile_order(cand_start, keys, rows)
@@ -190,7 +191,7 @@ def test_attention_same_with_either_worklist(S_q, idx_dtype):
     assert out[bad].isnan().all() and not out[~bad].isnan().any()
 
 
-def test_torch_worklist_first_built_during_graph_capture():
+def test_torch_worklist_first_built_during_graph_capture(fresh_attention_plans):
     """An eager call right after the capture that first saw its user count (no replay yet)
     gets the right work list; the replay then gives the same output."""
     B, U, S_q, H, D, L = 300, 7, 64, 1, 64, 128
@@ -199,7 +200,6 @@ def test_torch_worklist_first_built_during_graph_capture():
     k = torch.randn(U, L, H, D, generator=g).to(torch.bfloat16).cuda()
     v = torch.randn(U, L, H, D, generator=g).to(torch.bfloat16).cuda()
     idx = _random_idx(B, U, torch.int64, seed=11, bad_fraction=0)
-    attention_mod._plans.clear()  # the plan of U = 7 is first built during the capture
     # compiled outside the capture, for another U
     ikbo_fa.attention(q, (k[:5], v[:5]), idx % 5, validate=False, policy=TORCH_WORKLIST)
     graph = torch.cuda.CUDAGraph()

@@ -54,7 +54,7 @@ def configs(args):
 
 
 def _compile(cfg):
-    from ikbo_fa.config import compile_config
+    from ikbo_fa import compile_config
 
     start = time.perf_counter()
     try:
