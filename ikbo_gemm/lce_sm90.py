@@ -25,6 +25,7 @@ from cute_kernels.warp_specialized import (
     Barrier,
     PingPong,
     PipelineSpec,
+    WARPGROUP,
     RegisterSplit,
     bar_sync,
     check_barriers,
@@ -225,6 +226,9 @@ class LceSm90:
     EPI_STAGES = 2
     REGISTERS = RegisterSplit(producer=24, consumer=240)
     THREADS = REGISTERS.threads
+    # Each named barrier's threads, and its ids (one per consumer warpgroup), as the docstring states.
+    BARRIER_THREADS = {"EPILOGUE": WARPGROUP, "MMA_ORDER": 2 * WARPGROUP}
+    BARRIER_SPANS = {"EPILOGUE": 2, "MMA_ORDER": 2}
     TILE_OWNER_THREADS = 128  # the one consumer warpgroup that runs a tile and releases its stages
 
     def __init__(self, cfg: LceConfig):
@@ -274,11 +278,11 @@ class LceSm90:
         # As many stages as fit beside the staging buffers and the barriers (1024 bytes: the
         # operands are 1024-byte aligned); 128 x 152 tiles take 6, filling the 227 KB exactly.
         self.ab_stages = min(12, (smem - epi_bytes - 1024) // self.stage_bytes)
-        self.ab = PipelineSpec("ab", "producer warp 0", "the consumer owning the tile", self.ab_stages,
+        self.ab = PipelineSpec("ab", "producer warp 0", "the consumer warpgroup owning the tile", self.ab_stages,
                                self.stage_bytes, 1, 4 * cluster).check(
             "LceSm90", releasing_threads=self.TILE_OWNER_THREADS, multicast_ctas=cluster)
-        self.ping_pong = PingPong(int(LceBarrier.MMA_ORDER))
-        check_barriers("LceSm90", LceBarrier, {"EPILOGUE": 2, "MMA_ORDER": 2})
+        self.ping_pong = PingPong(int(LceBarrier.MMA_ORDER), self.BARRIER_THREADS["MMA_ORDER"])
+        check_barriers("LceSm90", LceBarrier, self.BARRIER_SPANS)
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -684,4 +688,4 @@ class LceSm90:
 
     def epi_sync(self, consumer_idx):
         """The 128 threads of consumer ``consumer_idx`` (its epilogue's staging buffers)."""
-        bar_sync(LceBarrier.EPILOGUE + consumer_idx, 128)
+        bar_sync(LceBarrier.EPILOGUE + consumer_idx, self.BARRIER_THREADS["EPILOGUE"])
