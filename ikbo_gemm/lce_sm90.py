@@ -292,11 +292,12 @@ class LceSm90:
         # accumulator-fragment order: (4 values, chunk, thread, tile), so a
         # consumer thread moves its fragment with coalesced 16-byte accesses. The
         # tile stride is the tensor's own 64-bit one: the workspace can pass 2^31 floats.
-        ops, workspace = operands, epilogue.workspace
-        a_cand = cute.make_tensor(ops.e_cand.iterator, cute.select(ops.e_cand.layout, mode=[2, 1, 0]))
-        a_user = cute.make_tensor(ops.e_user.iterator, cute.select(ops.e_user.layout, mode=[2, 1, 0]))
-        b_cand = cute.make_tensor(ops.w_cand.iterator, cute.select(ops.w_cand.layout, mode=[1, 2, 0]))
-        b_user = cute.make_tensor(ops.w_user.iterator, cute.select(ops.w_user.layout, mode=[1, 2, 0]))
+        e_cand, e_user, w_cand, w_user = operands.e_cand, operands.e_user, operands.w_cand, operands.w_user
+        workspace = epilogue.workspace
+        a_cand = cute.make_tensor(e_cand.iterator, cute.select(e_cand.layout, mode=[2, 1, 0]))
+        a_user = cute.make_tensor(e_user.iterator, cute.select(e_user.layout, mode=[2, 1, 0]))
+        b_cand = cute.make_tensor(w_cand.iterator, cute.select(w_cand.layout, mode=[1, 2, 0]))
+        b_user = cute.make_tensor(w_user.iterator, cute.select(w_user.layout, mode=[1, 2, 0]))
         c_out = cute.make_tensor(epilogue.out.iterator, cute.select(epilogue.out.layout, mode=[2, 1, 0]))
         tile_elems = self.tile_n * self.tile_w
         c_ws = cute.make_tensor(
@@ -361,7 +362,7 @@ class LceSm90:
         self.kernel(
             PhaseLoads(tma_a_user, ta_user, tma_b_user, tma_b_user_last, tb_user),
             PhaseLoads(tma_a_cand, ta_cand, tma_b_cand, tma_b_cand_last, tb_cand),
-            LceStores(tma_out, tma_out_last, t_out, c_ws, ops.idx, epilogue.flags),
+            LceStores(tma_out, tma_out_last, t_out, c_ws, operands.idx, epilogue.flags),
             LceSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
             TileRange(launch.tile_begin, launch.tile_end, launch.wait_prior),
         ).launch(
