@@ -15,11 +15,16 @@ consumer warpgroups (wgmma). Each mechanism below is one small object built in t
   :func:`pipelines_init_wait` make every CTA's barriers visible before first use.
 
 The persistent tile walk is :func:`cute_kernels.scheduler.strided_tiles`.
+
+A kernel class states its contract in its docstring: the pipeline table (:func:`contract_table`'s
+columns, counts written as expressions of the kernel's and its configuration's fields) and its
+named barriers; :func:`contract_differences` compares both with what the kernel builds.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -197,3 +202,70 @@ def contract_table(specs) -> str:
     """The pipelines as a markdown table (what a kernel's docstring states)."""
     head = "| pipeline | producer -> consumer | full / empty arrives | stages |\n| --- | --- | --- | --- |"
     return "\n".join([head] + [s.row() for s in specs])
+
+
+_TABLE_ROW = re.compile(r"^\s*\|([^|]+)\|([^|]+)->([^|]+)\|([^|/]+)/([^|]+)\|([^|]+)\|\s*$")
+_BARRIER_LINE = re.compile(r"^\s+([A-Z][A-Z0-9_]*)( \+ [a-z]\w*)? \((\d+) threads")
+
+
+def _value(expr: str, names: dict) -> int:
+    """A docstring count: an int, or a product/sum of the kernel's fields ("4 x cluster")."""
+    expr = expr.strip().replace(" x ", " * ")
+    if not re.fullmatch(r"[\w\s*+()-]+", expr):
+        raise ValueError(f"not a count expression: {expr!r}")
+    return eval(expr, {"__builtins__": {}}, names)  # noqa: S307 - a docstring of this package
+
+
+def contract_differences(doc: str, kernel, barriers: type[Barrier]) -> list[str]:
+    """Where ``doc`` (a kernel class docstring) states another contract than ``kernel`` (a built
+    instance) has: every PipelineSpec of the kernel is one row of its table (name, producer ->
+    consumer, full / empty arrives, stages; counts evaluated over the kernel's and its ``cfg``'s
+    fields) and no row names another; every member of ``barriers`` is listed once under "Named
+    barriers", as ``NAME (+ c) (N threads``, with N = ``kernel.BARRIER_THREADS[NAME]`` and "+ c"
+    exactly where ``kernel.BARRIER_SPANS`` gives it several ids. Empty where they agree."""
+    names = {**(vars(kernel.cfg) if hasattr(kernel, "cfg") else {}), **vars(kernel)}
+    names.update({k: getattr(kernel, k) for k in dir(type(kernel)) if k.isupper()})
+    specs = {v.name: v for v in vars(kernel).values() if isinstance(v, PipelineSpec)}
+    found, rows = [], {}
+    for line in doc.splitlines():
+        m = _TABLE_ROW.match(line)
+        if m and m.group(1).strip() != "pipeline":
+            name, producer, consumer, full, empty, stages = (g.strip() for g in m.groups())
+            rows[name] = (producer, consumer, full, empty, stages)
+    for name in sorted(rows.keys() - specs.keys()):
+        found.append(f"the table's pipeline {name!r} is none the kernel builds")
+    for name, spec in sorted(specs.items()):
+        if name not in rows:
+            found.append(f"pipeline {name!r} is missing from the table")
+            continue
+        producer, consumer, full, empty, stages = rows[name]
+        if (producer, consumer) != (spec.producer, spec.consumer):
+            found.append(f"pipeline {name!r}: the table says {producer} -> {consumer}, the kernel "
+                         f"{spec.producer} -> {spec.consumer}")
+        for what, expr, value in (("full arrives", full, spec.producer_arrives),
+                                  ("empty arrives", empty, spec.consumer_arrives), ("stages", stages, spec.stages)):
+            if _value(expr, names) != value:
+                found.append(f"pipeline {name!r}: {what}: the table's {expr!r} is {_value(expr, names)}, "
+                             f"the kernel's {value}")
+    section = doc.split("Named barriers", 1)[1].split("\n\n", 1)[0] if "Named barriers" in doc else ""
+    listed = {}
+    for line in section.splitlines():
+        m = _BARRIER_LINE.match(line)
+        if m:
+            if m.group(1) in listed:
+                found.append(f"barrier {m.group(1)} is listed twice")
+            listed[m.group(1)] = (bool(m.group(2)), int(m.group(3)))
+    for name in sorted(listed.keys() - {b.name for b in barriers}):
+        found.append(f"the docstring's barrier {name} is not a member of {barriers.__name__}")
+    for b in barriers:
+        if b.name not in listed:
+            found.append(f"barrier {b.name} is missing from the docstring")
+            continue
+        offset, threads = listed[b.name]
+        if threads != kernel.BARRIER_THREADS[b.name]:
+            found.append(f"barrier {b.name}: the docstring says {threads} threads, the kernel "
+                         f"{kernel.BARRIER_THREADS[b.name]}")
+        if offset != (kernel.BARRIER_SPANS.get(b.name, 1) > 1):
+            found.append(f"barrier {b.name}: the docstring's per-warpgroup offset (+ c) and the kernel's "
+                         f"{kernel.BARRIER_SPANS.get(b.name, 1)} ids disagree")
+    return found

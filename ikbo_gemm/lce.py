@@ -62,8 +62,8 @@ from .reference import lce_reference
 @dataclasses.dataclass(frozen=True)
 class LcePolicy:
     """The launch policy of :func:`lce` (its ``policy`` argument; part of the plan key). The op's
-    is ``DEFAULT_POLICY``; a test or a benchmark runs an alternative by passing its own. None
-    changes the result: every tiling computes the same sums in the same order."""
+    is ``DEFAULT_POLICY``; a test or a benchmark runs an alternative by passing its own. A policy
+    changes which kernels run where, not what they compute (fp32 sums, rounded once)."""
 
     spare_sms: bool = True  # a second launch on the SMs that batch-deep clusters leave idle (_spare_sm_split)
     load_bound_cost: float = LOAD_BOUND_COST  # the weight of a load-bound tile's work (config.tile_cost)

@@ -25,6 +25,7 @@ from cute_kernels.warp_specialized import (
     Barrier,
     PingPong,
     PipelineSpec,
+    WARPGROUP,
     RegisterSplit,
     bar_sync,
     check_barriers,
@@ -225,6 +226,9 @@ class LceSm90:
     EPI_STAGES = 2
     REGISTERS = RegisterSplit(producer=24, consumer=240)
     THREADS = REGISTERS.threads
+    # Each named barrier's threads, and its ids (one per consumer warpgroup), as the docstring states.
+    BARRIER_THREADS = {"EPILOGUE": WARPGROUP, "MMA_ORDER": 2 * WARPGROUP}
+    BARRIER_SPANS = {"EPILOGUE": 2, "MMA_ORDER": 2}
     TILE_OWNER_THREADS = 128  # the one consumer warpgroup that runs a tile and releases its stages
 
     def __init__(self, cfg: LceConfig):
@@ -274,11 +278,11 @@ class LceSm90:
         # As many stages as fit beside the staging buffers and the barriers (1024 bytes: the
         # operands are 1024-byte aligned); 128 x 152 tiles take 6, filling the 227 KB exactly.
         self.ab_stages = min(12, (smem - epi_bytes - 1024) // self.stage_bytes)
-        self.ab = PipelineSpec("ab", "producer warp 0", "the consumer owning the tile", self.ab_stages,
+        self.ab = PipelineSpec("ab", "producer warp 0", "the consumer warpgroup owning the tile", self.ab_stages,
                                self.stage_bytes, 1, 4 * cluster).check(
             "LceSm90", releasing_threads=self.TILE_OWNER_THREADS, multicast_ctas=cluster)
-        self.ping_pong = PingPong(int(LceBarrier.MMA_ORDER))
-        check_barriers("LceSm90", LceBarrier, {"EPILOGUE": 2, "MMA_ORDER": 2})
+        self.ping_pong = PingPong(int(LceBarrier.MMA_ORDER), self.BARRIER_THREADS["MMA_ORDER"])
+        check_barriers("LceSm90", LceBarrier, self.BARRIER_SPANS)
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -288,11 +292,12 @@ class LceSm90:
         # accumulator-fragment order: (4 values, chunk, thread, tile), so a
         # consumer thread moves its fragment with coalesced 16-byte accesses. The
         # tile stride is the tensor's own 64-bit one: the workspace can pass 2^31 floats.
-        ops, workspace = operands, epilogue.workspace
-        a_cand = cute.make_tensor(ops.e_cand.iterator, cute.select(ops.e_cand.layout, mode=[2, 1, 0]))
-        a_user = cute.make_tensor(ops.e_user.iterator, cute.select(ops.e_user.layout, mode=[2, 1, 0]))
-        b_cand = cute.make_tensor(ops.w_cand.iterator, cute.select(ops.w_cand.layout, mode=[1, 2, 0]))
-        b_user = cute.make_tensor(ops.w_user.iterator, cute.select(ops.w_user.layout, mode=[1, 2, 0]))
+        e_cand, e_user, w_cand, w_user = operands.e_cand, operands.e_user, operands.w_cand, operands.w_user
+        workspace = epilogue.workspace
+        a_cand = cute.make_tensor(e_cand.iterator, cute.select(e_cand.layout, mode=[2, 1, 0]))
+        a_user = cute.make_tensor(e_user.iterator, cute.select(e_user.layout, mode=[2, 1, 0]))
+        b_cand = cute.make_tensor(w_cand.iterator, cute.select(w_cand.layout, mode=[1, 2, 0]))
+        b_user = cute.make_tensor(w_user.iterator, cute.select(w_user.layout, mode=[1, 2, 0]))
         c_out = cute.make_tensor(epilogue.out.iterator, cute.select(epilogue.out.layout, mode=[2, 1, 0]))
         tile_elems = self.tile_n * self.tile_w
         c_ws = cute.make_tensor(
@@ -357,7 +362,7 @@ class LceSm90:
         self.kernel(
             PhaseLoads(tma_a_user, ta_user, tma_b_user, tma_b_user_last, tb_user),
             PhaseLoads(tma_a_cand, ta_cand, tma_b_cand, tma_b_cand_last, tb_cand),
-            LceStores(tma_out, tma_out_last, t_out, c_ws, ops.idx, epilogue.flags),
+            LceStores(tma_out, tma_out_last, t_out, c_ws, operands.idx, epilogue.flags),
             LceSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
             TileRange(launch.tile_begin, launch.tile_end, launch.wait_prior),
         ).launch(
@@ -684,4 +689,4 @@ class LceSm90:
 
     def epi_sync(self, consumer_idx):
         """The 128 threads of consumer ``consumer_idx`` (its epilogue's staging buffers)."""
-        bar_sync(LceBarrier.EPILOGUE + consumer_idx, 128)
+        bar_sync(LceBarrier.EPILOGUE + consumer_idx, self.BARRIER_THREADS["EPILOGUE"])

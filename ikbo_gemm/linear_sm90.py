@@ -28,6 +28,7 @@ from cute_kernels.warp_specialized import (
     Barrier,
     PingPong,
     PipelineSpec,
+    WARPGROUP,
     RegisterSplit,
     bar_sync,
     check_barriers,
@@ -211,6 +212,9 @@ class LinearSm90:
     EPI_STAGES = 2
     REGISTERS = RegisterSplit(producer=24, consumer=240)
     THREADS = REGISTERS.threads
+    # Each named barrier's threads, and its ids (one per consumer warpgroup), as the docstring states.
+    BARRIER_THREADS = {"EPILOGUE": WARPGROUP, "MMA_ORDER": 2 * WARPGROUP}
+    BARRIER_SPANS = {"EPILOGUE": 2, "MMA_ORDER": 2}
     TILE_OWNER_THREADS = 128
 
     def __init__(self, cfg: LinearConfig):
@@ -241,11 +245,11 @@ class LinearSm90:
         if self.ab_stages < 2:
             raise ValueError(f"LinearSm90: a {cfg.tile_m} x {cfg.tile_n} tile leaves room for "
                              f"{self.ab_stages} pipeline stages; at least 2 are needed")
-        self.ab = PipelineSpec("ab", "producer warp 0", "the consumer owning the tile", self.ab_stages,
+        self.ab = PipelineSpec("ab", "producer warp 0", "the consumer warpgroup owning the tile", self.ab_stages,
                                self.stage_bytes, 1, 4 * self.cluster).check(
             "LinearSm90", releasing_threads=self.TILE_OWNER_THREADS, multicast_ctas=self.cluster)
-        self.ping_pong = PingPong(int(LinearBarrier.MMA_ORDER))
-        check_barriers("LinearSm90", LinearBarrier, {"EPILOGUE": 2, "MMA_ORDER": 2})
+        self.ping_pong = PingPong(int(LinearBarrier.MMA_ORDER), self.BARRIER_THREADS["MMA_ORDER"])
+        check_barriers("LinearSm90", LinearBarrier, self.BARRIER_SPANS)
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -583,4 +587,4 @@ class LinearSm90:
 
     def epi_sync(self, consumer_idx):
         """The 128 threads of consumer ``consumer_idx`` (its epilogue's staging buffers)."""
-        bar_sync(LinearBarrier.EPILOGUE + consumer_idx, 128)
+        bar_sync(LinearBarrier.EPILOGUE + consumer_idx, self.BARRIER_THREADS["EPILOGUE"])

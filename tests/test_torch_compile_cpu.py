@@ -6,6 +6,8 @@ the same on the GPU (tests/test_torch_compile_gpu.py runs the kernels).
 """
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -147,3 +149,22 @@ def test_compiled_bad_shapes_name_the_argument():
     compiled = torch.compile(ikbo_gemm.lce, backend="aot_eager", fullgraph=True)
     with pytest.raises(Exception, match=r"e_cand has shape \[6, 5, 12\]"):
         compiled(*args)
+
+
+def test_compiled_calls_take_only_the_shipped_launch_policy():
+    """A launch policy is a plan choice of eager calls: torch.compile traces the registered op,
+    which takes the shipped one; the default object passes, another policy raises naming it."""
+    lce_args = lce_problem(4, 2, 16, 8, 8, 8, torch.float16, seed=7)
+    lce_mod, linear_mod = (importlib.import_module(f"ikbo_gemm.{m}") for m in ("lce", "linear"))
+    shipped = torch.compile(lambda *a: ikbo_gemm.lce(*a, policy=lce_mod.DEFAULT_POLICY), backend="eager",
+                            fullgraph=True)
+    torch.testing.assert_close(shipped(*lce_args), ikbo_gemm.lce_reference(*lce_args))
+    other = torch.compile(lambda *a: ikbo_gemm.lce(*a, policy=lce_mod.LcePolicy(spare_sms=False)), backend="eager",
+                          fullgraph=True)
+    with pytest.raises(Exception, match="lce: a policy other than DEFAULT_POLICY is for eager calls"):
+        other(*lce_args)
+    linear_args = linear_problem(4, 2, 8, 8, 16, torch.float16, seed=7)
+    compiled = torch.compile(lambda *a: ikbo_gemm.linear(*a, rules=linear_mod.SMALL_GRID_RULES), backend="eager",
+                             fullgraph=True)
+    with pytest.raises(Exception, match="linear: rules other than DEFAULT_RULES are for eager calls"):
+        compiled(*linear_args)

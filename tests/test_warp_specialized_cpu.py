@@ -13,13 +13,14 @@ from cute_kernels.warp_specialized import (
     PipelineSpec,
     RegisterSplit,
     check_barriers,
+    contract_differences,
     contract_table,
 )
 from ikbo_fa.fwd_sm90 import FwdBarrier, IkboAttentionFwdSm90
 from ikbo_gemm.config import LINEAR_SHIPPED_CONFIGS
 from ikbo_gemm.config import SHIPPED_CONFIGS as LCE_SHIPPED_CONFIGS
 from ikbo_gemm.lce_sm90 import LceBarrier, LceSm90
-from ikbo_gemm.linear_sm90 import LinearSm90
+from ikbo_gemm.linear_sm90 import LinearBarrier, LinearSm90
 
 
 def test_register_split_budget():
@@ -107,7 +108,8 @@ def test_named_barrier_ids():
 
 def test_the_kernels_pass_their_checks():
     """Each kernel builds its contracts from its configuration: every shipped one passes."""
-    for barriers, spans in ((LceBarrier, {"EPILOGUE": 2, "MMA_ORDER": 2}), (FwdBarrier, {"EPILOGUE": 2, "GEMM_TURN": 2})):
+    for barriers, spans in ((LceBarrier, LceSm90.BARRIER_SPANS), (LinearBarrier, LinearSm90.BARRIER_SPANS),
+                            (FwdBarrier, {"EPILOGUE": 2, "GEMM_TURN": 2})):
         check_barriers("kernel", barriers, spans)
     for cfg in LCE_SHIPPED_CONFIGS:
         k = LceSm90(cfg)
@@ -123,6 +125,40 @@ def test_the_kernels_pass_their_checks():
         assert sorted(k.pipelines) == ["K", "Q", "V"]
         assert all(p.consumer_arrives == 8 and p.producer_arrives == 1 for p in k.pipelines.values()), cfg
         assert k.num_threads == 384
+
+
+@pytest.mark.parametrize("kernel_class, barriers, configs", [
+    (LceSm90, LceBarrier, LCE_SHIPPED_CONFIGS), (LinearSm90, LinearBarrier, LINEAR_SHIPPED_CONFIGS)])
+def test_the_gemm_docstrings_state_the_contract_the_kernels_build(kernel_class, barriers, configs):
+    """The pipeline table and named barriers of each GEMM kernel's docstring, counts evaluated over
+    its fields, are those every shipped configuration builds."""
+    for cfg in configs:
+        assert contract_differences(kernel_class.__doc__, kernel_class(cfg), barriers) == [], cfg
+
+
+def test_contract_differences_finds_each_kind_of_drift():
+    k = LceSm90(LCE_SHIPPED_CONFIGS[-1])  # 8-CTA clusters
+    doc = LceSm90.__doc__
+    assert "| 1 / 4 x cluster | ab_stages |" in doc and "MMA_ORDER + c (256 threads" in doc
+    drifts = {
+        doc.replace("| 1 / 4 x cluster |", "| 1 / 4 |"): ["pipeline 'ab': empty arrives: the table's '4' is 4, the kernel's 32"],
+        doc.replace("| ab_stages |", "| 4 |"): [f"pipeline 'ab': stages: the table's '4' is 4, the kernel's {k.ab_stages}"],
+        doc.replace("| ab |", "| abc |"): ["the table's pipeline 'abc' is none the kernel builds",
+                                          "pipeline 'ab' is missing from the table"],
+        doc.replace("-> the consumer warpgroup owning", "-> the consumers owning"): [
+            "pipeline 'ab': the table says producer warp 0 -> the consumers owning the tile, the kernel "
+            "producer warp 0 -> the consumer warpgroup owning the tile"],
+        doc.replace("MMA_ORDER + c (256 threads", "MMA_ORDER + c (128 threads"): [
+            "barrier MMA_ORDER: the docstring says 128 threads, the kernel 256"],
+        doc.replace("EPILOGUE + c (128", "EPILOGUE (128"): [
+            "barrier EPILOGUE: the docstring's per-warpgroup offset (+ c) and the kernel's 2 ids disagree"],
+        doc.replace("EPILOGUE + c (128", "EPILOG + c (128"): [
+            "the docstring's barrier EPILOG is not a member of LceBarrier", "barrier EPILOGUE is missing from the docstring"],
+    }
+    for drifted, expected in drifts.items():
+        assert drifted != doc
+        assert contract_differences(drifted, k, LceBarrier) == expected
+    assert contract_differences(doc, k, LceBarrier) == []
 
 
 def test_a_wrong_arrive_count_fails_when_the_kernel_is_built(monkeypatch):
