@@ -573,8 +573,10 @@ def summary(rows: list, groups: dict, provs: list, timing: str) -> None:
                 table.append(line)
             if table:
                 mode = {"": "", "_sustained": ", sustained", "_graph": ", CUDA-graph replays"}[s]
-                print(f"\n{name}: us per call{mode} (x_* and pct_ceiling: {OURS}; at fp8 points {OURS_FP8})")
-                names = [pr.name for pr in provs if not pr.fp8 or any(k[5] == "fp8" for k in keys)]
+                fp8 = any(k[5] == "fp8" for k in keys)
+                print(f"\n{name}: us per call{mode} (x_* and pct_ceiling: {OURS}"
+                      f"{f'; at fp8 points {OURS_FP8}' if fp8 else ''})")
+                names = [pr.name for pr in provs if not pr.fp8 or fp8]
                 harness.print_table(table, KEY_FIELDS + names + ratios + ["pct_ceiling"])
 
 
