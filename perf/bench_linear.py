@@ -479,16 +479,6 @@ def speedup_columns(dtype: torch.dtype) -> dict:
     return {**SPEEDUP_COLUMNS, **FP8_SPEEDUP_COLUMNS} if dtype == FP8 else SPEEDUP_COLUMNS
 
 
-def ceilings_tflops(dtype_names) -> dict:
-    """Same-run ceilings: cuBLAS 8192^3 GEMM per 16-bit dtype, row-wise _scaled_mm for fp8."""
-    names = list(dict.fromkeys(dtype_names))
-    result = harness.ceilings_tflops([n for n in names if n != "fp8"])
-    if "fp8" in names:
-        result["fp8"] = fp8_peers.fp8_ceiling_tflops()
-        print(f"torch._scaled_mm fp8 row-wise 8192^3 ceiling: {result['fp8']:.0f} TFLOP/s", flush=True)
-    return result
-
-
 # --------------------------------------------------------------------------- configurations
 
 def build_configs(args) -> tuple[list, dict]:
@@ -591,7 +581,7 @@ def main(argv=None) -> int:
     provs = chosen_providers(args.providers, fp8=any(k[5] == "fp8" for k in keys))
     env = harness.environment()
     harness.print_environment(env)
-    ceilings = ceilings_tflops(k[5] for k in keys)
+    ceilings = fp8_peers.ceilings_tflops(k[5] for k in keys)
 
     stamp = harness.utc_stamp()
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
