@@ -15,9 +15,12 @@ beyond the pass the quantization makes anyway.
 """
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import torch
+
+from cute_kernels import on_device, on_gpu, require_sm90
 
 from .checks import FP8
 
@@ -73,9 +76,43 @@ def quantize_fp8(x: torch.Tensor, dim: Union[int, tuple, None] = -1, layout: str
         batch entry, e8 [B, N, K]).
     ``layout``: "same" (x8 shaped as x) or "transposed" (the last two dimensions swapped).
     x8 is contiguous either way.
+
+    On an sm_90 GPU, scales over trailing dimensions (rows: ``dim=-1``; lce's e: ``dim=(1, 2)``,
+    either layout but "transposed" rows) run one kernel (``quantize_sm90``; no host
+    synchronization, CUDA-graph capturable); other dims, other devices and torch.compile
+    traces run :func:`quantize_fp8_reference`, whose result the kernel's matches.
     """
     dims = check_quantize_args(x, dim, layout)
-    return quantize_fp8_reference(x, dims, layout)
+    groups = _groups(x, dims, layout)
+    if groups is None or not on_gpu(x) or torch.compiler.is_compiling():
+        return quantize_fp8_reference(x, dims, layout)
+    require_sm90(x.device, "quantize_fp8")
+    from .quantize_sm90 import quantize_kernel
+
+    G, R, C = groups
+    x8 = torch.empty((G, C, R) if layout == "transposed" else (G, R, C), dtype=FP8, device=x.device)
+    scale = torch.empty(G, dtype=torch.float32, device=x.device)
+    if G:
+        with on_device(x.device):
+            quantize_kernel(x.dtype, layout == "transposed")(x.contiguous().view(G, R, C), x8, scale)
+    shape = list(x.shape)
+    if layout == "transposed":
+        shape[-2:] = shape[-1], shape[-2]
+    return x8.view(shape), scale.view([n for d, n in enumerate(x.shape) if d not in dims])
+
+
+def _groups(x: torch.Tensor, dims: tuple, layout: str):
+    """(G, R, C): x as the kernel's groups (one scale each, R x C elements, C contiguous), or
+    None where the kernel does not take these dims: they must be the trailing ones, and with
+    "transposed" the last two."""
+    nd = x.dim()
+    if dims != tuple(range(nd - len(dims), nd)) or (layout == "transposed" and len(dims) != 2):
+        return None
+    G = math.prod(x.shape[: nd - len(dims)])
+    R, C = (x.shape[-2], x.shape[-1]) if layout == "transposed" else (1, math.prod(x.shape[nd - len(dims):]))
+    if R * C >= 2**31 or G >= 2**31:
+        return None
+    return G, R, C
 
 
 def quantize_fp8_reference(x: torch.Tensor, dim: Union[int, tuple, None] = -1, layout: str = "same"

@@ -93,3 +93,57 @@ def test_the_op_is_its_reference_on_cpu():
 def test_bad_arguments(x, kw, err, match):
     with pytest.raises(err, match=match):
         quantize_fp8(x, **kw)
+
+
+# ------------------------------------------------------------------ the GPU path, without a GPU
+
+def _emulated_kernel(dtype, transposed):
+    """QuantizeSm90's contract on CPU tensors: x [G, R, C] -> x8, scale [G] (the reference's formula)."""
+    def run(x, x8, scale):
+        assert x.dtype == dtype and x.dim() == 3 and x.is_contiguous() and x8.is_contiguous()
+        q, s = quantize_fp8_reference(x, dim=(1, 2), layout="transposed" if transposed else "same")
+        x8.copy_(q)
+        scale.copy_(s)
+    return run
+
+
+@pytest.mark.parametrize("shape, dim, layout, kernel", [
+    ((7, 33), -1, "same", True),
+    ((3, 5, 9), -1, "same", True),  # rows of a 3-D x
+    ((5, 9, 12), (1, 2), "transposed", True),  # lce's e
+    ((5, 9, 12), (1, 2), "same", True),
+    ((0, 9, 12), (1, 2), "transposed", True),  # no candidates: nothing launched
+    ((6, 20), None, "same", True),  # one group
+    ((5, 9, 12), -1, "transposed", False),  # rows, transposed: the reference
+    ((6, 20), 0, "same", False),  # columns: the reference
+])
+def test_gpu_path_host_side(shape, dim, layout, kernel, monkeypatch):
+    import contextlib
+
+    import ikbo_gemm.quantize as quantize
+    import ikbo_gemm.quantize_sm90 as quantize_sm90
+
+    launched = []
+    monkeypatch.setattr(quantize, "on_gpu", lambda x: True)
+    monkeypatch.setattr(quantize, "require_sm90", lambda device, op: None)
+    monkeypatch.setattr(quantize, "on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(quantize_sm90, "quantize_kernel",
+                        lambda dtype, transposed: launched.append(transposed) or _emulated_kernel(dtype, transposed))
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    x8, scale = quantize_fp8(x, dim=dim, layout=layout)
+    r8, rscale = quantize_fp8_reference(x, dim=dim, layout=layout)
+    assert x8.shape == r8.shape and scale.shape == rscale.shape and x8.is_contiguous()
+    assert torch.equal(x8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(scale, rscale)
+    assert launched == ([layout == "transposed"] if kernel and shape[0] else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("transposed", [False, True], ids=["same", "transposed"])
+def test_kernel_compiles_for_sm90a(dtype, transposed):
+    from ikbo_gemm.quantize_sm90 import compile_quantize
+
+    kernel = compile_quantize(dtype, transposed, keep_ptx=True, ptxas_report=True)
+    assert ".target sm_90a" in kernel.ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.ptx  # round to nearest even, saturated
+    assert "div.rn.f32" in kernel.ptx  # IEEE division, as torch's
+    assert "shfl.sync.bfly" in kernel.ptx and kernel.spill_bytes == 0
