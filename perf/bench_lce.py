@@ -425,30 +425,16 @@ def check_providers(p: LceProblem, inp: LceInputs, provs: list, tol: float,
     ours skipped when not importable, and those ``skip`` names (name -> why). FP8 providers run
     on FP8 problems only."""
     provs = [pr for pr in provs if not pr.fp8 or p.dtype == FP8]
-    refs, quant_err = {}, {}
     skip = skip or {}
-
-    def reference(floor: bool, fp8: Optional[str]) -> torch.Tensor:
-        if (floor, fp8) not in refs:
-            if fp8 == "cat":
-                refs[floor, fp8] = fp8_cat_reference(p, inp)
-            else:
-                refs[floor, fp8] = reference_output(p, inp.dequantized() if fp8 else inp, user_side=not floor)
-        return refs[floor, fp8]
-
-    def rel_error_of(prov, out):
-        if prov.fp8:
-            quant_err[prov.name] = harness.rel_error(out.float(), reference(prov.floor, None))
-        return harness.rel_error(out.float(), reference(prov.floor, prov.fp8))
+    errors = fp8_peers.ProviderErrors(lambda floor, fp8: fp8_cat_reference(p, inp) if fp8 == "cat" else
+                                      reference_output(p, inp.dequantized() if fp8 else inp, user_side=not floor))
 
     def skip_note(prov):
         return LIB.note if prov.ours and LIB.ikbo_gemm is None else skip.get(prov.name)
 
-    rows, timed = harness.check_providers(provs, p, inp, fields=p.fields(), rel_error_of=rel_error_of, tol=tol,
+    rows, timed = harness.check_providers(provs, p, inp, fields=p.fields(), rel_error_of=errors, tol=tol,
                                           skip_note=skip_note, device=DEVICE)
-    for r in rows:
-        if r["provider"] in quant_err:
-            r["quant_err"] = quant_err[r["provider"]]
+    errors.annotate(rows)
     return rows, timed
 
 

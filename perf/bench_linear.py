@@ -436,32 +436,17 @@ def run_problem(p: LinearProblem, inp: LinearInputs, provs: list, args, ceiling:
     """Check every provider, then time those that passed (``--timing``); one row per provider.
     FP8 providers run only on FP8 problems."""
     provs = [pr for pr in provs if not pr.fp8 or p.dtype == FP8]
-    refs, quant_err = {}, {}
-
-    def reference(floor: bool, fp8: Optional[str]) -> torch.Tensor:
-        if (floor, fp8) not in refs:
-            if fp8 == "cat":
-                refs[floor, fp8] = fp8_cat_reference(p, inp)
-            else:
-                refs[floor, fp8] = reference_output(p, inp.dequantized() if fp8 else inp, user_side=not floor)
-        return refs[floor, fp8]
-
-    def rel_error_of(prov, out):
-        if prov.fp8:  # the quantization's own error: against the bf16 layer
-            quant_err[prov.name] = harness.rel_error(out.float(), reference(prov.floor, None))
-        return harness.rel_error(out.float(), reference(prov.floor, prov.fp8))
+    errors = fp8_peers.ProviderErrors(lambda floor, fp8: fp8_cat_reference(p, inp) if fp8 == "cat" else
+                                      reference_output(p, inp.dequantized() if fp8 else inp, user_side=not floor))
 
     # enough copies that 3x L2 lies between two uses of one: these inputs are small
     n_rot = harness.rotation_count(inp.activation_bytes(), harness.l2_bytes(), cap=1024)
     sets = [inp] + [inp.clone_activations() for _ in range(n_rot - 1)]
     harness.reset_compiled()
     rows, timed = harness.check_providers(
-        provs, p, inp, fields=p.fields(), rel_error_of=rel_error_of, tol=args.tol,
+        provs, p, inp, fields=p.fields(), rel_error_of=errors, tol=args.tol,
         skip_note=lambda prov: LIB.note if prov.ours and LIB.ikbo_gemm is None else None, device=DEVICE)
-    refs.clear()
-    for r in rows:
-        if r["provider"] in quant_err:
-            r["quant_err"] = quant_err[r["provider"]]
+    errors.annotate(rows)
     harness.time_checked(timed, rows, rotate=sets, device=DEVICE, **harness.timing_options(args))
     timed.clear()
     harness.compile_seconds(rows)

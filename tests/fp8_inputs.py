@@ -64,6 +64,18 @@ def lce_fp8_problem(B, U, M, N, K_user, K_cand, *, seed=0, device="cpu", per_ten
     return kw
 
 
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def assert_one_rounding(out: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, slack: float = 1e-4) -> None:
+    """``out`` is of ``dtype``, NaN-free, and each element within its unit roundoff of the float64
+    ``exact`` (plus fp32 accumulation slack relative to the largest element, at least 1)."""
+    assert out.dtype == dtype and out.shape == exact.shape and not out.isnan().any()
+    bound = UNIT_ROUNDOFF[dtype] * exact.abs() + slack * exact.abs().max().clamp_min(1.0)
+    bad = (out.double() - exact).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} elements off, the worst by {float((out.double() - exact).abs().max())}"
+
+
 def _deq64(t8, scale):
     return t8.double() * scale.double().reshape(scale.shape + (1,) * (t8.dim() - scale.dim()))
 

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 import ikbo_gemm
-from fp8_inputs import lce_fp8_f64, lce_fp8_problem
+from fp8_inputs import assert_one_rounding, lce_fp8_f64, lce_fp8_problem
 from ikbo_gemm.quantize import quantize_fp8_reference
 
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
 BF16, F16 = torch.bfloat16, torch.float16
-UNIT_ROUNDOFF = {F16: 2.0**-11, BF16: 2.0**-8}
 
 CASES = [  # B, U, M, N, K_user, K_cand, per_tensor, out_dtype, schedule
     (1, 1, 1, 1, 1, 1, False, BF16, "fused"),
@@ -25,20 +24,13 @@ CASES = [  # B, U, M, N, K_user, K_cand, per_tensor, out_dtype, schedule
 ]
 
 
-def _check(out, exact, dtype):
-    assert out.dtype == dtype and not out.isnan().any()
-    bound = UNIT_ROUNDOFF[dtype] * exact.abs() + 1e-4 * exact.abs().max().clamp_min(1.0)
-    bad = (out.double() - exact).abs() > bound
-    assert not bad.any(), f"{int(bad.sum())} elements off, the worst by {float((out.double() - exact).abs().max())}"
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c))
 def test_matches_the_dequantized_formula(case):
     B, U, M, N, K_user, K_cand, per_tensor, out_dtype, schedule = case
     kw = lce_fp8_problem(B, U, M, N, K_user, K_cand, seed=B + N, device=DEVICE, per_tensor=per_tensor)
     out = torch.full((B, M, N), float("nan"), dtype=out_dtype, device=DEVICE)  # poisoned
     assert ikbo_gemm.lce(**kw, out=out, out_dtype=out_dtype, schedule=schedule, validate=False) is out
-    _check(out, lce_fp8_f64(**kw), out_dtype)
+    assert_one_rounding(out, lce_fp8_f64(**kw), out_dtype)
 
 
 def test_nan_and_out_of_range_stay_in_their_candidates():
@@ -67,7 +59,7 @@ def test_cuda_graph_replays_new_inputs():
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    _check(out, lce_fp8_f64(**kw), BF16)
+    assert_one_rounding(out, lce_fp8_f64(**kw), BF16)
 
 
 def test_in_a_compiled_model_with_dynamic_shapes():

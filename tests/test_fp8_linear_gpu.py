@@ -9,13 +9,12 @@ import pytest
 import torch
 
 import ikbo_gemm
-from fp8_inputs import linear_fp8_f64, linear_fp8_problem
+from fp8_inputs import assert_one_rounding, linear_fp8_f64, linear_fp8_problem
 
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
 BF16, F16 = torch.bfloat16, torch.float16
-UNIT_ROUNDOFF = {F16: 2.0**-11, BF16: 2.0**-8}
 
 CASES = [  # B, U, N, K_user, K_cand, per_tensor, activation, out_dtype
     (1, 1, 1, 1, 1, False, None, BF16),  # one candidate, one user
@@ -29,14 +28,6 @@ CASES = [  # B, U, N, K_user, K_cand, per_tensor, activation, out_dtype
 ]
 
 
-def _check(out, exact, dtype):
-    """Within one rounding to ``dtype`` of float64, plus fp32 accumulation slack."""
-    assert out.dtype == dtype and not out.isnan().any()
-    bound = UNIT_ROUNDOFF[dtype] * exact.abs() + 1e-4 * exact.abs().max().clamp_min(1.0)
-    bad = (out.double() - exact).abs() > bound
-    assert not bad.any(), f"{int(bad.sum())} elements off, the worst by {float((out.double() - exact).abs().max())}"
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c))
 def test_matches_the_dequantized_layer(case):
     B, U, N, K_user, K_cand, per_tensor, activation, out_dtype = case
@@ -44,7 +35,7 @@ def test_matches_the_dequantized_layer(case):
     out = torch.full((B, N), float("nan"), dtype=out_dtype, device=DEVICE)  # poisoned
     res = ikbo_gemm.linear(**kw, activation=activation, out=out, out_dtype=out_dtype, validate=False)
     assert res is out
-    _check(out, linear_fp8_f64(**kw, activation=activation), out_dtype)
+    assert_one_rounding(out, linear_fp8_f64(**kw, activation=activation), out_dtype)
 
 
 def test_no_less_accurate_than_scaled_mm():
@@ -99,7 +90,7 @@ def test_cuda_graph_replays_new_inputs():
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    _check(out, linear_fp8_f64(**kw, activation="relu"), BF16)
+    assert_one_rounding(out, linear_fp8_f64(**kw, activation="relu"), BF16)
 
 
 def test_in_a_compiled_model_with_dynamic_shapes():

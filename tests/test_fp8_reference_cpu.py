@@ -7,11 +7,10 @@ import pytest
 import torch
 
 import ikbo_gemm
-from fp8_inputs import lce_fp8_f64, lce_fp8_problem, linear_fp8_f64, linear_fp8_problem
+from fp8_inputs import assert_one_rounding, lce_fp8_f64, lce_fp8_problem, linear_fp8_f64, linear_fp8_problem
 from ikbo_gemm.config import ACTIVATIONS
 
 BF16, F16 = torch.bfloat16, torch.float16
-UNIT_ROUNDOFF = {F16: 2.0**-11, BF16: 2.0**-8}
 
 LINEAR_CASES = [  # B, U, N, K_user, K_cand
     (1, 1, 1, 1, 1),  # one candidate, one user
@@ -22,19 +21,13 @@ LINEAR_CASES = [  # B, U, N, K_user, K_cand
 ]
 
 
-def _within_one_rounding(out, exact, dtype, slack=1e-4):
-    """Each element within the output dtype's unit roundoff of float64 (plus fp32 slack)."""
-    assert out.dtype == dtype and out.shape == exact.shape
-    assert ((out.double() - exact).abs() <= UNIT_ROUNDOFF[dtype] * exact.abs() + slack).all()
-
-
 @pytest.mark.parametrize("per_tensor", [False, True], ids=["rowwise", "per_tensor"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_linear_reference_matches_the_dequantized_layer(case, activation, per_tensor):
     kw = linear_fp8_problem(*case, seed=sum(case), per_tensor=per_tensor)
     out = ikbo_gemm.linear_reference(**kw, activation=activation)
-    _within_one_rounding(out, linear_fp8_f64(**kw, activation=activation), BF16)
+    assert_one_rounding(out, linear_fp8_f64(**kw, activation=activation), BF16)
 
 
 @pytest.mark.parametrize("bias_dtype", [torch.float32, BF16, F16, None], ids=["fp32", "bf16", "fp16", "none"])
@@ -43,7 +36,7 @@ def test_linear_reference_out_dtype_and_bias(out_dtype, bias_dtype):
     kw = linear_fp8_problem(30, 4, 24, 16, 40, seed=3, bias=bias_dtype is not None,
                             bias_dtype=bias_dtype or torch.float32, idx_dtype=torch.int64)
     out = ikbo_gemm.linear_reference(**kw, activation="gelu", out_dtype=out_dtype)
-    _within_one_rounding(out, linear_fp8_f64(**kw, activation="gelu"), out_dtype)
+    assert_one_rounding(out, linear_fp8_f64(**kw, activation="gelu"), out_dtype)
 
 
 def test_linear_scales_apply_per_row_and_column():
@@ -101,7 +94,7 @@ LCE_CASES = [  # B, U, M, N, K_user, K_cand
 def test_lce_reference_matches_the_dequantized_formula(case, per_tensor):
     kw = lce_fp8_problem(*case, seed=sum(case), per_tensor=per_tensor)
     out = ikbo_gemm.lce_reference(**kw)
-    _within_one_rounding(out, lce_fp8_f64(**kw), BF16)
+    assert_one_rounding(out, lce_fp8_f64(**kw), BF16)
 
 
 def test_lce_reference_chunks_take_their_own_scales(monkeypatch):
@@ -112,7 +105,7 @@ def test_lce_reference_chunks_take_their_own_scales(monkeypatch):
     whole = ikbo_gemm.lce_reference(**kw, out_dtype=F16)
     monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 100)  # chunks of 1 or 2 candidates
     assert torch.equal(ikbo_gemm.lce_reference(**kw, out_dtype=F16), whole)
-    _within_one_rounding(whole, lce_fp8_f64(**kw), F16)
+    assert_one_rounding(whole, lce_fp8_f64(**kw), F16)
 
 
 def test_lce_out_of_range_is_nan_and_isolated():
