@@ -36,7 +36,8 @@ its [B, M, N] view:
                                with the quantized cat(w_user, w_cand)
   fp8 decomposition            user _scaled_mm at U, candidate _scaled_mm at B, gather + add;
                                torch.compile fp8 decomposition: the same compiled
-  fp8 scaled_mm floor          the candidate _scaled_mm alone
+  fp8 scaled_mm floor          the candidate _scaled_mm alone; "..., per-tensor": with one scale
+                               per operand (its own quantization), the faster form at M 433
   ikbo fp8                     ikbo_gemm.lce on the FP8 operands (e [B, N, K])
   ikbo fp8 + quantize          the same with quantize_fp8(e, dim=(1, 2), layout="transposed") of
                                e_cand and e_user [B, K, N] in the call
@@ -87,7 +88,7 @@ SPEEDUP_COLUMNS = {"torch materialize+bmm": "x_mat_bmm", "torch bmm": "x_bmm",
                    "torch decomposition": "x_decomp", "torch.compile decomposition": "x_compiled"}
 FP8_SPEEDUP_COLUMNS = {"fp8 materialize+scaled_mm": "x_fp8_mat", "fp8 decomposition": "x_fp8_decomp",
                        "torch.compile fp8 decomposition": "x_fp8_compiled", "fp8 scaled_mm floor": "x_fp8_floor",
-                       "ikbo fused": "x_ikbo_bf16"}
+                       "fp8 scaled_mm floor, per-tensor": "x_fp8_floor_pt", "ikbo fused": "x_ikbo_bf16"}
 AUTOTUNE_MODE = "max-autotune-no-cudagraphs"
 
 
@@ -139,6 +140,11 @@ class Fp8Operands:
     e_user16: torch.Tensor
     e_cand16_scale: torch.Tensor  # [B N16]: e_cand_scale repeated over the rows of e_cand16
     e_user16_scale: torch.Tensor
+    # The candidate side with one scale per tensor (0-d), as the per-tensor floor takes it.
+    w_cand_pt: torch.Tensor  # [M, K16]
+    w_cand_pt_scale: torch.Tensor
+    e_cand16_pt: torch.Tensor  # [B, N16, K16]
+    e_cand_pt_scale: torch.Tensor
 
     @staticmethod
     def of(w_cand, w_user, e_cand, e_user) -> "Fp8Operands":
@@ -146,14 +152,16 @@ class Fp8Operands:
         (ec, sec), (eu, seu) = (quantize_rows(e.transpose(1, 2), dim=(1, 2)) for e in (e_cand, e_user))
         ec, eu = ec.contiguous(), eu.contiguous()
         n16 = -(-ec.shape[1] // 16) * 16
+        wc_pt, swc_pt = quantize_rows(pad16(w_cand), dim=(0, 1))
+        ec_pt, sec_pt = quantize_rows(pad16(pad16(e_cand.transpose(1, 2).contiguous()), 1), dim=(0, 1, 2))
         return Fp8Operands(wc, wu, ec, eu, swc, swu, sec, seu, pad16(pad16(ec), 1), pad16(pad16(eu), 1),
-                           sec.repeat_interleave(n16), seu.repeat_interleave(n16))
+                           sec.repeat_interleave(n16), seu.repeat_interleave(n16), wc_pt, swc_pt, ec_pt, sec_pt)
 
     def scales(self) -> dict:
         return {n: getattr(self, n) for n in ("w_cand_scale", "w_user_scale", "e_cand_scale", "e_user_scale")}
 
     def clone_activations(self) -> "Fp8Operands":
-        e = {n: getattr(self, n).clone() for n in ("e_cand", "e_user", "e_cand16", "e_user16")}
+        e = {n: getattr(self, n).clone() for n in ("e_cand", "e_user", "e_cand16", "e_user16", "e_cand16_pt")}
         return dataclasses.replace(self, **e)
 
 
@@ -174,12 +182,19 @@ class LceInputs:
         extra = (self.fp8.e_cand, self.fp8.e_user) if self.fp8 else ()
         return sum(t.numel() * t.element_size() for t in (self.e_cand, self.e_user, *extra))
 
-    def dequantized(self) -> "LceInputs":
-        """fp32 inputs of the FP8 operands' values, e back in [B, K, N]."""
+    def dequantized(self, per_tensor: bool = False) -> "LceInputs":
+        """fp32 inputs of the FP8 operands' values, e back in [B, K, N] (``per_tensor``: the
+        candidate side's per-tensor operands)."""
         q = self.fp8
-        return LceInputs(dequantize(q.w_cand, q.w_cand_scale), dequantize(q.w_user, q.w_user_scale),
-                         dequantize(q.e_cand, q.e_cand_scale).transpose(1, 2),
-                         dequantize(q.e_user, q.e_user_scale).transpose(1, 2))
+        deq = LceInputs(dequantize(q.w_cand, q.w_cand_scale), dequantize(q.w_user, q.w_user_scale),
+                        dequantize(q.e_cand, q.e_cand_scale).transpose(1, 2),
+                        dequantize(q.e_user, q.e_user_scale).transpose(1, 2))
+        if per_tensor:
+            M, K = q.w_cand.shape
+            N = q.e_cand.shape[1]
+            deq.w_cand = dequantize(q.w_cand_pt, q.w_cand_pt_scale)[:, :K]
+            deq.e_cand = dequantize(q.e_cand16_pt, q.e_cand_pt_scale)[:, :N, :K].transpose(1, 2)
+        return deq
 
 
 def make_problem(B, ratio, dtype, shape=PUBLISHED, device=None) -> LceProblem:
@@ -231,7 +246,8 @@ class Provider:
     ours: bool = False
     max_autotune: bool = False  # compiles for long: --max-autotune says where it runs
     fp8: Optional[str] = None  # an FP8 provider (FP8 problems only), checked against the fp32 formula on
-    # "operands": the dequantized FP8 operands; "cat": its own quantized concatenation
+    # "operands": the dequantized FP8 operands; "per_tensor": its per-tensor ones; "cat": its own
+    # quantized concatenation
     floor: bool = False  # the candidate side alone: checked against the candidate GEMM's reference
 
 
@@ -372,6 +388,11 @@ def _fp8_floor(p: LceProblem, w, i: LceInputs) -> torch.Tensor:
     return fp8_batched_gemm(w[0], w[1], q.e_cand16, q.e_cand16_scale, p.N).permute(1, 0, 2)
 
 
+def _fp8_floor_per_tensor(p: LceProblem, st, i: LceInputs) -> torch.Tensor:
+    q = i.fp8
+    return fp8_batched_gemm(q.w_cand_pt, q.w_cand_pt_scale, q.e_cand16_pt, q.e_cand_pt_scale, p.N).permute(1, 0, 2)
+
+
 def _ours_fp8(quantize: bool) -> Callable:
     def run(p: LceProblem, st, i: LceInputs) -> torch.Tensor:
         q, op = i.fp8, LIB.ikbo_gemm
@@ -395,6 +416,8 @@ def providers(fp8: bool = False) -> list:
                  lambda p, i: (_fp8_weights(p, i), harness.torch_compiled(fp8_decomposition)),
                  lambda p, st, i: st[1](*_fp8_args(p, st[0], i)), fp8="operands"),
         Provider("fp8 scaled_mm floor", _fp8_weights, _fp8_floor, fp8="operands", floor=True),
+        Provider("fp8 scaled_mm floor, per-tensor", lambda p, i: None, _fp8_floor_per_tensor, fp8="per_tensor",
+                 floor=True),
     ] if fp8 else []
     fp8_ours = [
         Provider("ikbo fp8", lambda p, i: None, _ours_fp8(False), ours=True, fp8="operands"),
@@ -427,7 +450,8 @@ def check_providers(p: LceProblem, inp: LceInputs, provs: list, tol: float,
     provs = [pr for pr in provs if not pr.fp8 or p.dtype == FP8]
     skip = skip or {}
     errors = fp8_peers.ProviderErrors(lambda floor, fp8: fp8_cat_reference(p, inp) if fp8 == "cat" else
-                                      reference_output(p, inp.dequantized() if fp8 else inp, user_side=not floor))
+                                      reference_output(p, inp.dequantized(fp8 == "per_tensor") if fp8 else inp,
+                                                       user_side=not floor))
 
     def skip_note(prov):
         return LIB.note if prov.ours and LIB.ikbo_gemm is None else skip.get(prov.name)

@@ -17,7 +17,7 @@ from perf import fp8_peers, harness  # noqa: E402
 
 SMALL = {"M": 9, "N": 6, "K_user": 5, "K_cand": 7}
 FP8_NAMES = ["fp8 materialize+scaled_mm", "fp8 decomposition", "torch.compile fp8 decomposition",
-             "fp8 scaled_mm floor", "ikbo fp8", "ikbo fp8 + quantize"]
+             "fp8 scaled_mm floor", "fp8 scaled_mm floor, per-tensor", "ikbo fp8", "ikbo fp8 + quantize"]
 
 
 def small(B=12, ratio=5, seed=0):
@@ -50,6 +50,7 @@ def test_fp8_providers_match_their_references(compile_eagerly, real_op):
     deq = inp.dequantized()
     refs = {(False, "operands"): bl.reference_output(p, deq),
             (True, "operands"): bl.reference_output(p, deq, user_side=False),
+            (True, "per_tensor"): bl.reference_output(p, inp.dequantized(per_tensor=True), user_side=False),
             (False, "cat"): bl.fp8_cat_reference(p, inp)}
     bf16 = {False: bl.reference_output(p, inp), True: bl.reference_output(p, inp, user_side=False)}
     for prov in [pr for pr in bl.providers(fp8=True) if pr.fp8]:
