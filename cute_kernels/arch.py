@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from .dsl_lock import DSL_LOCK
+
 TARGET_ARCH = "sm_90a"
 
 
@@ -56,11 +58,9 @@ def sm_count(device: torch.device) -> int:
 def _max_active_clusters(index: int, cluster_size: int) -> int:
     from cutlass.utils import HardwareInfo
 
-    from .compile import _compile_lock
-
     # The occupancy query compiles and loads a probe kernel, and the DSL is not thread-safe:
     # it runs under the lock that every compile takes.
-    with _compile_lock, torch.cuda.device(index), _primary_context(index):
+    with DSL_LOCK, torch.cuda.device(index), _primary_context(index):
         return HardwareInfo(index).get_max_active_clusters(cluster_size)
 
 

@@ -187,3 +187,13 @@ def check_out_target(out_name: str, out: torch.Tensor, names: Iterable[str], ten
     (:func:`check_no_overlap`) and torch would let it be written in place (:func:`check_writable`)."""
     check_no_overlap(out_name, out, names, tensors)
     check_writable(out_name, out)
+
+
+def policy_or_default(op: str, name: str, value, cls: type, default):
+    """An op's launch-policy argument: ``value`` where it is a ``cls``, ``default`` where it is
+    None; TypeError naming the argument otherwise."""
+    if value is None:
+        return default
+    if not isinstance(value, cls):
+        raise TypeError(f"{op}: {name} must be {cls.__name__} or None, got {type(value).__name__}")
+    return value

@@ -35,7 +35,7 @@ its ``rows`` row groups.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -97,6 +97,14 @@ def cluster_end() -> None:
     on its barriers or write into its shared memory."""
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
+
+
+class ExchangeMemory(NamedTuple):
+    """A CTA's side of the exchange in shared memory (device values)."""
+
+    buffer: cute.Tensor  # the receive buffer (``ClusterReduce.buffer_layout``)
+    full: Pointer  # mbarrier: every sender's partial sums of the tile have landed
+    free: Pointer  # mbarrier: every owner has read this CTA's previous contribution
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,12 +173,13 @@ class ClusterReduce:
         init_exchange(full, free, self.ctas)
 
     @cute.jit
-    def exchange(self, acc_mn, buf: cute.Tensor, full, free, rank: Int32, tile_i: Int32, more, tidx: Int32,
+    def exchange(self, acc_mn, mem: "ExchangeMemory", rank: Int32, tile_i: Int32, more, tidx: Int32,
                  barrier_id: int):
         """Sum the tile's partial accumulators: send the sub-tiles other CTAs own, wait for the
         partial sums of the owned ones and add them to ``acc_mn`` in rank order, and, where this
         CTA has ``more`` tiles, release the buffer to the senders. ``tile_i``: the tile's position
         in this CTA's walk. ``barrier_id``: a named barrier of this warpgroup's threads."""
+        buf, full, free = mem
         if tidx == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(full, self.tx_bytes)
         if tile_i > 0:

@@ -38,6 +38,7 @@ from typing import Any, Callable, Hashable, Optional
 import cutlass.cute as cute
 
 from .arch import TARGET_ARCH
+from .dsl_lock import DSL_LOCK
 
 
 @dataclasses.dataclass
@@ -72,7 +73,7 @@ class CompiledKernel:
         return re.findall(r"\(C75\d\d\)[^\n]*", self._report())
 
 
-_compile_lock = threading.RLock()
+_compile_lock = DSL_LOCK  # compiles are serialized
 
 
 def compile_kernel(jit_fn, *args, keep_ptx: bool = False, ptxas_report: bool = False) -> CompiledKernel:

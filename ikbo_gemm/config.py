@@ -1,6 +1,6 @@
-"""Static configurations of the package's kernels: the compile keys, the shipped sets, the picks
-and the compiles. LCE: LceConfig and the tiling of a problem (LceGeometry, shared by the host
-plan and the kernel); linear: LinearConfig."""
+"""Static configurations of the package's kernels: the compile keys, the shipped sets and the
+picks (the compile step is ``ikbo_gemm.compile``). LCE: LceConfig and the tiling of a problem
+(LceGeometry, shared by the host plan and the kernel); linear: LinearConfig."""
 from __future__ import annotations
 
 import dataclasses
@@ -114,18 +114,19 @@ SHIPPED_CONFIGS = [
 LOAD_BOUND_COST = 1.2
 
 
-def tile_cost(tile_n: int, tile_w: int, m: int, n: int) -> float:
+def tile_cost(tile_n: int, tile_w: int, m: int, n: int, load_bound_cost: float = LOAD_BOUND_COST) -> float:
     """Relative time of one batch's tiles: the executed (padded) output, weighted when load-bound."""
     executed = -(-n // tile_n) * tile_n * -(-m // tile_w) * tile_w
-    return executed * (LOAD_BOUND_COST if 1 / tile_n + 1 / tile_w > 1 / 64 else 1.0)
+    return executed * (load_bound_cost if 1 / tile_n + 1 / tile_w > 1 / 64 else 1.0)
 
 
-def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: int) -> LceConfig:
+def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: int,
+                load_bound_cost: float = LOAD_BOUND_COST) -> LceConfig:
     """The tile of least ``tile_cost`` (ties: the wider, then the taller); a cluster as wide
     as the tile's column slices of N allow (up to 4) and, with more than one batch, deep in
     batches: 128-column tiles fill 4 or 8 CTAs (each w tile then feeds all of them), 64-column
     tiles go two batches deep when 4 slices wide."""
-    tile_n, tile_w = min(TILES, key=lambda t: (tile_cost(*t, m, n), -t[0], -t[1]))
+    tile_n, tile_w = min(TILES, key=lambda t: (tile_cost(*t, m, n, load_bound_cost), -t[0], -t[1]))
     column_tiles = -(-n // tile_n)
     cn = max(c for c in (1, 2, 4) if c <= column_tiles)
     if b == 1:
@@ -135,37 +136,6 @@ def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: i
     else:
         cb = 2 if cn == 4 else 1
     return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n)
-
-
-def compile_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool = False):
-    """Compile one configuration for sm_90a (no GPU needed) -> CompiledKernel."""
-    import cutlass
-
-    from cute_kernels.compile import compile_kernel
-    from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
-
-    from .lce_sm90 import LceSm90
-
-    dt = cutlass_dtype(cfg.dtype)
-    kernel = LceSm90(cfg)
-    operand = dict(divisibility=8, align=16)
-    args = (
-        fake_tensor(dt, (1, None, None), **operand),  # w_cand [1, M, K_cand_pad]
-        fake_tensor(dt, (1, None, None), **operand),  # w_user [1, M, K_user_pad]
-        fake_tensor(dt, (None, None, None), **operand),  # e_cand [B, K_cand, N]
-        fake_tensor(dt, (None, None, None), **operand),  # e_user [U, K_user, N]
-        fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),  # idx [B]
-        fake_tensor(dt, (None, None, None), **operand),  # out [B, M, N]
-        fake_tensor(cutlass.Float32, (None, cfg.tile_n * cfg.tile_w), divisibility=512, align=16),  # workspace
-        fake_tensor(cutlass.Int32, (None,), align=4),  # flags
-        cutlass.Int32(0),  # tile_begin
-        cutlass.Int32(1),  # tile_end
-        cutlass.Int32(1),  # grid_size
-        cutlass.Int32(1),  # wait_prior
-        cutlass.Int32(1),  # cooperative
-        fake_stream(),
-    )
-    return compile_kernel(kernel, *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
 
 
 # ---------------------------------------------------------------------------------- linear
@@ -304,31 +274,3 @@ LINEAR_SHIPPED_CONFIGS = [
     LinearConfig(dtype, torch.int32, tm, tn, "user", split_k=2)
     for dtype in (torch.float16, torch.bfloat16) for tm, tn in LINEAR_SPLIT_TILES
 ]
-
-
-def compile_linear_config(cfg: LinearConfig, *, keep_ptx: bool = False, ptxas_report: bool = False):
-    """Compile one linear configuration for sm_90a (no GPU needed) -> CompiledKernel."""
-    import cutlass
-
-    from cute_kernels.compile import compile_kernel
-    from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
-
-    from .linear_sm90 import LinearSm90
-
-    dt = cutlass_dtype(cfg.dtype)
-    operand = dict(divisibility=8, align=16)
-    ws = fake_tensor(cutlass.Float32, (None, None, None), divisibility=8, align=16)
-    out = ws if cfg.phase == "user" else fake_tensor(dt, (None, None), **operand)
-    args = (
-        fake_tensor(dt, (None, None), **operand),  # a [rows, K_pad]
-        fake_tensor(dt, (None, None), **operand),  # b [N, K_pad]
-        out,  # [rows, N] (user phase: the workspace)
-        ws,  # [splits, U_pad, N_pad] fp32
-        fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),  # idx [B]
-        fake_tensor(dt, (None,), align=2) if cfg.has_bias else None,  # bias [N]
-        cutlass.Int32(1),  # n_users
-        cutlass.Int32(1),  # n_splits
-        cutlass.Int32(1),  # grid_size
-        fake_stream(),
-    )
-    return compile_kernel(LinearSm90(cfg), *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)

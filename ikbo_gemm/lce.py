@@ -44,15 +44,56 @@ from cute_kernels import (
     tma_ready,
 )
 
-from cute_kernels.checks import capturing, check_index_range, check_out_target, validation_enabled
+from cute_kernels.checks import (
+    capturing,
+    check_index_range,
+    check_out_target,
+    policy_or_default,
+    validation_enabled,
+)
 
 from .checks import check_lce_inputs, check_schedule, fp8_call
-from .config import LceConfig, LceGeometry, compile_config, pick_config
+from .compile import compile_lce_config
+from .config import CLUSTERS, LOAD_BOUND_COST, TILES, LceConfig, LceGeometry, pick_config
+from .lce_sm90 import LceEpilogue, LceLaunch, LceOperands
 from .reference import lce_reference
 
 
+@dataclasses.dataclass(frozen=True)
+class LcePolicy:
+    """The launch policy of :func:`lce` (its ``policy`` argument; part of the plan key). The op's
+    is ``DEFAULT_POLICY``; a test or a benchmark runs an alternative by passing its own. None
+    changes the result: every tiling computes the same sums in the same order."""
+
+    spare_sms: bool = True  # a second launch on the SMs that batch-deep clusters leave idle (_spare_sm_split)
+    load_bound_cost: float = LOAD_BOUND_COST  # the weight of a load-bound tile's work (config.tile_cost)
+    tiling: Optional[tuple] = None  # (tile_n, tile_w, cluster_n, cluster_b) forced; None: config.pick_config's
+
+    def __post_init__(self):
+        if not isinstance(self.spare_sms, bool):
+            raise TypeError(f"LcePolicy.spare_sms must be a bool, got {self.spare_sms!r}")
+        if isinstance(self.load_bound_cost, bool) or not isinstance(self.load_bound_cost, (int, float)) \
+                or not self.load_bound_cost >= 1:
+            raise ValueError(f"LcePolicy.load_bound_cost must be a number >= 1, got {self.load_bound_cost!r}")
+        t = self.tiling
+        if t is not None and not (isinstance(t, tuple) and len(t) == 4 and t[:2] in TILES
+                                  and t[2:] in CLUSTERS[t[0]]):
+            raise ValueError(f"LcePolicy.tiling must be (tile_n, tile_w, cluster_n, cluster_b) of a shipped "
+                             f"configuration (config.TILES, config.CLUSTERS), got {t!r}")
+
+    def config(self, dtype, idx_dtype, m: int, n: int, b: int) -> LceConfig:
+        """The configuration of a problem: the forced tiling, else pick_config's."""
+        if self.tiling is None:
+            return pick_config(dtype, idx_dtype, m, n, b, self.load_bound_cost)
+        tile_n, tile_w, cn, cb = self.tiling
+        return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n)
+
+
+DEFAULT_POLICY = LcePolicy()
+
+
 def _kernel(cfg: LceConfig) -> CompiledKernel:
-    return kernel_cache.get(("ikbo_gemm.lce", cfg), lambda: compile_config(cfg), package="ikbo_gemm")
+    return kernel_cache.get(("ikbo_gemm.lce", cfg), lambda: compile_lce_config(cfg), package="ikbo_gemm")
 
 
 def _ceil(x: int, m: int) -> int:
@@ -113,15 +154,17 @@ class _Plan:
     ws_shape: tuple
     n_flags: int
     launches: tuple  # of _Launch
+    policy: LcePolicy
 
 
 _plans = PlanCache()
 _INPUT_NAMES = ("w_cand", "w_user", "e_cand", "e_user", "idx")
 
 
-def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
+def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy: LcePolicy) -> _Plan | None:
     """The launch plan for these shapes (None on CPU); inputs are fully checked once per signature."""
-    key = plan_key(w_cand, w_user, e_cand, e_user, idx, out, schedule)
+    # A plan holds compiled kernels: the key names where they come from (``_kernel``).
+    key = plan_key(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy, _kernel)
     plan = _plans.get(key, False)
     if plan is not False:
         return plan
@@ -130,7 +173,7 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
     plan = None
     if on_gpu(e_cand):
         require_sm90(device, "lce")
-        cfg = pick_config(e_cand.dtype, idx.dtype, M, N, B)
+        cfg = policy.config(e_cand.dtype, idx.dtype, M, N, B)
         n8 = _ceil(N, 8)
 
         def geometry(c: LceConfig, batch: int) -> LceGeometry:
@@ -151,7 +194,7 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
             return _Launch(_kernel(c), (b0, b1), (begin, end), clusters * c.cluster, wait_prior, cooperative)
 
         geom = geometry(cfg, B)
-        split = _spare_sm_split(cfg, device, geom) if schedule == "fused" and B > 0 else None
+        split = _spare_sm_split(cfg, device, geom) if schedule == "fused" and B > 0 and policy.spare_sms else None
         if B == 0:
             launches = ()  # an empty result: nothing to launch
         elif split is None and schedule == "fused":
@@ -176,12 +219,13 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
             ws_shape=(geom.workspace_tiles(), cfg.tile_n * cfg.tile_w),
             n_flags=geom.workspace_tiles(),
             launches=launches,
+            policy=policy,
         )
     return _plans.keep(key, plan)
 
 
-def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused", w_cand_scale=None,
-        w_user_scale=None, e_cand_scale=None, e_user_scale=None, out_dtype=None):
+def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused", policy=None,
+        w_cand_scale=None, w_user_scale=None, e_cand_scale=None, e_user_scale=None, out_dtype=None):
     """IKBO linear compression: ``out[b] = w_cand @ e_cand[b] + w_user @ e_user[idx[b]]``.
 
     Shapes: w_cand [M, K_cand], w_user [M, K_user], e_cand [B, K_cand, N],
@@ -223,6 +267,10 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     context has fewer SMs than the device (a green context); under an MPS SM
     limit, capture with schedule="two_launch".
 
+    ``policy``: the launch policy, an :class:`LcePolicy` (default: ``DEFAULT_POLICY``, the
+    shipped plan); a benchmark times an alternative by passing it. Eager calls only: under
+    torch.compile a policy other than the ``DEFAULT_POLICY`` object raises ValueError.
+
     Under torch.compile a call is traced as one node, ``torch.ops.ikbo_gemm.lce``
     (``out`` is then filled by a copy of its result).
 
@@ -237,10 +285,14 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
         return lce_reference(w_cand, w_user, e_cand, e_user, idx, out=out, validate=validate, schedule=schedule,
                              out_dtype=out_dtype, **scales)
     if torch.compiler.is_compiling():
+        if policy is not None and policy is not DEFAULT_POLICY:  # identity: nothing for the tracer to evaluate
+            raise ValueError("lce: a policy other than DEFAULT_POLICY is for eager calls (the op torch.compile "
+                             "traces takes the shipped plan)")
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
         return into_out(out, torch.ops.ikbo_gemm.lce(w_cand, w_user, e_cand, e_user, idx, validate, schedule))
+    policy = policy_or_default("lce", "policy", policy, LcePolicy, DEFAULT_POLICY)
     check_schedule(schedule)
-    plan = _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule)
+    plan = _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy)
     if out is not None:
         check_out_target("out", out, _INPUT_NAMES, (w_cand, w_user, e_cand, e_user, idx))
     if validation_enabled(validate):
@@ -293,24 +345,24 @@ def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
     target = store_target(out, (*plan.out_shape[:2], n8))
     workspace = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
     flags = torch.zeros(plan.n_flags, dtype=torch.int32, device=device)
-    args = (w_c, w_u, e_c, e_u, idx_k, target, workspace, flags)
+    args = (LceOperands(w_c, w_u, e_c, e_u, idx_k), LceEpilogue(target, workspace, flags))
     inputs = (w_cand, w_user, e_cand, e_user, idx)
     launches = plan.launches
     too_few = _context_too_small(launches, device)
     if too_few:
-        launches = _two_launch(inputs, too_few)
+        launches = _two_launch(inputs, plan.policy, too_few)
     refused = _launch_all(launches, args)
     if refused:
         # The fused grid was refused before anything ran (the flags are still zero): the
         # launches that wait on nothing within their grid give the same result.
-        _launch_all(_two_launch(inputs, refused), args)
+        _launch_all(_two_launch(inputs, plan.policy, refused), args)
     return copy_back(out, target)
 
 
 _warned_fallback = False
 
 
-def _two_launch(inputs, why: str) -> tuple:
+def _two_launch(inputs, policy: LcePolicy, why: str) -> tuple:
     """The launches of schedule "two_launch" (the same tile, workspace and flags as "fused"),
     run where the fused grid cannot be resident whole; warns once per process."""
     global _warned_fallback
@@ -322,7 +374,7 @@ def _two_launch(inputs, why: str) -> tuple:
             RuntimeWarning,
             stacklevel=2,
         )
-    return _plan(*inputs, None, "two_launch").launches
+    return _plan(*inputs, None, "two_launch", policy).launches
 
 
 def _context_too_small(launches, device) -> str:
@@ -341,14 +393,17 @@ def _context_too_small(launches, device) -> str:
 def _launch_all(launches, args) -> str:
     """Issue every launch of a plan. Returns why the driver refused the cooperative (fused)
     grid, which can never be resident whole in this context, or "" when all launched."""
-    w_c, w_u, e_c, e_u, idx, target, workspace, flags = args
+    operands, epilogue = args
     # Every launch's arguments first: a second launch (the spare SMs') can start only once the
     # host has issued it, so nothing else runs on the host between the launches.
     calls = []
     for launch in launches:
         part = slice(*launch.batches)
-        per_launch = (w_c, w_u, e_c[part], e_u, idx[part], target[part], workspace, flags)
-        calls.append((launch, (*per_launch, *launch.tiles, launch.grid, launch.wait_prior, launch.cooperative)))
+        calls.append((launch, (
+            operands._replace(e_cand=operands.e_cand[part], idx=operands.idx[part]),
+            epilogue._replace(out=epilogue.out[part]),
+            LceLaunch(*launch.tiles, launch.grid, launch.wait_prior, launch.cooperative),
+        )))
     for launch, call_args in calls:
         try:
             launch.kernel(*call_args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -16,6 +17,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
+from cute_kernels.arguments import kernel_arguments
 from cute_kernels.interop import cutlass_dtype
 from cute_kernels.mainloop import pingpong_mainloop
 from cute_kernels.scheduler import strided_tiles
@@ -31,6 +33,75 @@ from cute_kernels.warp_specialized import (
 )
 
 from .config import LceConfig, LceGeometry
+
+
+@kernel_arguments
+class LceOperands(NamedTuple):
+    """The GEMMs' operands and the index (host -> kernel)."""
+
+    w_cand: cute.Tensor  # [1, M, K_cand_pad]
+    w_user: cute.Tensor  # [1, M, K_user_pad]
+    e_cand: cute.Tensor  # [B, K_cand, N]
+    e_user: cute.Tensor  # [U, K_user, N]
+    idx: cute.Tensor  # [B]
+
+
+@kernel_arguments
+class LceEpilogue(NamedTuple):
+    """Where the results go (host -> kernel): the output, the fp32 user tiles and their flags."""
+
+    out: cute.Tensor  # [B, M, N]
+    workspace: cute.Tensor  # [U_pad * column tiles * w tiles, tile_n * tile_w] fp32
+    flags: cute.Tensor  # [U * w_tiles * n_tiles] int32, zeroed
+
+
+@kernel_arguments
+class LceLaunch(NamedTuple):
+    """One launch's share of the tile walk and how it starts (host -> kernel)."""
+
+    tile_begin: Int32  # cluster tiles [tile_begin, tile_end)
+    tile_end: Int32
+    grid_size: Int32  # CTAs, a multiple of the cluster size
+    wait_prior: Int32  # 1: wait for the previous grid on the stream before starting; 0: at the end
+    cooperative: Int32  # 1: every CTA resident at once, or the launch is refused (see LceSm90)
+
+
+class PhaseLoads(NamedTuple):
+    """One phase's TMA loads (kernel -> producer): e slices (A) and w chunks (B)."""
+
+    a_atom: cute.CopyAtom
+    a: cute.Tensor  # TMA view of e, (N, K, batch)
+    b_atom: cute.CopyAtom  # a full 32-row w chunk (the whole tile without a cluster)
+    b_last_atom: cute.CopyAtom  # the last chunk's w_last rows (b_atom again where it is a full one)
+    b: cute.Tensor  # TMA view of w, (M, K, 1)
+
+
+class LceStores(NamedTuple):
+    """What the consumers' epilogues read and write (kernel -> consumers)."""
+
+    out_atom: cute.CopyAtom  # a staged 64 x EPI_W sub-tile
+    out_last_atom: cute.CopyAtom  # the last sub-tile's rows not yet stored (out_atom again where none)
+    out: cute.Tensor  # TMA view of out^T, (N, M, batch)
+    workspace: cute.Tensor  # user tiles, (4 values, chunk, thread, tile)
+    idx: cute.Tensor
+    flags: cute.Tensor
+
+
+class LceSmemLayouts(NamedTuple):
+    """The MMA and the shared-memory layouts the kernel partitions (compile-time values)."""
+
+    tiled_mma: cute.TiledMma
+    a: cute.ComposedLayout
+    b: cute.ComposedLayout
+    epi: cute.ComposedLayout
+
+
+class TileRange(NamedTuple):
+    """The launch's cluster tiles and whether it waits for the previous grid first (kernel -> roles)."""
+
+    begin: Int32
+    end: Int32
+    wait_prior: Int32
 
 
 class LceBarrier(Barrier):
@@ -142,6 +213,10 @@ class LceSm90:
 
     Candidates whose idx is outside [0, U) never read past the workspace: their
     output is NaN.
+
+    Arguments (cute_kernels.arguments): the host passes LceOperands, LceEpilogue and LceLaunch;
+    the kernel hands each phase's loads to the producer (PhaseLoads) and the epilogue's tensors
+    to the consumers (LceStores), with the launch's tile range (TileRange).
     """
 
     ATOM_N = 64  # output columns of one wgmma (its M side)
@@ -207,33 +282,18 @@ class LceSm90:
 
     # ------------------------------------------------------------------ host
     @cute.jit
-    def __call__(
-        self,
-        w_cand: cute.Tensor,  # [1, M, K_cand_pad]
-        w_user: cute.Tensor,  # [1, M, K_user_pad]
-        e_cand: cute.Tensor,  # [B, K_cand, N]
-        e_user: cute.Tensor,  # [U, K_user, N]
-        idx: cute.Tensor,  # [B]
-        out: cute.Tensor,  # [B, M, N]
-        workspace: cute.Tensor,  # [U_pad * column tiles * w tiles, tile_n * tile_w] fp32
-        flags: cute.Tensor,  # [U * w_tiles * n_tiles] int32
-        tile_begin: Int32,  # cluster tiles [tile_begin, tile_end)
-        tile_end: Int32,
-        grid_size: Int32,  # CTAs, a multiple of the cluster size
-        wait_prior: Int32,  # 1: wait for the previous grid on the stream before starting; 0: at the end
-        cooperative: Int32,  # 1: every CTA resident at once, or the launch is refused (see the class)
-        stream,
-    ):
+    def __call__(self, operands: LceOperands, epilogue: LceEpilogue, launch: LceLaunch, stream):
         # GEMM views: A = e^T (N, K, batch) N-major, B = w^T (M, K, 1) K-major,
         # C = out^T (N, M, batch) N-major. The workspace holds each user tile in
         # accumulator-fragment order: (4 values, chunk, thread, tile), so a
         # consumer thread moves its fragment with coalesced 16-byte accesses. The
         # tile stride is the tensor's own 64-bit one: the workspace can pass 2^31 floats.
-        a_cand = cute.make_tensor(e_cand.iterator, cute.select(e_cand.layout, mode=[2, 1, 0]))
-        a_user = cute.make_tensor(e_user.iterator, cute.select(e_user.layout, mode=[2, 1, 0]))
-        b_cand = cute.make_tensor(w_cand.iterator, cute.select(w_cand.layout, mode=[1, 2, 0]))
-        b_user = cute.make_tensor(w_user.iterator, cute.select(w_user.layout, mode=[1, 2, 0]))
-        c_out = cute.make_tensor(out.iterator, cute.select(out.layout, mode=[2, 1, 0]))
+        ops, workspace = operands, epilogue.workspace
+        a_cand = cute.make_tensor(ops.e_cand.iterator, cute.select(ops.e_cand.layout, mode=[2, 1, 0]))
+        a_user = cute.make_tensor(ops.e_user.iterator, cute.select(ops.e_user.layout, mode=[2, 1, 0]))
+        b_cand = cute.make_tensor(ops.w_cand.iterator, cute.select(ops.w_cand.layout, mode=[1, 2, 0]))
+        b_user = cute.make_tensor(ops.w_user.iterator, cute.select(ops.w_user.layout, mode=[1, 2, 0]))
+        c_out = cute.make_tensor(epilogue.out.iterator, cute.select(epilogue.out.layout, mode=[2, 1, 0]))
         tile_elems = self.tile_n * self.tile_w
         c_ws = cute.make_tensor(
             workspace.iterator,
@@ -295,56 +355,32 @@ class LceSm90:
         self.shared_storage = SharedStorage
 
         self.kernel(
-            tma_a_user, ta_user, tma_b_user, tma_b_user_last, tb_user,
-            tma_a_cand, ta_cand, tma_b_cand, tma_b_cand_last, tb_cand,
-            tma_out, tma_out_last, t_out, c_ws, idx, flags,
-            tiled_mma, a_smem, b_smem, epi_smem,
-            tile_begin, tile_end, wait_prior,
+            PhaseLoads(tma_a_user, ta_user, tma_b_user, tma_b_user_last, tb_user),
+            PhaseLoads(tma_a_cand, ta_cand, tma_b_cand, tma_b_cand_last, tb_cand),
+            LceStores(tma_out, tma_out_last, t_out, c_ws, ops.idx, epilogue.flags),
+            LceSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
+            TileRange(launch.tile_begin, launch.tile_end, launch.wait_prior),
         ).launch(
-            grid=[grid_size, 1, 1],
+            grid=[launch.grid_size, 1, 1],
             block=[self.THREADS, 1, 1],
             cluster=[self.cluster, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
             use_pdl=True,
-            cooperative=cooperative,
+            cooperative=launch.cooperative,
         )
 
     # ---------------------------------------------------------------- device
     @cute.kernel
-    def kernel(
-        self,
-        tma_a_user: cute.CopyAtom,
-        mA_user: cute.Tensor,
-        tma_b_user: cute.CopyAtom,
-        tma_b_user_last: cute.CopyAtom,
-        mB_user: cute.Tensor,
-        tma_a_cand: cute.CopyAtom,
-        mA_cand: cute.Tensor,
-        tma_b_cand: cute.CopyAtom,
-        tma_b_cand_last: cute.CopyAtom,
-        mB_cand: cute.Tensor,
-        tma_out: cute.CopyAtom,
-        tma_out_last: cute.CopyAtom,
-        mOut: cute.Tensor,
-        mWs: cute.Tensor,
-        mIdx: cute.Tensor,
-        mFlags: cute.Tensor,
-        tiled_mma: cute.TiledMma,
-        a_smem: cute.ComposedLayout,
-        b_smem: cute.ComposedLayout,
-        epi_smem: cute.ComposedLayout,
-        tile_begin: Int32,
-        tile_end: Int32,
-        wait_prior: Int32,
-    ):
+    def kernel(self, user: PhaseLoads, cand: PhaseLoads, stores: LceStores, layouts: LceSmemLayouts,
+               tiles: TileRange):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            atoms = [tma_a_user, tma_b_user, tma_a_cand, tma_b_cand, tma_out]
+            atoms = [user.a_atom, user.b_atom, cand.a_atom, cand.b_atom, stores.out_atom]
             if const_expr(self.w_last_atom):
-                atoms += [tma_b_user_last, tma_b_cand_last]
+                atoms += [user.b_last_atom, cand.b_last_atom]
             if const_expr(self.out_last_atom):
-                atoms.append(tma_out_last)
+                atoms.append(stores.out_last_atom)
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
 
@@ -355,14 +391,14 @@ class LceSm90:
         storage = smem.allocate(self.shared_storage)
         ab_pipeline = self.ab.make(storage.ab_barriers.data_ptr(), cute.make_layout((1, self.cluster, 1, 1)))
         pipelines_init_arrive(self.cluster)
-        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
-        geom = self.geometry(mA_user, mB_user, mB_cand, mOut)
+        sA = storage.sA.get_tensor(layouts.a.outer, swizzle=layouts.a.inner)
+        sB = storage.sB.get_tensor(layouts.b.outer, swizzle=layouts.b.inner)
+        sC = storage.sC.get_tensor(layouts.epi.outer, swizzle=layouts.epi.inner)
+        geom = self.geometry(user, cand, stores)
         pipelines_init_wait(self.cluster)
         # Launched with programmatic dependent launch: the setup above overlaps the previous
         # grid on the stream; no global memory is touched before this wait.
-        if wait_prior != 0:
+        if tiles.wait_prior != 0:
             cute.arch.griddepcontrol_wait()
         # Every CTA of this grid is resident: a dependent grid may start on the SMs left free.
         cute.arch.griddepcontrol_launch_dependents()
@@ -371,24 +407,17 @@ class LceSm90:
         if warpgroup_idx == 0:
             self.REGISTERS.enter_producer()
             if warp_idx == 0:
-                self.producer(
-                    ab_pipeline, sA, sB, geom, cluster_layout, rank,
-                    tma_a_user, mA_user, (tma_b_user, tma_b_user_last), mB_user,
-                    tma_a_cand, mA_cand, (tma_b_cand, tma_b_cand_last), mB_cand,
-                    tile_begin, tile_end,
-                )
+                self.producer(ab_pipeline, sA, sB, geom, cluster_layout, rank, user, cand, tiles)
         else:
             self.REGISTERS.enter_consumer()
-            self.consumer(
-                warpgroup_idx - 1, rank, ab_pipeline, tiled_mma, sA, sB, sC, geom,
-                (tma_out, tma_out_last), mOut, mWs, mIdx, mFlags, tile_begin, tile_end,
-            )
+            self.consumer(warpgroup_idx - 1, rank, ab_pipeline, layouts.tiled_mma, sA, sB, sC, geom, stores, tiles)
 
-    def geometry(self, mA_user, mB_user, mB_cand, mOut) -> LceGeometry:
+    def geometry(self, user: PhaseLoads, cand: PhaseLoads, stores: LceStores) -> LceGeometry:
         """The launch's tiling, from the (GEMM-view) tensors' shapes."""
+        out = stores.out
         return LceGeometry.of(
-            self, M=cute.size(mOut, mode=[1]), N=cute.size(mOut, mode=[0]), U=cute.size(mA_user, mode=[2]),
-            B=cute.size(mOut, mode=[2]), K_user=cute.size(mB_user, mode=[1]), K_cand=cute.size(mB_cand, mode=[1]),
+            self, M=cute.size(out, mode=[1]), N=cute.size(out, mode=[0]), U=cute.size(user.a, mode=[2]),
+            B=cute.size(out, mode=[2]), K_user=cute.size(user.b, mode=[1]), K_cand=cute.size(cand.b, mode=[1]),
             ceil_div=cute.ceil_div,
         )
 
@@ -415,28 +444,24 @@ class LceSm90:
 
     # ----------------------------------------------------------- producer
     @cute.jit
-    def producer(
-        self, ab_pipeline, sA, sB, geom, cluster_layout, rank,
-        tma_a_user, mA_user, tma_b_user, mB_user,
-        tma_a_cand, mA_cand, tma_b_cand, mB_cand,
-        tile_begin: Int32, tile_end: Int32,
-    ):
+    def producer(self, ab_pipeline, sA, sB, geom, cluster_layout, rank, user: PhaseLoads, cand: PhaseLoads,
+                 tiles: TileRange):
         a_box = (self.tile_n, self.TILE_K)
         sA_ = cute.group_modes(sA, 0, 2)
         one = cute.make_layout(1)
-        # A: this CTA's own e slice. B: this CTA's share of the w rows, multicast (load_w);
-        # tma_b_* are (full chunk, last chunk) atom pairs.
+        # A: this CTA's own e slice. B: this CTA's share of the w rows, multicast (load_w).
         tAsA, tAgA_user = cpasync.tma_partition(
-            tma_a_user, 0, one, sA_, cute.group_modes(cute.local_tile(mA_user, a_box, (None, None, None)), 0, 2)
+            user.a_atom, 0, one, sA_, cute.group_modes(cute.local_tile(user.a, a_box, (None, None, None)), 0, 2)
         )
         _, tAgA_cand = cpasync.tma_partition(
-            tma_a_cand, 0, one, sA_, cute.group_modes(cute.local_tile(mA_cand, a_box, (None, None, None)), 0, 2)
+            cand.a_atom, 0, one, sA_, cute.group_modes(cute.local_tile(cand.a, a_box, (None, None, None)), 0, 2)
         )
 
         mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(rank), mode=0)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        walk = strided_tiles(tile_begin, cluster=self.cluster)
+        tile_end = tiles.end
+        walk = strided_tiles(tiles.begin, cluster=self.cluster)
         t = walk.first
         while t < tile_end:
             tile = self.decode(t, rank, geom)
@@ -444,29 +469,29 @@ class LceSm90:
                 ab_pipeline.producer_acquire(state)
                 bar = ab_pipeline.producer_get_barrier(state)
                 if tile.is_user:
-                    cute.copy(tma_a_user, tAgA_user[(None, tile.n, k, tile.batch)], tAsA[(None, state.index)],
+                    cute.copy(user.a_atom, tAgA_user[(None, tile.n, k, tile.batch)], tAsA[(None, state.index)],
                               tma_bar_ptr=bar)
-                    self.load_w(tma_b_user, mB_user, sB, tile.w, k, rank, state.index, bar, mcast)
+                    self.load_w(user, sB, tile.w, k, rank, state.index, bar, mcast)
                 else:
-                    cute.copy(tma_a_cand, tAgA_cand[(None, tile.n, k, tile.batch)], tAsA[(None, state.index)],
+                    cute.copy(cand.a_atom, tAgA_cand[(None, tile.n, k, tile.batch)], tAsA[(None, state.index)],
                               tma_bar_ptr=bar)
-                    self.load_w(tma_b_cand, mB_cand, sB, tile.w, k, rank, state.index, bar, mcast)
+                    self.load_w(cand, sB, tile.w, k, rank, state.index, bar, mcast)
                 ab_pipeline.producer_commit(state)
                 state.advance()
             t += walk.stride
         ab_pipeline.producer_tail(state)
 
     @cute.jit
-    def load_w(self, atoms, mB, sB, w, k, rank, stage, bar, mcast):
+    def load_w(self, loads: PhaseLoads, sB, w, k, rank, stage, bar, mcast):
         """This CTA's chunks of w tile (w, k): chunk j = rank + i * cluster, rows
         [32 j, 32 j + 32) of the tile, the last one only its w_last rows."""
         for i in cutlass.range_constexpr(self.chunks_per_cta):
             j = rank + i * self.cluster
             if j < self.w_chunks - 1:
-                self.load_w_chunk(atoms[0], self.w_chunk, mB, sB, w, j * self.w_chunk, k, stage, bar, mcast)
+                self.load_w_chunk(loads.b_atom, self.w_chunk, loads.b, sB, w, j * self.w_chunk, k, stage, bar, mcast)
             if j == self.w_chunks - 1:
-                last = atoms[1] if const_expr(self.w_last_atom) else atoms[0]
-                self.load_w_chunk(last, self.w_last, mB, sB, w, j * self.w_chunk, k, stage, bar, mcast)
+                last = loads.b_last_atom if const_expr(self.w_last_atom) else loads.b_atom
+                self.load_w_chunk(last, self.w_last, loads.b, sB, w, j * self.w_chunk, k, stage, bar, mcast)
 
     @cute.jit
     def load_w_chunk(self, atom, rows: cutlass.Constexpr, mB, sB, w, r, k, stage, bar, mcast):
@@ -484,10 +509,8 @@ class LceSm90:
 
     # ----------------------------------------------------------- consumers
     @cute.jit
-    def consumer(
-        self, consumer_idx: Int32, rank: Int32, ab_pipeline, tiled_mma, sA, sB, sC, geom,
-        tma_out, mOut, mWs, mIdx, mFlags, tile_begin: Int32, tile_end: Int32,
-    ):
+    def consumer(self, consumer_idx: Int32, rank: Int32, ab_pipeline, tiled_mma, sA, sB, sC, geom,
+                 stores: LceStores, tiles: TileRange):
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx % 128
         warp_in_wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
@@ -509,7 +532,8 @@ class LceSm90:
         tRS_rD = cute.make_rmem_tensor(rD_shape, Float32)
         tRS_rOut = cute.make_rmem_tensor(rD_shape, self.dtype)
 
-        walk = strided_tiles(tile_begin, cluster=self.cluster, lanes=2, lane=consumer_idx)
+        tile_end = tiles.end
+        walk = strided_tiles(tiles.begin, cluster=self.cluster, lanes=2, lane=consumer_idx)
         t, stride, grid = walk.first, walk.stride, walk.clusters
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         if consumer_idx == 0:
@@ -522,10 +546,10 @@ class LceSm90:
 
         epi_count = Int32(0)
         # The first tile's user tile; later ones are loaded during the previous tile's epilogue.
-        src = self.user_tile_source(mIdx, mFlags, self.decode(t, rank, geom), t < tile_end, geom, tidx)
+        src = self.user_tile_source(stores, self.decode(t, rank, geom), t < tile_end, geom, tidx)
         # Carried through the walk as plain values (the DSL carries no objects through loops).
         ws_tile, poison, do_load = src.index, src.poison, src.load
-        self.load_user_tile(acc, mWs, ws_tile, do_load, consumer_idx, tidx)
+        self.load_user_tile(acc, stores.workspace, ws_tile, do_load, consumer_idx, tidx)
         while t < tile_end:
             tile = self.decode(t, rank, geom)
             # A bad index adds NaN; this also waits for the user-tile loads.
@@ -537,18 +561,18 @@ class LceSm90:
             t_next = t + stride
             tile_next = self.decode(t_next, rank, geom)
             if tile.is_user:
-                self.store_user_tile(acc, mWs, mFlags, tile, geom, consumer_idx, tidx)
+                self.store_user_tile(acc, stores, tile, geom, consumer_idx, tidx)
             # Thread 0 waits for the next tile's user tile (after a user tile is stored: it may
             # be that one); a warpgroup barrier then orders every thread's loads after the wait.
-            src = self.user_tile_source(mIdx, mFlags, tile_next, t_next < tile_end, geom, tidx)
+            src = self.user_tile_source(stores, tile_next, t_next < tile_end, geom, tidx)
             ws_tile, poison, do_load = src.index, src.poison, src.load
             if tile.is_user:
-                self.load_user_tile(acc, mWs, ws_tile, do_load, consumer_idx, tidx)
+                self.load_user_tile(acc, stores.workspace, ws_tile, do_load, consumer_idx, tidx)
             else:
                 # The epilogue's first barrier orders the loads; each sub-tile frees registers for them.
                 self.store_output_tile(
-                    acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
-                    tile, epi_count, consumer_idx, warp_in_wg, mWs, ws_tile, do_load, tidx,
+                    acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, stores,
+                    tile, epi_count, consumer_idx, warp_in_wg, ws_tile, do_load, tidx,
                 )
                 epi_count += self.epi_subtiles
             # Skip the other consumer's next tile in the ring.
@@ -571,18 +595,18 @@ class LceSm90:
         )
 
     @cute.jit
-    def store_user_tile(self, acc, mWs, mFlags, tile: LceTile, geom: LceGeometry, consumer_idx, tidx):
+    def store_user_tile(self, acc, stores: LceStores, tile: LceTile, geom: LceGeometry, consumer_idx, tidx):
         """fp32 user tile -> workspace, then release its ready flag."""
         index = geom.user_tile_index(tile.batch, tile.w, tile.n)
-        ws, frag = self.fragment_view(acc, mWs, index, tidx)
+        ws, frag = self.fragment_view(acc, stores.workspace, index, tidx)
         cute.autovec_copy(frag, ws)
         cute.arch.fence_acq_rel_gpu()
         self.epi_sync(consumer_idx)
         if tidx == 0:
-            cute.arch.store(mFlags.iterator + index, Int32(1), sem="release", scope="gpu")
+            cute.arch.store(stores.flags.iterator + index, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def user_tile_source(self, mIdx, mFlags, tile: LceTile, exists, geom: LceGeometry, tidx) -> UserTileSource:
+    def user_tile_source(self, stores: LceStores, tile: LceTile, exists, geom: LceGeometry, tidx) -> UserTileSource:
         """The user tile that ``tile`` adds: a candidate tile adds ws[idx[b]] once that user
         tile's flag is set (thread 0 waits for it here; the caller's warpgroup barrier then
         orders every thread's loads after the flag). A bad index reads nothing and adds NaN;
@@ -591,7 +615,7 @@ class LceSm90:
         u = Int32(0)
         valid = is_user | (not exists)
         if exists & (not is_user) & (b < geom.n_cands):  # a cluster tile can reach cluster_b - 1 batches past B
-            u_raw = mIdx[b]  # compared in its own width: an int64 index must not wrap into range
+            u_raw = stores.idx[b]  # compared in its own width: an int64 index must not wrap into range
             valid = (u_raw >= 0) & (u_raw < geom.n_users)
             if valid:
                 u = Int32(u_raw)
@@ -601,7 +625,7 @@ class LceSm90:
         index = geom.user_tile_index(u, tile.w, tile.n)
         do_load = valid & exists & (not is_user)
         if do_load & (tidx == 0):
-            while cute.arch.load(mFlags.iterator + index, Int32, sem="acquire", scope="gpu") == 0:
+            while cute.arch.load(stores.flags.iterator + index, Int32, sem="acquire", scope="gpu") == 0:
                 pass
         return UserTileSource(index, poison, do_load)
 
@@ -622,12 +646,12 @@ class LceSm90:
 
     @cute.jit
     def store_output_tile(
-        self, acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, tma_out, mOut,
-        tile: LceTile, epi_count, consumer_idx, warp_in_wg, mWs, next_tile, do_load, tidx,
+        self, acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, stores: LceStores,
+        tile: LceTile, epi_count, consumer_idx, warp_in_wg, next_tile, do_load, tidx,
     ):
         """Round once, stage 64 x EPI_W sub-tiles in shared memory, TMA-store them. With
         ``do_load`` the accumulator chunks a sub-tile frees take the next tile's user tile."""
-        gOut = cute.local_tile(mOut, (self.tile_n, self.tile_w), (tile.n, tile.w, tile.batch))
+        gOut = cute.local_tile(stores.out, (self.tile_n, self.tile_w), (tile.n, tile.w, tile.batch))
         per_sub = cute.size(tRS_rD)
         # acc holds each atom's fragment whole (tile_w / 2 values), its rows (the wgmma N
         # side) outermost, 4 values per 8 rows.
@@ -641,12 +665,12 @@ class LceSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             self.epi_sync(consumer_idx)
             if do_load:
-                self.load_user_chunks(acc, mWs, next_tile, tidx, self.epi_freed[s])
+                self.load_user_chunks(acc, stores.workspace, next_tile, tidx, self.epi_freed[s])
             if warp_in_wg == 0:
                 # Rows [row + skip, row + EPI_W) of the atom's 64 columns h: those no earlier
-                # sub-tile stored (tma_out: the full sub-tile's atom, the last one's).
+                # sub-tile stored (the full sub-tile's atom, or the last one's).
                 skip = self.epi_skip[s]
-                atom = tma_out[0] if const_expr(skip == 0) else tma_out[1]
+                atom = stores.out_atom if const_expr(skip == 0) else stores.out_last_atom
                 box = (self.ATOM_N, self.EPI_W - skip)
                 g = cute.local_tile(cute.domain_offset((0, row + skip), gOut), box, (h, 0))
                 staged = cute.local_tile(cute.domain_offset((0, skip, 0), sC), box, (0, 0, buf))

@@ -49,10 +49,19 @@ from cute_kernels import (
     store_target,
     tma_ready,
 )
-from cute_kernels.checks import check_index_range, check_out_target, validation_enabled
+from cute_kernels.checks import check_index_range, check_out_target, policy_or_default, validation_enabled
 
 from .checks import check_linear_inputs, fp8_call
-from .config import LinearConfig, compile_linear_config, linear_configs, pick_cand_split, pick_cand_tile, pick_linear_tile
+from .compile import compile_linear_config
+from .config import (
+    LINEAR_TILES,
+    LinearConfig,
+    linear_configs,
+    pick_cand_split,
+    pick_cand_tile,
+    pick_linear_tile,
+)
+from .linear_sm90 import LinearEpilogue, LinearLaunch, LinearOperands
 from .reference import linear_reference
 
 _INPUT_NAMES = ("x_cand", "x_user", "idx", "w_cand", "w_user", "bias")
@@ -63,17 +72,39 @@ _CAND_CLUSTER = 2
 
 @dataclasses.dataclass(frozen=True)
 class PlanRules:
-    """Launch-plan choices for grids of few tiles, each timed against the plan without it in one
-    run (``perf/bench_linear.py``, provider "ikbo linear, small-grid rules").
+    """The launch policy of :func:`linear` (its ``rules`` argument; part of the plan key): choices
+    for grids of few tiles, each timed against the plan without it in one run
+    (``perf/bench_linear.py``, provider "ikbo linear, small-grid rules").
 
     Off in the op (``DEFAULT_RULES``): on the H200 they were faster at 2 of the 13 points of
     the small-grid sweep where they change the plan and slower at most others
     (docs/perf/2026-12-05-linear-split-k-timed.md). The kernels they pick (LinearConfig.split_k)
-    stay compiled and tested."""
+    stay compiled and tested.
+
+    The last three fields force a choice the plan would make itself (None: it does), so that a
+    test or a benchmark runs a given kernel configuration or grid on purpose."""
 
     split_k: bool = False  # candidate tiles that fill at most half the SMs: K over clusters (pick_cand_split)
     user_pairs: bool = False  # the user phase on the 2-CTA slots a partial candidate wave leaves, K-split pairs
     wide_user: bool = False  # the user phase in narrow tiles and up to 8 K slices, never on the spare SMs alone
+    cand_split: Optional[tuple] = None  # ((tile_m, tile_n), split_k) of the candidate phase
+    cand_clusters: Optional[int] = None  # at most this many candidate clusters (each then walks more tiles)
+    user_tile: Optional[tuple] = None  # (tile_m, tile_n) of the user phase (where wide_user does not pick)
+
+    def __post_init__(self):
+        for name in ("split_k", "user_pairs", "wide_user"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"PlanRules.{name} must be a bool, got {getattr(self, name)!r}")
+        split = self.cand_split
+        if split is not None and not (isinstance(split, tuple) and len(split) == 2 and split[0] in LINEAR_TILES
+                                      and split[1] in (1, 2, 4)):
+            raise ValueError(f"PlanRules.cand_split must be ((tile_m, tile_n) of {LINEAR_TILES}, 1, 2 or 4), "
+                             f"got {split!r}")
+        if self.cand_clusters is not None and (isinstance(self.cand_clusters, bool)
+                                               or not isinstance(self.cand_clusters, int) or self.cand_clusters < 1):
+            raise ValueError(f"PlanRules.cand_clusters must be a positive int, got {self.cand_clusters!r}")
+        if self.user_tile is not None and self.user_tile not in LINEAR_TILES:
+            raise ValueError(f"PlanRules.user_tile must be one of {LINEAR_TILES}, got {self.user_tile!r}")
 
 
 DEFAULT_RULES = PlanRules()
@@ -133,7 +164,8 @@ _plans = PlanCache()
 def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: PlanRules) -> Optional[_Plan]:
     """The launch plan for these shapes (None off the GPU or for B = 0); inputs fully checked
     once per signature."""
-    key = plan_key(x_cand, x_user, idx, w_cand, w_user, bias, out, activation, rules)
+    # A plan holds compiled kernels: the key names where they come from (``_kernel``).
+    key = plan_key(x_cand, x_user, idx, w_cand, w_user, bias, out, activation, rules, _kernel)
     plan = _plans.get(key, False)
     if plan is not False:
         return plan
@@ -182,9 +214,18 @@ class _Grids:
 
 def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules) -> _Grids:
     """Both phases' grids. ``clusters(size)``: clusters of that many CTAs resident at once."""
+    g = _chosen_grids(B, U, N, K_cand, K_user, sms, clusters, rules)
+    if rules.cand_clusters is not None:
+        g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster))
+    return g
+
+
+def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules) -> _Grids:
     kb_cand, kb_user = -(-K_cand // 64), -(-K_user // 64)
-    tile_user = pick_linear_tile(U, N)
-    if rules.split_k:
+    tile_user = rules.user_tile or pick_linear_tile(U, N)
+    if rules.cand_split is not None:
+        tile_cand, split_cand = rules.cand_split
+    elif rules.split_k:
         tile_cand, split_cand = pick_cand_split(B, N, kb_cand, sms, clusters)
     else:
         tile_cand, split_cand = pick_cand_tile(B, N, sms), 1
@@ -268,7 +309,7 @@ def _user_splits(user_tiles: int, k_blocks: int, sms: int, most: int = 4) -> int
     return -(-k_blocks // per_split)
 
 
-def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None,
+def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None, rules=None,
            x_cand_scale=None, x_user_scale=None, w_cand_scale=None, w_user_scale=None, out_dtype=None):
     """IKBO linear layer: ``out[b] = act(x_cand[b] @ w_cand.T + x_user[idx[b]] @ w_user.T + bias)``.
 
@@ -293,6 +334,11 @@ def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, o
     CUDA-graph capture validate=True raises). Without it an out-of-range index never reads or
     writes outside the tensors: that candidate's output row is NaN.
 
+    ``rules``: the launch policy, a :class:`PlanRules` (default: ``DEFAULT_RULES``, the shipped
+    plan). It changes which kernels run and on how many CTAs, never the result beyond fp32
+    summation order; a benchmark times an alternative by passing it. Eager calls only: under
+    torch.compile rules other than the ``DEFAULT_RULES`` object raise ValueError.
+
     B = 0 gives an empty [0, N] result. CPU tensors run :func:`linear_reference`; a CUDA GPU
     other than sm_90 raises. No host synchronization (unless validating); CUDA-graph capturable.
     Under torch.compile a call is traced as one node, ``torch.ops.ikbo_gemm.linear``. The kernel
@@ -305,19 +351,14 @@ def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, o
         return linear_reference(x_cand, x_user, idx, w_cand, w_user, bias, activation=activation, out=out,
                                 validate=validate, out_dtype=out_dtype, **scales)
     if torch.compiler.is_compiling():
+        if rules is not None and rules is not DEFAULT_RULES:  # identity: nothing for the tracer to evaluate
+            raise ValueError("linear: rules other than DEFAULT_RULES are for eager calls (the op torch.compile "
+                             "traces takes the shipped plan)")
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
         return into_out(out, torch.ops.ikbo_gemm.linear(x_cand, x_user, idx, w_cand, w_user, bias, activation,
                                                         validate))
-    return linear_with_rules(x_cand, x_user, idx, w_cand, w_user, bias, activation=activation, out=out,
-                             validate=validate)
-
-
-def linear_with_rules(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None,
-                      rules: Optional[PlanRules] = None):
-    """:func:`linear` with the launch plan's ``rules`` (default: ``DEFAULT_RULES``). Not public:
-    the benchmarks time the alternatives in one run."""
-    plan = _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out,
-                 DEFAULT_RULES if rules is None else rules)
+    rules = policy_or_default("linear", "rules", rules, PlanRules, DEFAULT_RULES)
+    plan = _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules)
     inputs = (x_cand, x_user, idx, w_cand, w_user, bias)
     if out is not None:
         check_out_target("out", out, _INPUT_NAMES, inputs)
@@ -333,6 +374,11 @@ def linear_with_rules(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activat
             (x_cand, x_user, w_cand, w_user, bias),
             out,
         )
+
+
+def linear_with_rules(*args, rules: Optional[PlanRules] = None, **kwargs):
+    """:func:`linear` with ``rules`` (the name the benchmarks call)."""
+    return linear(*args, rules=rules, **kwargs)
 
 
 def _pad_k(t: torch.Tensor, k8: int) -> torch.Tensor:
@@ -353,8 +399,10 @@ def _run(plan: _Plan, x_cand, x_user, idx, w_cand, w_user, bias, out) -> torch.T
         out = torch.empty(plan.out_shape, dtype=x_cand.dtype, device=device)
     target = store_target(out, (plan.out_shape[0], plan.n8))
     ws = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
-    plan.user(xu, wu, ws, ws, idx_k, None, plan.n_users, plan.splits, plan.grid_user)
-    plan.cand(xc, wc, target, ws, idx_k, bias_k, plan.n_users, plan.splits, plan.grid_cand)
+    plan.user(LinearOperands(xu, wu, idx_k), LinearEpilogue(ws, ws, None),
+              LinearLaunch(plan.n_users, plan.splits, plan.grid_user))
+    plan.cand(LinearOperands(xc, wc, idx_k), LinearEpilogue(target, ws, bias_k),
+              LinearLaunch(plan.n_users, plan.splits, plan.grid_cand))
     return copy_back(out, target)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -18,7 +19,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.accumulator import acc_mn_view
-from cute_kernels.cluster_reduce import ClusterReduce
+from cute_kernels.arguments import kernel_arguments
+from cute_kernels.cluster_reduce import ClusterReduce, ExchangeMemory
 from cute_kernels.interop import cutlass_dtype
 from cute_kernels.mainloop import pingpong_mainloop
 from cute_kernels.scheduler import strided_tiles
@@ -37,6 +39,63 @@ from .config import LinearConfig
 
 _SQRT_HALF = math.sqrt(0.5)
 _GELU_TANH_C = math.sqrt(2.0 / math.pi)
+
+
+@kernel_arguments
+class LinearOperands(NamedTuple):
+    """The GEMM's operands and the index (host -> kernel)."""
+
+    a: cute.Tensor  # [rows, K_pad]: x_cand (candidate phase) or x_user (user phase)
+    b: cute.Tensor  # [N, K_pad]: w_cand or w_user
+    idx: cute.Tensor  # [B] (user phase: unused)
+
+
+@kernel_arguments
+class LinearEpilogue(NamedTuple):
+    """Where the results go and what the candidate epilogue adds (host -> kernel)."""
+
+    out: cute.Tensor  # candidate phase: [B, N] in dtype; user phase: ws
+    ws: cute.Tensor  # [n_splits, U_pad, N_pad] fp32 user results (the user phase writes them)
+    bias: Optional[cute.Tensor]  # [N] (candidate phase with bias only)
+
+
+@kernel_arguments
+class LinearLaunch(NamedTuple):
+    """The launch's scalars (host -> kernel)."""
+
+    n_users: Int32  # U
+    n_splits: Int32  # slices of the user phase's K: workspace slabs (1 with split_k)
+    grid_size: Int32  # CTAs, a multiple of the cluster
+
+
+class LinearLoads(NamedTuple):
+    """The TMA loads (kernel -> producer)."""
+
+    a_atom: cute.CopyAtom
+    a: cute.Tensor  # TMA view (rows, K, 1)
+    b_atom: cute.CopyAtom  # this CTA's rows of the B tile, multicast in a cluster
+    b: cute.Tensor  # TMA view (N, K, 1)
+
+
+class LinearStores(NamedTuple):
+    """What the consumers' epilogues read and write (kernel -> consumers)."""
+
+    out_atom: Optional[cute.CopyAtom]  # a staged sub-tile (candidate phase)
+    out: cute.Tensor  # TMA view of out (candidate phase), or ws (user phase: stored from registers)
+    ws: cute.Tensor
+    idx: cute.Tensor
+    bias: Optional[cute.Tensor]
+    n_users: Int32
+    n_splits: Int32
+
+
+class LinearSmemLayouts(NamedTuple):
+    """The MMA and the shared-memory layouts the kernel partitions (compile-time values)."""
+
+    tiled_mma: cute.TiledMma
+    a: cute.ComposedLayout
+    b: cute.ComposedLayout
+    epi: cute.ComposedLayout
 
 
 class LinearBarrier(Barrier):
@@ -141,6 +200,10 @@ class LinearSm90:
 
     Out-of-range indices: a candidate whose idx is outside [0, U) reads ws row 0 and adds NaN:
     its output row is NaN, no other row is affected.
+
+    Arguments (cute_kernels.arguments): the host passes LinearOperands, LinearEpilogue and
+    LinearLaunch; the kernel hands the loads to the producer (LinearLoads) and the epilogue's
+    tensors and scalars to the consumers (LinearStores; split_k: ExchangeMemory).
     """
 
     TILE_K = 64
@@ -186,20 +249,9 @@ class LinearSm90:
 
     # ------------------------------------------------------------------ host
     @cute.jit
-    def __call__(
-        self,
-        a: cute.Tensor,  # [rows, K_pad]: x_cand (cand phase) or x_user (user phase)
-        b: cute.Tensor,  # [N, K_pad]: w_cand or w_user
-        out: cute.Tensor,  # cand: [B, N] in dtype; user: ws
-        ws: cute.Tensor,  # [n_splits, U_pad, N_pad] fp32 user results (the user phase writes them)
-        idx: cute.Tensor,  # [B] (user phase: unused)
-        bias: cute.Tensor | None,  # [N] (cand phase with bias only)
-        n_users: Int32,  # U
-        n_splits: Int32,  # slices of the user phase's K: workspace slabs (1 with split_k)
-        grid_size: Int32,  # CTAs, a multiple of the cluster
-        stream,
-    ):
+    def __call__(self, operands: LinearOperands, epilogue: LinearEpilogue, launch: LinearLaunch, stream):
         # GEMM views (rows, K, 1) and (N, K, 1); C (rows, N).
+        a, b, out = operands.a, operands.b, epilogue.out
         mA = cute.make_tensor(a.iterator, cute.append(a.layout, cute.make_layout(1)))
         mB = cute.make_tensor(b.iterator, cute.append(b.layout, cute.make_layout(1)))
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -226,9 +278,12 @@ class LinearSm90:
                                                          cute.select(epi_smem, mode=[0, 1]), self.epi_tile)
 
         self.shared_storage = self.storage_struct(cute.cosize(a_smem), cute.cosize(b_smem), cute.cosize(epi_smem))
-        self.kernel(tma_a, tA, tma_b, tB, tma_out, c_out, ws, idx, bias, n_users, n_splits, tiled_mma, a_smem,
-                    b_smem, epi_smem).launch(
-            grid=[grid_size, 1, 1], block=[self.THREADS, 1, 1], cluster=[self.launch_cluster, 1, 1],
+        self.kernel(
+            LinearLoads(tma_a, tA, tma_b, tB),
+            LinearStores(tma_out, c_out, epilogue.ws, operands.idx, epilogue.bias, launch.n_users, launch.n_splits),
+            LinearSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
+        ).launch(
+            grid=[launch.grid_size, 1, 1], block=[self.THREADS, 1, 1], cluster=[self.launch_cluster, 1, 1],
             min_blocks_per_mp=1, stream=stream, use_pdl=True)
 
     def storage_struct(self, a_words: int, b_words: int, epi_words: int):
@@ -246,34 +301,17 @@ class LinearSm90:
 
     # ---------------------------------------------------------------- device
     @cute.kernel
-    def kernel(
-        self,
-        tma_a: cute.CopyAtom,
-        mA: cute.Tensor,
-        tma_b: cute.CopyAtom,
-        mB: cute.Tensor,
-        tma_out: cute.CopyAtom | None,
-        mOut: cute.Tensor,
-        mWs: cute.Tensor,
-        mIdx: cute.Tensor,
-        mBias: cute.Tensor | None,
-        n_users: Int32,
-        n_splits: Int32,
-        tiled_mma: cute.TiledMma,
-        a_smem: cute.ComposedLayout,
-        b_smem: cute.ComposedLayout,
-        epi_smem: cute.ComposedLayout,
-    ):
+    def kernel(self, loads: LinearLoads, stores: LinearStores, layouts: LinearSmemLayouts):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(loads.a_atom)
+            cpasync.prefetch_descriptor(loads.b_atom)
             if const_expr(self.cfg.phase == "cand"):
-                cpasync.prefetch_descriptor(tma_out)
+                cpasync.prefetch_descriptor(stores.out_atom)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         ab_pipeline = self.ab.make(storage.ab_barriers.data_ptr(), cute.make_layout((1, self.cluster, 1, 1)))
-        red_full = red_free = sRed = None
+        red_full = red_free = None
         if const_expr(self.split > 1):
             red_full = storage.reduce_barriers.data_ptr()
             red_free = red_full + 1
@@ -282,15 +320,16 @@ class LinearSm90:
                     self.reduce.init_barriers(red_full, red_free)
         pipelines_init_arrive(self.launch_cluster)
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        sC = storage.sC.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
+        sA = storage.sA.get_tensor(layouts.a.outer, swizzle=layouts.a.inner)
+        sB = storage.sB.get_tensor(layouts.b.outer, swizzle=layouts.b.inner)
+        sC = storage.sC.get_tensor(layouts.epi.outer, swizzle=layouts.epi.inner)
+        exchange = None
         if const_expr(self.split > 1):
-            sRed = storage.sRed.get_tensor(self.reduce.buffer_layout())
-        n_rows = cute.size(mA, mode=[0])
-        n_cols = cute.size(mB, mode=[0])
-        k_blocks = (cute.size(mA, mode=[1]) + self.TILE_K - 1) // self.TILE_K
-        splits = n_splits if const_expr(self.cfg.phase == "user") else Int32(1)
+            exchange = ExchangeMemory(storage.sRed.get_tensor(self.reduce.buffer_layout()), red_full, red_free)
+        n_rows = cute.size(loads.a, mode=[0])
+        n_cols = cute.size(loads.b, mode=[0])
+        k_blocks = (cute.size(loads.a, mode=[1]) + self.TILE_K - 1) // self.TILE_K
+        splits = stores.n_splits if const_expr(self.cfg.phase == "user") else Int32(1)
         k_parts = splits * self.split  # one of the two is 1
         work = LinearWork(
             n_tiles=(n_cols + self.tile_n - 1) // self.tile_n,
@@ -307,17 +346,17 @@ class LinearSm90:
         if warp_idx < 4:
             self.REGISTERS.enter_producer()
             if warp_idx == 0:
-                self.producer(ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, work, rank)
+                self.producer(ab_pipeline, sA, sB, loads, work, rank)
         else:
             self.REGISTERS.enter_consumer()
             consumer_idx = warp_idx // 4 - 1
             if const_expr(self.split > 1):
                 if consumer_idx == 0:
-                    self.consumer(0, ab_pipeline, tiled_mma, sA, sB, sC, sRed, red_full, red_free, tma_out, mOut,
-                                  mWs, mIdx, mBias, n_users, n_splits, n_rows, n_cols, work, rank)
+                    self.consumer(0, ab_pipeline, layouts.tiled_mma, sA, sB, sC, exchange, stores, n_rows, n_cols,
+                                  work, rank)
             else:
-                self.consumer(consumer_idx, ab_pipeline, tiled_mma, sA, sB, sC, sRed, red_full, red_free, tma_out,
-                              mOut, mWs, mIdx, mBias, n_users, n_splits, n_rows, n_cols, work, rank)
+                self.consumer(consumer_idx, ab_pipeline, layouts.tiled_mma, sA, sB, sC, exchange, stores, n_rows,
+                              n_cols, work, rank)
         if const_expr(self.split > 1):
             ClusterReduce.end()
 
@@ -338,12 +377,12 @@ class LinearSm90:
 
     # ----------------------------------------------------------- producer
     @cute.jit
-    def producer(self, ab_pipeline, sA, sB, tma_a, mA, tma_b, mB, work: LinearWork, rank: Int32):
+    def producer(self, ab_pipeline, sA, sB, loads: LinearLoads, work: LinearWork, rank: Int32):
         """Warp 0: per tile and k-block, wait for a free stage and load its A tile and this CTA's
         rows of its B tile (multicast to the cluster)."""
         one = cute.make_layout(1)
-        gA = cute.local_tile(mA, (self.tile_m, self.TILE_K), (None, None, 0))
-        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        gA = cute.local_tile(loads.a, (self.tile_m, self.TILE_K), (None, None, 0))
+        tAsA, tAgA = cpasync.tma_partition(loads.a_atom, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         cluster_layout = cute.make_layout((self.cluster, 1, 1))
         b_rank = rank if const_expr(self.cluster > 1) else Int32(0)  # this CTA's share of the B tile
         mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(b_rank), mode=0)
@@ -356,8 +395,8 @@ class LinearSm90:
                 k = tile.k_begin + i
                 ab_pipeline.producer_acquire(state)
                 bar = ab_pipeline.producer_get_barrier(state)
-                cute.copy(tma_a, tAgA[(None, tile.m, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                self.load_b(tma_b, mB, sB, tile.n, k, b_rank, state.index, bar, mcast)
+                cute.copy(loads.a_atom, tAgA[(None, tile.m, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                self.load_b(loads.b_atom, loads.b, sB, tile.n, k, b_rank, state.index, bar, mcast)
                 ab_pipeline.producer_commit(state)
                 state.advance()
             t += walk.stride
@@ -379,9 +418,8 @@ class LinearSm90:
 
     # ----------------------------------------------------------- consumers
     @cute.jit
-    def consumer(self, consumer_idx: Int32, ab_pipeline, tiled_mma, sA, sB, sC, sRed, red_full, red_free, tma_out,
-                 mOut, mWs, mIdx, mBias, n_users: Int32, n_splits: Int32, n_rows: Int32, n_cols: Int32,
-                 work: LinearWork, rank: Int32):
+    def consumer(self, consumer_idx: Int32, ab_pipeline, tiled_mma, sA, sB, sC, exchange: Optional[ExchangeMemory],
+                 stores: LinearStores, n_rows: Int32, n_cols: Int32, work: LinearWork, rank: Int32):
         """Consumer warpgroups: alternate tiles of the CTA's walk; main loop, then epilogue (split_k:
         consumer 0 alone, the partial sums exchanged in between)."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -415,13 +453,13 @@ class LinearSm90:
             state = pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_count, True,
                                       ping_pong, consumer_idx)
             if const_expr(self.split > 1):
-                self.reduce.exchange(acc_mn_view(acc), sRed, red_full, red_free, rank, tile_i,
+                self.reduce.exchange(acc_mn_view(acc), exchange, rank, tile_i,
                                      t + walk.stride < work.size(), tidx, int(LinearBarrier.EPILOGUE))
             if const_expr(self.cfg.phase == "user"):
-                self.store_user_tile(acc, coords, mOut, tile, rank)
+                self.store_user_tile(acc, coords, stores.out, tile, rank)
             else:
-                self.store_output_tile(acc, coords, tiled_mma, sC, tma_out, mOut, mWs, mIdx, mBias, tile, n_users,
-                                       n_splits, n_rows, n_cols, epi_count, consumer_idx, warp_in_wg, tidx, rank)
+                self.store_output_tile(acc, coords, tiled_mma, sC, stores, tile, n_rows, n_cols, epi_count,
+                                       consumer_idx, warp_in_wg, tidx, rank)
                 epi_count += self.epi_subtiles // self.split
             if const_expr(self.split == 1):
                 # Skip the other consumer's next tile in the ring.
@@ -453,9 +491,9 @@ class LinearSm90:
                     mWs[tile.split, row0 + r, col0 + col] = acc_mn[m, c]
 
     @cute.jit
-    def store_output_tile(self, acc, coords, tiled_mma, sC, tma_out, mOut, mWs, mIdx, mBias, tile: LinearTile,
-                          n_users: Int32, n_splits: Int32, n_rows: Int32, n_cols: Int32, epi_count: Int32,
-                          consumer_idx: Int32, warp_in_wg: Int32, tidx: Int32, rank: Int32):
+    def store_output_tile(self, acc, coords, tiled_mma, sC, stores: LinearStores, tile: LinearTile, n_rows: Int32,
+                          n_cols: Int32, epi_count: Int32, consumer_idx: Int32, warp_in_wg: Int32, tidx: Int32,
+                          rank: Int32):
         """+ ws[idx[row]] (its slabs in order) + bias, activation, round once; staged tile_m x EPI_N
         sub-tiles (split_k: those this CTA owns), TMA-stored (rows and columns past the output are
         clipped by the store)."""
@@ -469,18 +507,18 @@ class LinearSm90:
         users = []
         poison = []
         for m in cutlass.range_constexpr(rows):
-            u_raw = mIdx[cutlass.min(row0 + coords[m, 0][0], n_rows - 1)]
-            valid = (u_raw >= 0) & (u_raw < n_users)  # in idx's own width: an int64 must not wrap
+            u_raw = stores.idx[cutlass.min(row0 + coords[m, 0][0], n_rows - 1)]
+            valid = (u_raw >= 0) & (u_raw < stores.n_users)  # in idx's own width: an int64 must not wrap
             users.append(Int32(u_raw) if valid else Int32(0))
             poison.append(Float32(0.0) if valid else Float32(math.nan))
 
         # The user rows, slab by slab in a fixed order (the same bits whoever ran which slice).
         per_sub = cute.size(acc_mn, mode=[1]) // self.epi_subtiles  # columns of a sub-tile
-        for sp in cutlass.range(n_splits, unroll=1):
+        for sp in cutlass.range(stores.n_splits, unroll=1):
             for m in cutlass.range_constexpr(rows):
                 for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
                     if self.owns(c // per_sub, rank):
-                        acc_mn[m, c] = acc_mn[m, c] + mWs[sp, users[m], col0 + coords[m, c][1]]
+                        acc_mn[m, c] = acc_mn[m, c] + stores.ws[sp, users[m], col0 + coords[m, c][1]]
 
         sub = cute.make_rmem_tensor(self.sub_mma(tiled_mma).get_slice(tidx).partition_shape_C(self.epi_tile), Float32)
         sub_mn = acc_mn_view(sub)
@@ -491,7 +529,7 @@ class LinearSm90:
         )
         thr_r2s = r2s.get_slice(tidx)
         tRS_sC = thr_r2s.partition_D(sC)
-        gOut = cute.local_tile(mOut, self.epi_tile, (None, None))
+        gOut = cute.local_tile(stores.out, self.epi_tile, (None, None))
         for s in cutlass.range_constexpr(self.epi_subtiles):
             if self.owns(s, rank):
                 for m in cutlass.range_constexpr(rows):
@@ -499,7 +537,7 @@ class LinearSm90:
                         col = col0 + coords[m, s * per_sub + c][1]
                         v = acc_mn[m, s * per_sub + c] + poison[m]
                         if const_expr(self.cfg.has_bias):
-                            v = v + Float32(mBias[cutlass.min(col, n_cols - 1)])
+                            v = v + Float32(stores.bias[cutlass.min(col, n_cols - 1)])
                         sub_mn[m, c] = self.activation(v)
                 rOut = cute.make_rmem_tensor_like(sub, self.dtype)
                 rOut.store(sub.load().to(self.dtype))
@@ -509,11 +547,11 @@ class LinearSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 self.epi_sync(consumer_idx)
                 if warp_in_wg == 0:
-                    tS, tG = cpasync.tma_partition(tma_out, 0, cute.make_layout(1),
+                    tS, tG = cpasync.tma_partition(stores.out_atom, 0, cute.make_layout(1),
                                                    cute.group_modes(sC[(None, None, buf)], 0, 2),
                                                    cute.group_modes(gOut[(None, None, tile.m,
                                                                           tile.n * self.epi_subtiles + s)], 0, 2))
-                    cute.copy(tma_out, tS, tG)
+                    cute.copy(stores.out_atom, tS, tG)
                     cute.arch.cp_async_bulk_commit_group()
                     cute.arch.cp_async_bulk_wait_group(self.EPI_STAGES - 1, read=True)
                 self.epi_sync(consumer_idx)

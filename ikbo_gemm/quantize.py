@@ -23,9 +23,8 @@ import torch
 from cute_kernels import on_device, on_gpu, require_sm90
 
 from .checks import FP8
+from .quantize_sm90 import AMAX_FLOOR, FP8_MAX, quantize_kernel
 
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-AMAX_FLOOR = 1e-12  # the smallest amax a scale is taken from
 LAYOUTS = ("same", "transposed")
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -87,8 +86,6 @@ def quantize_fp8(x: torch.Tensor, dim: Union[int, tuple, None] = -1, layout: str
     if groups is None or not on_gpu(x) or torch.compiler.is_compiling():
         return quantize_fp8_reference(x, dims, layout)
     require_sm90(x.device, "quantize_fp8")
-    from .quantize_sm90 import quantize_kernel
-
     G, R, C = groups
     x8 = torch.empty((G, C, R) if layout == "transposed" else (G, R, C), dtype=FP8, device=x.device)
     scale = torch.empty(G, dtype=torch.float32, device=x.device)

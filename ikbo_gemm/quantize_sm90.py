@@ -5,7 +5,7 @@
 
 with ``scale[g] = max(amax(|x[g]|), AMAX_FLOOR) / 448`` and ``x8 = e4m3(x / scale)`` (round to
 nearest even, saturated at 448): the formula of ``quantize.quantize_fp8_reference``, which the
-op's other layouts run.
+op's other layouts run (it takes these constants from here).
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from cutlass import Float32, const_expr
 from cute_kernels.compile import compile_kernel, kernel_cache
 from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
 
-from .quantize import AMAX_FLOOR, FP8_MAX
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+AMAX_FLOOR = 1e-12  # the smallest amax a scale is taken from
 
 
 class QuantizeSm90:

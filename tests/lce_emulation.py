@@ -6,7 +6,7 @@ import importlib
 
 import torch
 
-from cute_kernels.plans import PlanCache
+from ikbo_gemm.lce_sm90 import LceEpilogue, LceLaunch, LceOperands
 
 lce_mod = importlib.import_module("ikbo_gemm.lce")  # the module (the package exports the op under its name)
 
@@ -30,8 +30,11 @@ class EmulatedLaunches:
     def kernel(self, cfg):
         return lambda *args: self.launch(cfg, *args)
 
-    def launch(self, cfg, w_c, w_u, e_c, e_u, idx, target, workspace, flags, tile_begin, tile_end, grid, wait_prior,
-               cooperative):
+    def launch(self, cfg, operands: LceOperands, epilogue: LceEpilogue, launch: LceLaunch):
+        assert isinstance(operands, LceOperands) and isinstance(epilogue, LceEpilogue) and isinstance(launch, LceLaunch)
+        w_c, w_u, e_c, e_u, idx = operands
+        target, workspace, flags = epilogue
+        tile_begin, tile_end, grid, wait_prior, cooperative = launch
         for hook in self.hooks:
             hook("lce")
         if cooperative and self.refuse_cooperative:  # as the driver does where the grid cannot fit
@@ -58,7 +61,6 @@ class EmulatedLaunches:
 def install(monkeypatch) -> EmulatedLaunches:
     """Route ``ikbo_gemm.lce`` on CPU tensors through its GPU path, with the kernel emulated."""
     kernels = EmulatedLaunches()
-    monkeypatch.setattr(lce_mod, "_plans", PlanCache())
     monkeypatch.setattr(lce_mod, "on_gpu", lambda x: isinstance(x, torch.Tensor))
     monkeypatch.setattr(lce_mod, "require_sm90", lambda device, op: None)
     monkeypatch.setattr(lce_mod, "max_active_clusters", h200_clusters)

@@ -7,7 +7,7 @@ import importlib
 
 import torch
 
-from cute_kernels.plans import PlanCache
+from ikbo_gemm.linear_sm90 import LinearEpilogue, LinearLaunch, LinearOperands
 from ikbo_gemm.reference import apply_activation
 from lce_emulation import h200_clusters
 
@@ -31,7 +31,10 @@ class EmulatedLaunches:
     def kernel(self, cfg):
         return lambda *args: self.launch(cfg, *args)
 
-    def launch(self, cfg, a, b, out, ws, idx, bias, n_users, n_splits, grid):
+    def launch(self, cfg, operands: LinearOperands, epilogue: LinearEpilogue, launch: LinearLaunch):
+        assert isinstance(operands, LinearOperands) and isinstance(epilogue, LinearEpilogue)
+        assert isinstance(launch, LinearLaunch)
+        (a, b, idx), (out, ws, bias), (n_users, n_splits, grid) = operands, epilogue, launch
         for hook in self.hooks:
             hook(f"linear-{cfg.phase}")
         tma = (a, b) if cfg.phase == "user" else (a, b, out)
@@ -76,7 +79,6 @@ class EmulatedLaunches:
 def install(monkeypatch) -> EmulatedLaunches:
     """Route ``ikbo_gemm.linear`` on CPU tensors through its GPU path, with the kernel emulated."""
     kernels = EmulatedLaunches()
-    monkeypatch.setattr(linear_mod, "_plans", PlanCache())
     monkeypatch.setattr(linear_mod, "on_gpu", lambda x: isinstance(x, torch.Tensor))
     monkeypatch.setattr(linear_mod, "require_sm90", lambda device, op: None)
     monkeypatch.setattr(linear_mod, "sm_count", lambda device: H200_SMS)

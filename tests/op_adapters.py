@@ -132,6 +132,7 @@ class LceAdapter(_GemmAdapter):
     op_name, reference_name = "ikbo_gemm.lce", "ikbo_gemm.lce_reference"
     looked_up = "the batch of e_user"  # what U is, in the range message
     emulation, users_input, shipped = "lce_emulation", "e_user", ikbo_gemm.SHIPPED_CONFIGS
+    compile_name = "compile_lce_config"
     empty_side = "e_user must not be empty"
     grad_input = "w_cand"
     # Options the shared tests run under (each a set of keyword arguments).

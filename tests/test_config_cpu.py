@@ -161,10 +161,10 @@ def test_lce_plan_allocates_and_walks_the_brute_force_count(tiling, N, monkeypat
     tile_n, tile_w, cn, cb = tiling
     cfg = LceConfig(torch.float16, torch.int32, tile_w, cn, cb, tile_n)
     emulated = install(monkeypatch)
-    monkeypatch.setattr(lce_mod, "pick_config", lambda *a: cfg)
+    policy = lce_mod.LcePolicy(tiling=tiling)
     B, U, M, K_user, K_cand = 9, 5, 200, 70, 20
     args = random_problem(B, U, M, N, K_user, K_cand, torch.float16, order="random", seed=N)
-    torch.testing.assert_close(lce_mod.lce(*args, schedule="two_launch"), lce_mod.lce_reference(*args),
+    torch.testing.assert_close(lce_mod.lce(*args, schedule="two_launch", policy=policy), lce_mod.lce_reference(*args),
                                rtol=0, atol=0)
     count = _brute_force(cfg, M, -(-N // 8) * 8, U, B, K_user, K_cand)
     users, cands = emulated.launches

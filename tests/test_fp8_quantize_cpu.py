@@ -121,13 +121,12 @@ def test_gpu_path_host_side(shape, dim, layout, kernel, monkeypatch):
     import contextlib
 
     import ikbo_gemm.quantize as quantize
-    import ikbo_gemm.quantize_sm90 as quantize_sm90
 
     launched = []
     monkeypatch.setattr(quantize, "on_gpu", lambda x: True)
     monkeypatch.setattr(quantize, "require_sm90", lambda device, op: None)
     monkeypatch.setattr(quantize, "on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(quantize_sm90, "quantize_kernel",
+    monkeypatch.setattr(quantize, "quantize_kernel",
                         lambda dtype, transposed: launched.append(transposed) or _emulated_kernel(dtype, transposed))
     x = torch.randn(shape, dtype=torch.bfloat16)
     x8, scale = quantize_fp8(x, dim=dim, layout=layout)

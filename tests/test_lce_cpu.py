@@ -294,6 +294,44 @@ def test_gpu_path_split_covers_every_candidate_once(emulated, schedule):
         assert users["cooperative"] == cands["cooperative"] == 0
 
 
+def test_policy_is_part_of_the_plan(emulated):
+    """LcePolicy: without the spare SMs' launch the fused schedule is one launch; a forced tiling
+    and a load-bound weight pick the configuration; each policy plans apart (same result)."""
+    B, U = 64, 5
+    args = random_problem(B, U, 433, 256, 7, 9, torch.float16, order="shuffled", seed=4)
+    expected = lce_reference(*args)
+    policies = [None, lce_mod.LcePolicy(spare_sms=False), lce_mod.LcePolicy(tiling=(64, 128, 2, 1), spare_sms=False),
+                lce_mod.LcePolicy(load_bound_cost=1.0, spare_sms=False)]
+    for policy in policies:
+        out = torch.full((B, 433, 256), float("nan"), dtype=torch.float16)
+        assert lce(*args, out=out, policy=policy) is out
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    default, no_spare, forced, flat = (emulated.launches[:2], *([x] for x in emulated.launches[2:]))
+    assert [launch["cfg"] for launch in no_spare] == [default[0]["cfg"]] and default[1]["cfg"].cluster_b == 1
+    assert (no_spare[0]["cooperative"], no_spare[0]["cands"]) == (1, B)
+    assert forced[0]["cfg"] == LceConfig(torch.float16, torch.int32, 128, 2, 1, 64)
+    # Load-bound tiles weighed as any other: the least padded tile, 64 x 224 (433 rows in 2 tiles).
+    assert flat[0]["cfg"] == pick_config(torch.float16, torch.int32, 433, 256, B, 1.0)
+    assert (flat[0]["cfg"].tile_n, flat[0]["cfg"].tile_w) != (default[0]["cfg"].tile_n, default[0]["cfg"].tile_w)
+
+
+@pytest.mark.parametrize("policy, error, match", [
+    (dict(tiling=(64, 100, 1, 1)), ValueError, r"LcePolicy.tiling must be"),
+    (dict(tiling=(64, 128, 1, 4)), ValueError, r"LcePolicy.tiling must be"),
+    (dict(load_bound_cost=0.5), ValueError, r"LcePolicy.load_bound_cost must be a number >= 1"),
+    (dict(spare_sms=1), TypeError, r"LcePolicy.spare_sms must be a bool"),
+])
+def test_policy_checks_its_fields(policy, error, match):
+    with pytest.raises(error, match=match):
+        lce_mod.LcePolicy(**policy)
+
+
+def test_policy_argument_is_checked():
+    args = random_problem(3, 2, 16, 8, 8, 8, torch.float16, seed=5)
+    with pytest.raises(TypeError, match="policy must be LcePolicy or None, got dict"):
+        lce(*args, policy={"spare_sms": False})
+
+
 def test_gpu_path_refused_fused_launch_runs_two_launch(emulated, monkeypatch):
     """Where the cooperative (fused) grid cannot be resident whole (a green context, an MPS SM
     limit), the driver refuses it before anything runs: the call warns once, naming the cause

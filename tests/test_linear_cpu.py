@@ -253,12 +253,11 @@ def test_split_config_errors(kwargs, match):
         LinearConfig(**dict(base, **kwargs))
 
 
-def test_a_split_with_an_empty_slice_is_refused(monkeypatch):
-    linear_mod = importlib.import_module("ikbo_gemm.linear")  # the module, not the op
-    monkeypatch.setattr(linear_mod, "pick_cand_split", lambda rows, n, kb, sms, clusters: ((128, 128), 4))
+def test_a_split_with_an_empty_slice_is_refused():
+    forced = dict(cand_split=((128, 128), 4))
     with pytest.raises(ValueError, match="3 k-blocks leave a CTA of a 4-way K split none"):
-        _grids(300, 3, 200, 64, 192)
-    assert _grids(300, 3, 200, 64, 256).split_cand == 4  # one k-block each
+        _grids(300, 3, 200, 64, 192, **forced)
+    assert _grids(300, 3, 200, 64, 256, **forced).split_cand == 4  # one k-block each
 
 
 def test_wide_user_phase_plan():
@@ -287,6 +286,35 @@ def test_wide_user_phase_plan():
         assert g.grid_user <= 132 and g.split_user == 1
 
 
+@pytest.mark.parametrize("rules, error, match", [
+    (dict(cand_split=((128, 100), 2)), ValueError, "PlanRules.cand_split must be"),
+    (dict(cand_split=((128, 128), 3)), ValueError, "PlanRules.cand_split must be"),
+    (dict(cand_clusters=0), ValueError, "PlanRules.cand_clusters must be a positive int"),
+    (dict(user_tile=(32, 128)), ValueError, "PlanRules.user_tile must be one of"),
+    (dict(split_k=1), TypeError, "PlanRules.split_k must be a bool"),
+])
+def test_plan_rules_check_their_fields(rules, error, match):
+    from ikbo_gemm.linear import PlanRules
+
+    with pytest.raises(error, match=match):
+        PlanRules(**rules)
+
+
+def test_forced_choices_of_the_plan_rules():
+    """cand_split, cand_clusters and user_tile force what the plan would pick."""
+    g = _grids(300, 3, 200, 64, 1000, cand_split=((64, 128), 2), cand_clusters=1)
+    assert (g.tile_cand, g.split_cand, g.grid_cand) == ((64, 128), 2, 2)
+    g = _grids(300, 3, 200, 64, 1000, split_k=False, cand_split=((128, 64), 1))
+    assert (g.tile_cand, g.split_cand) == ((128, 64), 1)
+    assert _grids(2048, 29, 1024, 4096, 4096, user_tile=(64, 128)).tile_user == (64, 128)
+
+
+def test_rules_argument_is_checked():
+    args = _inputs(3, 3, 2, 16, 8, 8)
+    with pytest.raises(TypeError, match="rules must be PlanRules or None, got str"):
+        ikbo_gemm.linear(**args, rules="small")
+
+
 def test_the_op_leaves_the_small_grid_rules_off_until_timed():
     from ikbo_gemm.linear import DEFAULT_RULES, SMALL_GRID_RULES
 
@@ -309,9 +337,8 @@ def test_gpu_path_with_plan_rules(monkeypatch, rules, B, U, N, K_user, K_cand, s
 
     kernels = install(monkeypatch)
     linear_mod = importlib.import_module("ikbo_gemm.linear")
-    monkeypatch.setattr(linear_mod, "DEFAULT_RULES", getattr(linear_mod, rules))
     args = _inputs(21, B, U, N, K_user, K_cand)
-    out = ikbo_gemm.linear(**args, activation="relu")
+    out = ikbo_gemm.linear(**args, activation="relu", rules=getattr(linear_mod, rules))
     user, cand = (launch["cfg"] for launch in kernels.launches)
     assert (cand.split_k, user.split_k, kernels.launches[0]["splits"]) == (split_cand, split_user, slices)
     d = {k: v.double() for k, v in args.items() if k != "idx"}

@@ -104,13 +104,17 @@ def test_dense_tensors_only_even_after_a_cached_plan(op, path, monkeypatch):
 
 
 def test_plans_stay_bounded_when_the_batch_keeps_changing(op, monkeypatch):
+    """The op keeps its plans in a bounded cache: once it is full (here: filled to its limit
+    with other signatures), a new signature starts it over."""
     emulation = op.emulate(monkeypatch)
-    monkeypatch.setattr(op.module, "_plans", PlanCache(limit=4))
-    for B in range(1, 12):
+    plans = op.module._plans
+    assert isinstance(plans, PlanCache)
+    plans.update({("another signature", i): None for i in range(plans.limit - len(plans))})
+    for B in range(1, 4):
         case = op.case(B, B=B, U=min(B, 3))
         _assert_close(op, op.call(case), op.expected(case))
-        assert len(op.module._plans) <= 4
-    assert op.launches(emulation) >= 11
+        assert len(plans) <= 4 * B and ("another signature", 0) not in plans
+    assert op.launches(emulation) >= 3
 
 
 # ----------------------------------------------------------------------------- out written in place
