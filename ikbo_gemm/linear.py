@@ -415,11 +415,12 @@ def _run(plan: _Plan, x_cand, x_user, idx, w_cand, w_user, bias, out, scales: di
     xu, wu = _pad_k(x_user, plan.k8_user), _pad_k(w_user, plan.k8_user)
     idx_k = idx if idx.is_contiguous() else idx.contiguous()
     bias_k = None if bias is None else (bias if bias.is_contiguous() else bias.contiguous())
-    user_scales = cand_scales = (None, None)
-    if plan.fp8:  # one scale per row of each operand; the bias in fp32
+    user_scales, cand_scales = (), ()
+    if plan.fp8:  # one scale per row of each operand (w_user's the candidate phase applies); the bias in fp32
         N = plan.out_shape[1]
-        user_scales = (_scale_vector(scales["x_user_scale"], xu.shape[0]), _scale_vector(scales["w_user_scale"], N))
-        cand_scales = (_scale_vector(scales["x_cand_scale"], xc.shape[0]), _scale_vector(scales["w_cand_scale"], N))
+        user_scales = (_scale_vector(scales["x_user_scale"], xu.shape[0]),)
+        cand_scales = (_scale_vector(scales["x_cand_scale"], xc.shape[0]), _scale_vector(scales["w_cand_scale"], N),
+                       _scale_vector(scales["w_user_scale"], N))
         bias_k = None if bias_k is None else bias_k.float()
     if out is None:
         out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=device)

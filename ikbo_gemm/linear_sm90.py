@@ -62,7 +62,8 @@ class LinearEpilogue(NamedTuple):
     ws: cute.Tensor  # [n_splits, U_pad, N_pad] fp32 user results (the user phase writes them)
     bias: Optional[cute.Tensor]  # [N] (candidate phase with bias only; FP8: fp32)
     a_scale: Optional[cute.Tensor] = None  # FP8: [rows] fp32, a's row scales
-    b_scale: Optional[cute.Tensor] = None  # FP8: [N] fp32, b's row scales (the output's columns)
+    b_scale: Optional[cute.Tensor] = None  # FP8, candidate phase: [N] fp32, b's row scales (the output's columns)
+    ws_scale: Optional[cute.Tensor] = None  # FP8, candidate phase: [N] fp32, w_user's scales (ws's columns)
 
 
 @kernel_arguments
@@ -95,6 +96,7 @@ class LinearStores(NamedTuple):
     n_splits: Int32
     a_scale: Optional[cute.Tensor]  # FP8 only
     b_scale: Optional[cute.Tensor]
+    ws_scale: Optional[cute.Tensor]
 
 
 class LinearSmemLayouts(NamedTuple):
@@ -211,11 +213,13 @@ class LinearSm90:
 
     FP8 (``cfg.dtype`` float8_e4m3fn): the same kernel with 8-bit wgmma (instruction K 32, both
     operands K-major, as 8-bit wgmma requires and x, w are), k-blocks of 128 elements (128
-    bytes, as the 16-bit ones: the same stages, 128-byte swizzle), and the fp32 row scales of a
-    and b (LinearEpilogue.a_scale, b_scale). The epilogue multiplies each sum by its row's and
-    column's scales before anything is added: the user phase before its workspace stores, the
-    candidate phase per staged sub-tile (then the workspace slabs, the bias, the activation;
-    all columns' scales at once would spill), rounding once to ``cfg.out_dtype``.
+    bytes, as the 16-bit ones: the same stages, 128-byte swizzle), and fp32 scales
+    (LinearEpilogue): the user phase multiplies its sums by x_user's row scales (a_scale) before
+    the workspace stores; the candidate phase, per staged sub-tile, multiplies its sums by
+    x_cand's row and w_cand's column scales (a_scale, b_scale) and the workspace slabs' sum by
+    w_user's column scales (ws_scale), then adds the bias and applies the activation, rounding
+    once to ``cfg.out_dtype``. Column scales are read where a column is stored: all of a tile's
+    at once would spill.
 
     Arguments (cute_kernels.arguments): the host passes LinearOperands, LinearEpilogue and
     LinearLaunch; the kernel hands the loads to the producer (LinearLoads) and the epilogue's
@@ -300,7 +304,7 @@ class LinearSm90:
         self.kernel(
             LinearLoads(tma_a, tA, tma_b, tB),
             LinearStores(tma_out, c_out, epilogue.ws, operands.idx, epilogue.bias, launch.n_users, launch.n_splits,
-                         epilogue.a_scale, epilogue.b_scale),
+                         epilogue.a_scale, epilogue.b_scale, epilogue.ws_scale),
             LinearSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
         ).launch(
             grid=[launch.grid_size, 1, 1], block=[self.THREADS, 1, 1], cluster=[self.launch_cluster, 1, 1],
@@ -477,7 +481,7 @@ class LinearSm90:
                                      t + walk.stride < work.size(), tidx, int(LinearBarrier.EPILOGUE))
             if const_expr(self.cfg.phase == "user"):
                 if const_expr(self.fp8):
-                    self.apply_scales(acc, coords, stores, tile, n_rows, n_cols)
+                    self.apply_row_scales(acc, coords, stores, tile, n_rows)
                 self.store_user_tile(acc, coords, stores.out, tile, rank)
             else:
                 self.store_output_tile(acc, coords, tiled_mma, sC, stores, tile, n_rows, n_cols, epi_count,
@@ -501,19 +505,14 @@ class LinearSm90:
                 for m in range(rows)]
 
     @cute.jit
-    def col_scale(self, stores: LinearStores, col: Int32, n_cols: Int32) -> Float32:
-        """FP8: b's scale of output column ``col`` (columns past b take the last one's)."""
-        return Float32(stores.b_scale[cutlass.min(col, n_cols - 1)])
-
-    @cute.jit
-    def apply_scales(self, acc, coords, stores: LinearStores, tile: LinearTile, n_rows: Int32, n_cols: Int32):
-        """FP8, user phase: each fp32 sum times its row's and its column's scale."""
+    def apply_row_scales(self, acc, coords, stores: LinearStores, tile: LinearTile, n_rows: Int32):
+        """FP8, user phase: each fp32 sum times its row's scale (the candidate epilogue applies
+        the columns')."""
         acc_mn = acc_mn_view(acc)
         row_scales = self.row_scales(coords, stores, tile, cute.size(acc_mn, mode=[0]), n_rows)
-        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-            col_scale = self.col_scale(stores, tile.n * self.tile_n + coords[0, c][1], n_cols)
-            for m in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-                acc_mn[m, c] = acc_mn[m, c] * (row_scales[m] * col_scale)
+        for m in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                acc_mn[m, c] = acc_mn[m, c] * row_scales[m]
 
     def owns(self, s: int, rank):
         """Whether this CTA runs the epilogue of sub-tile ``s`` (a compile-time index): always, but
@@ -587,9 +586,12 @@ class LinearSm90:
                         col = col0 + coords[m, s * per_sub + c][1]
                         v = acc_mn[m, s * per_sub + c]
                         if const_expr(self.fp8):
-                            v = v * (row_scales[m] * self.col_scale(stores, col, n_cols))
+                            last = cutlass.min(col, n_cols - 1)  # columns past N are never stored
+                            user = Float32(0.0)
                             for sp in cutlass.range(stores.n_splits, unroll=1):
-                                v = v + stores.ws[sp, users[m], col]
+                                user = user + stores.ws[sp, users[m], col]
+                            v = v * (row_scales[m] * Float32(stores.b_scale[last])) + user * Float32(
+                                stores.ws_scale[last])
                         v = v + poison[m]
                         if const_expr(self.cfg.has_bias):
                             v = v + Float32(stores.bias[cutlass.min(col, n_cols - 1)])
