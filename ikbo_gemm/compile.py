@@ -7,7 +7,7 @@ import cutlass
 from cute_kernels.compile import CompiledKernel, compile_kernel
 from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
 
-from .config import LceConfig, LinearConfig
+from .config import FP8, LceConfig, LinearConfig
 from .lce_sm90 import LceEpilogue, LceLaunch, LceOperands, LceSm90
 from .linear_sm90 import LinearEpilogue, LinearLaunch, LinearOperands, LinearSm90
 
@@ -49,8 +49,14 @@ def compile_lce_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: 
 def compile_linear_config(cfg: LinearConfig, *, keep_ptx: bool = False, ptxas_report: bool = False) -> CompiledKernel:
     """Compile one linear configuration for sm_90a (no GPU needed) -> CompiledKernel."""
     dt = cutlass_dtype(cfg.dtype)
-    operand = dict(divisibility=8, align=16)
+    fp8 = cfg.dtype == FP8
+    out_dt = cutlass_dtype(cfg.out_dtype or cfg.dtype)
+    operand = dict(divisibility=16 if fp8 else 8, align=16)  # 16-byte row pitches
     ws = fake_tensor(cutlass.Float32, (None, None, None), divisibility=8, align=16)
+
+    def scale():  # FP8: one per row of the operand (rows and N are sizes of their own)
+        return fake_tensor(cutlass.Float32, (None,), align=4) if fp8 else None
+
     args = (
         LinearOperands(
             a=fake_tensor(dt, (None, None), **operand),
@@ -58,9 +64,13 @@ def compile_linear_config(cfg: LinearConfig, *, keep_ptx: bool = False, ptxas_re
             idx=fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),
         ),
         LinearEpilogue(
-            out=ws if cfg.phase == "user" else fake_tensor(dt, (None, None), **operand),
+            out=ws if cfg.phase == "user" else fake_tensor(out_dt, (None, None), divisibility=8, align=16),
             ws=ws,
-            bias=fake_tensor(dt, (None,), align=2) if cfg.has_bias else None,
+            # FP8: the bias in fp32 (the op converts it, whatever its dtype).
+            bias=fake_tensor(cutlass.Float32 if fp8 else dt, (None,), align=2) if cfg.has_bias else None,
+            a_scale=scale(),
+            b_scale=scale() if cfg.phase == "cand" else None,
+            ws_scale=scale() if cfg.phase == "cand" else None,
         ),
         LinearLaunch(*(cutlass.Int32(1) for _ in LinearLaunch._fields)),
         fake_stream(),

@@ -139,6 +139,7 @@ def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: i
 
 
 # ---------------------------------------------------------------------------------- linear
+FP8 = torch.float8_e4m3fn
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu", "sigmoid")
 PHASES = ("user", "cand")
 
@@ -156,10 +157,17 @@ class LinearConfig:
     has_bias: bool = False  # candidate phase only
     cluster_m: int = 1  # CTAs of a cluster on neighbouring row tiles, sharing the B tile (TMA multicast)
     split_k: int = 1  # CTAs of a cluster on one tile, each over a slice of K (partial sums added in shared memory)
+    # FP8 operands (dtype float8_e4m3fn): the output's dtype, bf16 or fp16 (the user phase's
+    # staging layout only: bf16); 16-bit operands: None, the output is theirs.
+    out_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self):
-        if self.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"LinearConfig.dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
+        if self.dtype not in (torch.float16, torch.bfloat16, FP8):
+            raise ValueError(f"LinearConfig.dtype must be torch.float16 or torch.bfloat16 (or torch.float8_e4m3fn "
+                             f"with an out_dtype), got {self.dtype}")
+        if (self.out_dtype in (torch.float16, torch.bfloat16)) != (self.dtype == FP8):
+            raise ValueError(f"LinearConfig.out_dtype must be torch.bfloat16 or torch.float16 with FP8 operands, "
+                             f"else None; got {self.out_dtype} with {self.dtype}")
         if self.idx_dtype not in (torch.int32, torch.int64):
             raise ValueError(f"LinearConfig.idx_dtype must be torch.int32 or torch.int64, got {self.idx_dtype}")
         if self.tile_m not in (64, 128):
@@ -191,8 +199,9 @@ class LinearConfig:
     def __str__(self) -> str:
         extra = "".join(f"-{x}" for x in (self.activation, "bias" if self.has_bias else None) if x)
         split = f"-k{self.split_k}" if self.split_k > 1 else ""
+        out = f"-out_{str(self.out_dtype)[6:]}" if self.out_dtype else ""
         return (f"linear-{self.phase}-{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-m{self.tile_m}-n{self.tile_n}"
-                f"-c{self.cluster_m}{split}{extra}")
+                f"-c{self.cluster_m}{split}{extra}{out}")
 
 
 LINEAR_TILES = ((128, 128), (128, 192), (128, 64), (64, 256), (64, 128))
@@ -250,10 +259,12 @@ def pick_cand_split(rows: int, n: int, k_blocks: int, sms: int, clusters) -> tup
 
 
 def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1, split_cand=1,
-                   split_user=1) -> tuple:
-    """(user phase, candidate phase) configurations of one call."""
-    return (LinearConfig(dtype, idx_dtype, *tile_user, "user", split_k=split_user),
-            LinearConfig(dtype, idx_dtype, *tile_cand, "cand", activation, has_bias, cluster_cand, split_cand))
+                   split_user=1, out_dtype=None) -> tuple:
+    """(user phase, candidate phase) configurations of one call (``out_dtype``: FP8's output)."""
+    user_out = torch.bfloat16 if dtype == FP8 else None  # the user phase stores fp32 either way
+    return (LinearConfig(dtype, idx_dtype, *tile_user, "user", split_k=split_user, out_dtype=user_out),
+            LinearConfig(dtype, idx_dtype, *tile_cand, "cand", activation, has_bias, cluster_cand, split_cand,
+                         out_dtype))
 
 
 LINEAR_SHIPPED_CONFIGS = [
@@ -273,4 +284,11 @@ LINEAR_SHIPPED_CONFIGS = [
 ] + [
     LinearConfig(dtype, torch.int32, tm, tn, "user", split_k=2)
     for dtype in (torch.float16, torch.bfloat16) for tm, tn in LINEAR_SPLIT_TILES
+] + [  # FP8 operands, bf16 out (and one tile's fp16 out)
+    LinearConfig(FP8, torch.int32, tm, tn, "user", out_dtype=torch.bfloat16) for tm, tn in LINEAR_TILES
+] + [
+    LinearConfig(FP8, torch.int32, tm, tn, "cand", act, bias, cluster, out_dtype=torch.bfloat16)
+    for tm, tn in LINEAR_TILES for cluster in (1, 2) for act, bias in ((None, False), ("relu", True))
+] + [
+    LinearConfig(FP8, torch.int32, 128, 128, "cand", None, False, cluster, out_dtype=torch.float16) for cluster in (1, 2)
 ]

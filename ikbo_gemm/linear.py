@@ -51,7 +51,7 @@ from cute_kernels import (
 )
 from cute_kernels.checks import check_index_range, check_out_target, policy_or_default, validation_enabled
 
-from .checks import check_linear_inputs
+from .checks import FP8, check_linear_inputs, check_out_dtype
 from .compile import compile_linear_config
 from .config import (
     LINEAR_TILES,
@@ -156,36 +156,48 @@ class _Plan:
     grid_cand: int
     user_cfg: LinearConfig
     cand_cfg: LinearConfig
+    out_dtype: torch.dtype
+    fp8: bool
 
 
 _plans = PlanCache()
 
 
-def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: PlanRules) -> Optional[_Plan]:
+def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: PlanRules, scales: dict,
+          out_dtype) -> Optional[_Plan]:
     """The launch plan for these shapes (None off the GPU or for B = 0); inputs fully checked
     once per signature."""
     # A plan holds compiled kernels: the key names where they come from (``_kernel``).
-    key = plan_key(x_cand, x_user, idx, w_cand, w_user, bias, out, activation, rules, _kernel)
+    key = plan_key(x_cand, x_user, idx, w_cand, w_user, bias, out, activation, rules, _kernel,
+                   tuple(scales.values()), out_dtype)
     plan = _plans.get(key, False)
     if plan is not False:
         return plan
-    B, U, N, K_cand, K_user = check_linear_inputs(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, False)
+    B, U, N, K_cand, K_user = check_linear_inputs(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, False,
+                                                  out_dtype=out_dtype, **scales)
+    fp8 = x_cand.dtype == FP8
+    # FP8 k-blocks hold 128 elements (128 bytes), 16-bit ones 64: the grids count 64-element
+    # blocks, so FP8 gives them half of K. TMA row pitches: 16 bytes.
+    k_plan_cand, k_plan_user = (-(-K_cand // 2), -(-K_user // 2)) if fp8 else (K_cand, K_user)
+    k_align = 16 if fp8 else 8
     plan = None
     if on_gpu(x_cand):
         device = x_cand.device
         require_sm90(device, "linear")
     if on_gpu(x_cand) and B > 0:
-        grids = _grids(B, U, N, K_cand, K_user, sm_count(device), lambda size: max_active_clusters(device, size),
-                       rules)
+        grids = _grids(B, U, N, k_plan_cand, k_plan_user, sm_count(device),
+                       lambda size: max_active_clusters(device, size), rules)
+        out_dtype = check_out_dtype(out_dtype, x_cand.dtype)
         user_cfg, cand_cfg = linear_configs(x_cand.dtype, idx.dtype, grids.tile_user, grids.tile_cand, activation,
-                                            bias is not None, grids.cluster, grids.split_cand, grids.split_user)
+                                            bias is not None, grids.cluster, grids.split_cand, grids.split_user,
+                                            out_dtype if fp8 else None)
         plan = _Plan(
             user=_kernel(user_cfg),
             cand=_kernel(cand_cfg),
             out_shape=(B, N),
             n8=_ceil(N, 8),
-            k8_cand=_ceil(K_cand, 8),
-            k8_user=_ceil(K_user, 8),
+            k8_cand=_ceil(K_cand, k_align),
+            k8_user=_ceil(K_user, k_align),
             ws_shape=(grids.splits, _ceil(U, grids.tile_user[0]), max(_ceil(N, grids.tile_user[1]),
                                                                       _ceil(N, grids.tile_cand[1]))),
             n_users=U,
@@ -194,6 +206,8 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: Pla
             grid_cand=grids.grid_cand,
             user_cfg=user_cfg,
             cand_cfg=cand_cfg,
+            out_dtype=out_dtype,
+            fp8=fp8,
         )
     return _plans.keep(key, plan)
 
@@ -309,7 +323,8 @@ def _user_splits(user_tiles: int, k_blocks: int, sms: int, most: int = 4) -> int
     return -(-k_blocks // per_split)
 
 
-def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None, rules=None):
+def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None, rules=None,
+           x_cand_scale=None, x_user_scale=None, w_cand_scale=None, w_user_scale=None, out_dtype=None):
     """IKBO linear layer: ``out[b] = act(x_cand[b] @ w_cand.T + x_user[idx[b]] @ w_user.T + bias)``.
 
     Shapes: x_cand [B, K_cand], x_user [U, K_user], idx [B] (int32 or int64, values in [0, U),
@@ -318,7 +333,15 @@ def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, o
     the user and candidate partial sums and the bias added in fp32 and rounded once, after
     ``activation``: None, "relu", "gelu" (erf), "gelu_tanh", "silu" or "sigmoid".
 
-    ``out`` (optional): a contiguous [B, N] tensor of the operands' dtype, any alignment, sharing
+    FP8: all four operands float8_e4m3fn (``quantize_fp8``), each with its float32 scale,
+    ``x_cand_scale`` [B], ``x_user_scale`` [U], ``w_cand_scale`` [N], ``w_user_scale`` [N], or
+    0-d for one per tensor: ``out[b] = act(sxc[b] swc * (xc8[b] @ wc8.T) + sxu[idx[b]] swu *
+    (xu8[idx[b]] @ wu8.T) + bias)``, the scales applied to the fp32 sums, one rounding to
+    ``out_dtype`` (bf16 by default, or fp16); bias bf16, fp16 or fp32. (K padded to 16 for
+    TMA where it is not a multiple; a 0-d scale is repeated per row, a bias converted to fp32:
+    small copies.)
+
+    ``out`` (optional): a contiguous [B, N] tensor of the output dtype, any alignment, sharing
     no memory with the inputs (ValueError otherwise); written as torch writes in place.
 
     ``validate`` (default: the IKBO_VALIDATE environment variable) checks that every idx lies
@@ -337,27 +360,30 @@ def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, o
     has no backward: with grad mode on and an input that requires grad, the output's backward
     raises (use :func:`linear_reference` for gradients).
     """
+    scales = dict(x_cand_scale=x_cand_scale, x_user_scale=x_user_scale, w_cand_scale=w_cand_scale,
+                  w_user_scale=w_user_scale)
     if torch.compiler.is_compiling():
         if rules is not None and rules is not DEFAULT_RULES:  # identity: nothing for the tracer to evaluate
             raise ValueError("linear: rules other than DEFAULT_RULES are for eager calls (the op torch.compile "
                              "traces takes the shipped plan)")
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
         return into_out(out, torch.ops.ikbo_gemm.linear(x_cand, x_user, idx, w_cand, w_user, bias, activation,
-                                                        validate))
+                                                        validate, *scales.values(), out_dtype))
     rules = policy_or_default("linear", "rules", rules, PlanRules, DEFAULT_RULES)
-    plan = _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules)
+    plan = _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules, scales, out_dtype)
     inputs = (x_cand, x_user, idx, w_cand, w_user, bias)
     if out is not None:
         check_out_target("out", out, _INPUT_NAMES, inputs)
     if validation_enabled(validate):
         check_index_range("idx", idx, x_user.shape[0], "U", "the batch of x_user")
     if plan is None:  # off the GPU, or no candidates
-        return linear_reference(*inputs, activation=activation, out=out, validate=False)
+        return linear_reference(*inputs, activation=activation, out=out, validate=False, out_dtype=out_dtype,
+                                **scales)
     with on_device(x_cand.device):
         return forward_only(
             "ikbo_gemm.linear",
             "ikbo_gemm.linear_reference",
-            lambda xc, xu, wc, wu, b, out: _run(plan, xc, xu, idx, wc, wu, b, out),
+            lambda xc, xu, wc, wu, b, out: _run(plan, xc, xu, idx, wc, wu, b, out, scales),
             (x_cand, x_user, w_cand, w_user, bias),
             out,
         )
@@ -371,31 +397,49 @@ def linear_with_rules(*args, rules: Optional[PlanRules] = None, **kwargs):
 def _pad_k(t: torch.Tensor, k8: int) -> torch.Tensor:
     """``t`` [rows, K] as TMA takes it: K padded with zeros to ``k8``, contiguous and aligned."""
     if t.shape[1] != k8:
+        if t.dtype == FP8:  # no FP8 pad kernel: the bytes are padded
+            return torch.nn.functional.pad(t.view(torch.uint8), (0, k8 - t.shape[1])).view(FP8)
         return torch.nn.functional.pad(t, (0, k8 - t.shape[1]))
     return tma_ready(t)
 
 
-def _run(plan: _Plan, x_cand, x_user, idx, w_cand, w_user, bias, out) -> torch.Tensor:
+def _scale_vector(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """An FP8 scale as the kernel reads it: one fp32 per row (a 0-d scale repeated), contiguous."""
+    return scale.expand(rows).contiguous() if scale.dim() == 0 else scale.contiguous()
+
+
+def _run(plan: _Plan, x_cand, x_user, idx, w_cand, w_user, bias, out, scales: dict) -> torch.Tensor:
     """Launch the user phase, then the candidate phase (on checked inputs); return ``out``."""
     device = x_cand.device
     xc, wc = _pad_k(x_cand, plan.k8_cand), _pad_k(w_cand, plan.k8_cand)
     xu, wu = _pad_k(x_user, plan.k8_user), _pad_k(w_user, plan.k8_user)
     idx_k = idx if idx.is_contiguous() else idx.contiguous()
     bias_k = None if bias is None else (bias if bias.is_contiguous() else bias.contiguous())
+    user_scales, cand_scales = (), ()
+    if plan.fp8:  # one scale per row of each operand (w_user's the candidate phase applies); the bias in fp32
+        N = plan.out_shape[1]
+        user_scales = (_scale_vector(scales["x_user_scale"], xu.shape[0]),)
+        cand_scales = (_scale_vector(scales["x_cand_scale"], xc.shape[0]), _scale_vector(scales["w_cand_scale"], N),
+                       _scale_vector(scales["w_user_scale"], N))
+        bias_k = None if bias_k is None else bias_k.float()
     if out is None:
-        out = torch.empty(plan.out_shape, dtype=x_cand.dtype, device=device)
+        out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=device)
     target = store_target(out, (plan.out_shape[0], plan.n8))
     ws = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
-    plan.user(LinearOperands(xu, wu, idx_k), LinearEpilogue(ws, ws, None),
+    plan.user(LinearOperands(xu, wu, idx_k), LinearEpilogue(ws, ws, None, *user_scales),
               LinearLaunch(plan.n_users, plan.splits, plan.grid_user))
-    plan.cand(LinearOperands(xc, wc, idx_k), LinearEpilogue(target, ws, bias_k),
+    plan.cand(LinearOperands(xc, wc, idx_k), LinearEpilogue(target, ws, bias_k, *cand_scales),
               LinearLaunch(plan.n_users, plan.splits, plan.grid_cand))
     return copy_back(out, target)
 
 
-def _linear_shape(x_cand, x_user, idx, w_cand, w_user, bias=None, activation=None, validate=None):
-    B, _, N, _, _ = check_linear_inputs(x_cand, x_user, idx, w_cand, w_user, bias, activation, None, False)
-    return x_cand.new_empty((B, N))
+def _linear_shape(x_cand, x_user, idx, w_cand, w_user, bias=None, activation=None, validate=None, x_cand_scale=None,
+                  x_user_scale=None, w_cand_scale=None, w_user_scale=None, out_dtype=None):
+    scales = dict(x_cand_scale=x_cand_scale, x_user_scale=x_user_scale, w_cand_scale=w_cand_scale,
+                  w_user_scale=w_user_scale)
+    B, _, N, _, _ = check_linear_inputs(x_cand, x_user, idx, w_cand, w_user, bias, activation, None, False,
+                                        out_dtype=out_dtype, **scales)
+    return x_cand.new_empty((B, N), dtype=check_out_dtype(out_dtype, x_cand.dtype))
 
 
 @library_op("ikbo_gemm::linear", "ikbo_gemm.linear", "ikbo_gemm.linear_reference", _linear_shape)
@@ -408,6 +452,13 @@ def _linear_op(
     bias: Optional[torch.Tensor] = None,
     activation: Optional[str] = None,
     validate: Optional[bool] = None,
+    x_cand_scale: Optional[torch.Tensor] = None,
+    x_user_scale: Optional[torch.Tensor] = None,
+    w_cand_scale: Optional[torch.Tensor] = None,
+    w_user_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """``torch.ops.ikbo_gemm.linear``: what torch.compile traces a call of :func:`linear` as."""
-    return linear(x_cand, x_user, idx, w_cand, w_user, bias, activation=activation, validate=validate)
+    return linear(x_cand, x_user, idx, w_cand, w_user, bias, activation=activation, validate=validate,
+                  x_cand_scale=x_cand_scale, x_user_scale=x_user_scale, w_cand_scale=w_cand_scale,
+                  w_user_scale=w_user_scale, out_dtype=out_dtype)

@@ -2,6 +2,9 @@
 
     user phase:      ws[u]  = x_user[u] @ w_user^T                          (fp32)
     candidate phase: out[b] = act(x_cand[b] @ w_cand^T + ws[idx[b]] + bias)  (rounded once)
+
+With FP8 operands (``LinearConfig.dtype`` float8_e4m3fn) each product is scaled in fp32 first,
+``sx[row] * sw[col] * (x8 @ w8^T)``, and the output is ``cfg.out_dtype``.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
+import torch
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -55,9 +59,12 @@ class LinearOperands(NamedTuple):
 class LinearEpilogue(NamedTuple):
     """Where the results go and what the candidate epilogue adds (host -> kernel)."""
 
-    out: cute.Tensor  # candidate phase: [B, N] in dtype; user phase: ws
+    out: cute.Tensor  # candidate phase: [B, N] in the output dtype; user phase: ws
     ws: cute.Tensor  # [n_splits, U_pad, N_pad] fp32 user results (the user phase writes them)
-    bias: Optional[cute.Tensor]  # [N] (candidate phase with bias only)
+    bias: Optional[cute.Tensor]  # [N] (candidate phase with bias only; FP8: fp32)
+    a_scale: Optional[cute.Tensor] = None  # FP8: [rows] fp32, a's row scales
+    b_scale: Optional[cute.Tensor] = None  # FP8, candidate phase: [N] fp32, b's row scales (the output's columns)
+    ws_scale: Optional[cute.Tensor] = None  # FP8, candidate phase: [N] fp32, w_user's scales (ws's columns)
 
 
 @kernel_arguments
@@ -88,6 +95,9 @@ class LinearStores(NamedTuple):
     bias: Optional[cute.Tensor]
     n_users: Int32
     n_splits: Int32
+    a_scale: Optional[cute.Tensor]  # FP8 only
+    b_scale: Optional[cute.Tensor]
+    ws_scale: Optional[cute.Tensor]
 
 
 class LinearSmemLayouts(NamedTuple):
@@ -202,12 +212,22 @@ class LinearSm90:
     Out-of-range indices: a candidate whose idx is outside [0, U) reads ws row 0 and adds NaN:
     its output row is NaN, no other row is affected.
 
+    FP8 (``cfg.dtype`` float8_e4m3fn): the same kernel with 8-bit wgmma (instruction K 32, both
+    operands K-major, as 8-bit wgmma requires and x, w are), k-blocks of 128 elements (128
+    bytes, as the 16-bit ones: the same stages, 128-byte swizzle), and fp32 scales
+    (LinearEpilogue): the user phase multiplies its sums by x_user's row scales (a_scale) before
+    the workspace stores; the candidate phase, per staged sub-tile, multiplies its sums by
+    x_cand's row and w_cand's column scales (a_scale, b_scale) and the workspace slabs' sum by
+    w_user's column scales (ws_scale), then adds the bias and applies the activation, rounding
+    once to ``cfg.out_dtype``. Column scales are read where a column is stored: all of a tile's
+    at once would spill.
+
     Arguments (cute_kernels.arguments): the host passes LinearOperands, LinearEpilogue and
     LinearLaunch; the kernel hands the loads to the producer (LinearLoads) and the epilogue's
     tensors and scalars to the consumers (LinearStores; split_k: ExchangeMemory).
     """
 
-    TILE_K = 64
+    TILE_K = 64  # elements of a 16-bit k-block; FP8 k-blocks hold twice as many (the same bytes)
     EPI_N = 16  # output columns per staged epilogue sub-tile (one 4-matrix stmatrix wide)
     EPI_STAGES = 2
     REGISTERS = RegisterSplit(producer=24, consumer=240)
@@ -220,9 +240,12 @@ class LinearSm90:
     def __init__(self, cfg: LinearConfig):
         self.cfg = cfg
         self.dtype = cutlass_dtype(cfg.dtype)
+        self.fp8 = cfg.dtype == torch.float8_e4m3fn
+        self.out_dtype = cutlass_dtype(cfg.out_dtype or cfg.dtype)
+        self.tile_k = self.TILE_K * 2 if self.fp8 else self.TILE_K
         self.idx_dtype = cutlass_dtype(cfg.idx_dtype)
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
-        self.tile_mnk = (cfg.tile_m, cfg.tile_n, self.TILE_K)
+        self.tile_mnk = (cfg.tile_m, cfg.tile_n, self.tile_k)
         self.cluster = cfg.cluster_m  # CTAs sharing B tiles (multicast)
         self.split = cfg.split_k  # CTAs sharing one tile's K loop
         self.launch_cluster = cfg.cluster_m * cfg.split_k
@@ -233,11 +256,11 @@ class LinearSm90:
         self.reduce = ClusterReduce(self.split, self.epi_subtiles, 2 * cfg.tile_m // 64) if self.split > 1 else None
         elt = self.dtype.width // 8
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
-        self.stage_bytes = (cfg.tile_m + cfg.tile_n) * self.TILE_K * elt
+        self.stage_bytes = (cfg.tile_m + cfg.tile_n) * self.tile_k * elt
         # Staging buffers: EPI_STAGES per consumer (the user phase stores from registers; it
         # keeps one unused buffer so that both phases share one shared-memory layout).
         self.epi_buffers = 2 * self.EPI_STAGES if cfg.phase == "cand" else 1
-        epi_bytes = self.epi_buffers * cfg.tile_m * self.EPI_N * elt
+        epi_bytes = self.epi_buffers * cfg.tile_m * self.EPI_N * (self.out_dtype.width // 8)
         # As many stages as fit beside the staging buffers, the exchange's receive buffer and the
         # barriers (1024 bytes: the operands are 1024-byte aligned).
         red_bytes = self.reduce.tx_bytes if self.reduce else 0
@@ -265,14 +288,14 @@ class LinearSm90:
         b_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tA = cpasync.make_tiled_tma_atom(load, mA, cute.select(a_smem, mode=[0, 1]),
-                                                (self.tile_m, self.TILE_K))
+                                                (self.tile_m, self.tile_k))
         # This CTA's rows of the B tile (all of them without a cluster), multicast in a cluster.
-        b_part = (self.tile_m, self.b_rows, self.TILE_K)
+        b_part = (self.tile_m, self.b_rows, self.tile_k)
         b_part_smem = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, b_part, self.dtype, 1),
                                   mode=[0, 1])
         b_load = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster > 1) else load
-        tma_b, tB = cpasync.make_tiled_tma_atom(b_load, mB, b_part_smem, (self.b_rows, self.TILE_K))
-        epi_smem = sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
+        tma_b, tB = cpasync.make_tiled_tma_atom(b_load, mB, b_part_smem, (self.b_rows, self.tile_k))
+        epi_smem = sm90_utils.make_smem_layout_epi(self.out_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile,
                                                    self.epi_buffers)
         tma_out = None
         c_out = out  # user phase: ws, stored from registers
@@ -284,7 +307,8 @@ class LinearSm90:
         self.shared_storage = self.storage_struct(cute.cosize(a_smem), cute.cosize(b_smem), cute.cosize(epi_smem))
         self.kernel(
             LinearLoads(tma_a, tA, tma_b, tB),
-            LinearStores(tma_out, c_out, epilogue.ws, operands.idx, epilogue.bias, launch.n_users, launch.n_splits),
+            LinearStores(tma_out, c_out, epilogue.ws, operands.idx, epilogue.bias, launch.n_users, launch.n_splits,
+                         epilogue.a_scale, epilogue.b_scale, epilogue.ws_scale),
             LinearSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
         ).launch(
             grid=[launch.grid_size, 1, 1], block=[self.THREADS, 1, 1], cluster=[self.launch_cluster, 1, 1],
@@ -298,7 +322,7 @@ class LinearSm90:
         if self.split > 1:
             fields["reduce_barriers"] = MemRange[cutlass.Int64, 2]
         fields.update(sA=Align[MemRange[self.dtype, a_words], 1024], sB=Align[MemRange[self.dtype, b_words], 1024],
-                      sC=Align[MemRange[self.dtype, epi_words], 1024])
+                      sC=Align[MemRange[self.out_dtype, epi_words], 1024])
         if self.split > 1:
             fields["sRed"] = Align[MemRange[Float32, self.reduce.words], 128]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -332,7 +356,7 @@ class LinearSm90:
             exchange = ExchangeMemory(storage.sRed.get_tensor(self.reduce.buffer_layout()), red_full, red_free)
         n_rows = cute.size(loads.a, mode=[0])
         n_cols = cute.size(loads.b, mode=[0])
-        k_blocks = (cute.size(loads.a, mode=[1]) + self.TILE_K - 1) // self.TILE_K
+        k_blocks = (cute.size(loads.a, mode=[1]) + self.tile_k - 1) // self.tile_k
         splits = stores.n_splits if const_expr(self.cfg.phase == "user") else Int32(1)
         k_parts = splits * self.split  # one of the two is 1
         work = LinearWork(
@@ -385,7 +409,7 @@ class LinearSm90:
         """Warp 0: per tile and k-block, wait for a free stage and load its A tile and this CTA's
         rows of its B tile (multicast to the cluster)."""
         one = cute.make_layout(1)
-        gA = cute.local_tile(loads.a, (self.tile_m, self.TILE_K), (None, None, 0))
+        gA = cute.local_tile(loads.a, (self.tile_m, self.tile_k), (None, None, 0))
         tAsA, tAgA = cpasync.tma_partition(loads.a_atom, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         cluster_layout = cute.make_layout((self.cluster, 1, 1))
         b_rank = rank if const_expr(self.cluster > 1) else Int32(0)  # this CTA's share of the B tile
@@ -409,7 +433,7 @@ class LinearSm90:
     @cute.jit
     def load_b(self, atom, mB, sB, n, k, rank, stage, bar, mcast):
         """Rows [rank, rank + 1) x b_rows of B tile (n, k) into the stage, multicast in a cluster."""
-        box = (self.b_rows, self.TILE_K)
+        box = (self.b_rows, self.tile_k)
         r = rank * self.b_rows
         g = cute.local_tile(cute.domain_offset((n * self.tile_n + r, 0, 0), mB), box, (0, k, 0))
         s = cute.local_tile(cute.domain_offset((r, 0, 0), sB), box, (0, 0, stage))
@@ -460,6 +484,8 @@ class LinearSm90:
                 self.reduce.exchange(acc_mn_view(acc), exchange, rank, tile_i,
                                      t + walk.stride < work.size(), tidx, int(LinearBarrier.EPILOGUE))
             if const_expr(self.cfg.phase == "user"):
+                if const_expr(self.fp8):
+                    self.apply_row_scales(acc, coords, stores, tile, n_rows)
                 self.store_user_tile(acc, coords, stores.out, tile, rank)
             else:
                 self.store_output_tile(acc, coords, tiled_mma, sC, stores, tile, n_rows, n_cols, epi_count,
@@ -474,6 +500,23 @@ class LinearSm90:
         if const_expr(self.cfg.phase == "cand"):
             if warp_in_wg == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def row_scales(self, coords, stores: LinearStores, tile: LinearTile, rows: int, n_rows: Int32) -> list:
+        """FP8: a's scale of each accumulator row of this thread (rows past a take the last one's:
+        never stored)."""
+        return [Float32(stores.a_scale[cutlass.min(tile.m * self.tile_m + coords[m, 0][0], n_rows - 1)])
+                for m in range(rows)]
+
+    @cute.jit
+    def apply_row_scales(self, acc, coords, stores: LinearStores, tile: LinearTile, n_rows: Int32):
+        """FP8, user phase: each fp32 sum times its row's scale (the candidate epilogue applies
+        the columns')."""
+        acc_mn = acc_mn_view(acc)
+        row_scales = self.row_scales(coords, stores, tile, cute.size(acc_mn, mode=[0]), n_rows)
+        for m in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                acc_mn[m, c] = acc_mn[m, c] * row_scales[m]
 
     def owns(self, s: int, rank):
         """Whether this CTA runs the epilogue of sub-tile ``s`` (a compile-time index): always, but
@@ -517,18 +560,24 @@ class LinearSm90:
             poison.append(Float32(0.0) if valid else Float32(math.nan))
 
         # The user rows, slab by slab in a fixed order (the same bits whoever ran which slice).
+        # FP8: per sub-tile below, after the scales.
         per_sub = cute.size(acc_mn, mode=[1]) // self.epi_subtiles  # columns of a sub-tile
-        for sp in cutlass.range(stores.n_splits, unroll=1):
-            for m in cutlass.range_constexpr(rows):
-                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    if self.owns(c // per_sub, rank):
-                        acc_mn[m, c] = acc_mn[m, c] + stores.ws[sp, users[m], col0 + coords[m, c][1]]
+        row_scales = []
+        if const_expr(self.fp8):
+            row_scales = self.row_scales(coords, stores, tile, rows, n_rows)
+        else:
+            for sp in cutlass.range(stores.n_splits, unroll=1):
+                for m in cutlass.range_constexpr(rows):
+                    for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                        if self.owns(c // per_sub, rank):
+                            acc_mn[m, c] = acc_mn[m, c] + stores.ws[sp, users[m], col0 + coords[m, c][1]]
 
         sub = cute.make_rmem_tensor(self.sub_mma(tiled_mma).get_slice(tidx).partition_shape_C(self.epi_tile), Float32)
         sub_mn = acc_mn_view(sub)
         r2s = cute.make_tiled_copy_S(
-            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
-            cute.make_tiled_copy_C_atom(cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.out_dtype, Float32),
+            cute.make_tiled_copy_C_atom(cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4),
+                                                            self.out_dtype),
                                         self.sub_mma(tiled_mma)),
         )
         thr_r2s = r2s.get_slice(tidx)
@@ -539,12 +588,20 @@ class LinearSm90:
                 for m in cutlass.range_constexpr(rows):
                     for c in cutlass.range_constexpr(per_sub):
                         col = col0 + coords[m, s * per_sub + c][1]
-                        v = acc_mn[m, s * per_sub + c] + poison[m]
+                        v = acc_mn[m, s * per_sub + c]
+                        if const_expr(self.fp8):
+                            last = cutlass.min(col, n_cols - 1)  # columns past N are never stored
+                            user = Float32(0.0)
+                            for sp in cutlass.range(stores.n_splits, unroll=1):
+                                user = user + stores.ws[sp, users[m], col]
+                            v = v * (row_scales[m] * Float32(stores.b_scale[last])) + user * Float32(
+                                stores.ws_scale[last])
+                        v = v + poison[m]
                         if const_expr(self.cfg.has_bias):
                             v = v + Float32(stores.bias[cutlass.min(col, n_cols - 1)])
                         sub_mn[m, c] = self.activation(v)
-                rOut = cute.make_rmem_tensor_like(sub, self.dtype)
-                rOut.store(sub.load().to(self.dtype))
+                rOut = cute.make_rmem_tensor_like(sub, self.out_dtype)
+                rOut.store(sub.load().to(self.out_dtype))
                 # The sub-tile's turn among those this CTA stores (every sub-tile without split_k).
                 buf = consumer_idx * self.EPI_STAGES + (epi_count + s // self.split) % self.EPI_STAGES
                 cute.copy(r2s, r2s.retile(rOut), tRS_sC[(None, None, None, buf)])
@@ -564,7 +621,7 @@ class LinearSm90:
         """The tiled MMA of one epilogue sub-tile (tile_m x EPI_N): its accumulator fragment is the
         full tile's fragment restricted to those columns, in the same register order."""
         return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+            self.out_dtype, self.out_dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
             tiler_mn=(64, self.EPI_N))
 
     @cute.jit

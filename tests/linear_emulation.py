@@ -34,46 +34,66 @@ class EmulatedLaunches:
     def launch(self, cfg, operands: LinearOperands, epilogue: LinearEpilogue, launch: LinearLaunch):
         assert isinstance(operands, LinearOperands) and isinstance(epilogue, LinearEpilogue)
         assert isinstance(launch, LinearLaunch)
-        (a, b, idx), (out, ws, bias), (n_users, n_splits, grid) = operands, epilogue, launch
+        (a, b, idx), (out, ws, bias, a_scale, b_scale, ws_scale), (n_users, n_splits, grid) = operands, epilogue, launch
         for hook in self.hooks:
             hook(f"linear-{cfg.phase}")
+        fp8 = cfg.dtype == torch.float8_e4m3fn
+        tile_k = 2 * TILE_K if fp8 else TILE_K  # FP8 k-blocks: 128 elements
         tma = (a, b) if cfg.phase == "user" else (a, b, out)
         for t in tma:  # what the TMA descriptors need, size-1 dims included
-            assert t.dtype == cfg.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
-            assert t.stride(-1) == 1 and all(st % 8 == 0 for st in t.stride()[:-1]), t.stride()
-        assert a.shape[1] == b.shape[1] and a.shape[1] % 8 == 0  # K padded alike
+            assert t.dtype == (cfg.out_dtype or cfg.dtype if t is out else cfg.dtype)
+            assert t.is_contiguous() and t.data_ptr() % 16 == 0
+            assert t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]), t.stride()
+        assert a.shape[1] == b.shape[1] and a.shape[1] * a.element_size() % 16 == 0  # K padded alike
+        # FP8: a's row scales; the candidate phase also b's and w_user's (ws's columns); the bias in fp32
+        assert (a_scale is not None) == fp8
+        assert (b_scale is not None) == (ws_scale is not None) == (fp8 and cfg.phase == "cand")
+        for scale, rows in ((a_scale, a.shape[0]), (b_scale, b.shape[0]), (ws_scale, b.shape[0])):
+            assert scale is None or (scale.dtype == torch.float32 and scale.is_contiguous() and scale.shape == (rows,))
+        assert not fp8 or bias is None or bias.dtype == torch.float32
         assert ws.dtype == torch.float32 and ws.is_contiguous() and ws.data_ptr() % 16 == 0
         assert ws.shape[0] == n_splits >= 1 and ws.shape[1] >= n_users and ws.shape[2] >= b.shape[0]
         assert idx.dtype == cfg.idx_dtype and idx.is_contiguous()
         assert (bias is not None) == cfg.has_bias
         assert 0 < grid <= H200_SMS and grid % (cfg.cluster_m * cfg.split_k) == 0
         if cfg.split_k > 1:  # a K-split cluster: every CTA's slice has a k-block, the user phase one slab
-            k_blocks = -(-a.shape[1] // TILE_K)
+            k_blocks = -(-a.shape[1] // tile_k)
             assert (cfg.split_k - 1) * -(-k_blocks // cfg.split_k) < k_blocks
             assert cfg.phase == "cand" or n_splits == 1
         self.launches.append(dict(cfg=cfg, rows=a.shape[0], splits=n_splits, grid=grid, target=out.data_ptr()))
         N = b.shape[0]
         if cfg.phase == "user":
             assert out is ws and a.shape[0] == n_users
-            k_blocks = -(-a.shape[1] // TILE_K)
+            k_blocks = -(-a.shape[1] // tile_k)
             per_split = -(-k_blocks // n_splits)
             assert (n_splits - 1) * per_split < k_blocks  # every slice has a k-block
             for s in range(n_splits):
-                k = slice(s * per_split * TILE_K, (s + 1) * per_split * TILE_K)
-                ws[s, :n_users, :N] = a[:, k].float() @ b[:, k].float().T
+                k = slice(s * per_split * tile_k, (s + 1) * per_split * tile_k)
+                ws[s, :n_users, :N] = self.scaled(a[:, k].float() @ b[:, k].float().T, a_scale)
             return
         assert n_splits == ws.shape[0] and out.shape == (a.shape[0], -(-N // 8) * 8)
         assert bias is None or (bias.is_contiguous() and bias.shape == (N,))
         valid = (idx >= 0) & (idx < n_users)  # in idx's own width: an int64 must not wrap
         users = torch.where(valid, idx, torch.zeros_like(idx)).long()
-        acc = a.float() @ b.float().T
+        acc = self.scaled(a.float() @ b.float().T, a_scale, b_scale)
+        user = torch.zeros_like(acc) if fp8 else acc  # FP8: the slabs' sum, then w_user's scales
         for s in range(n_splits):  # the slabs in order
-            acc += ws[s, :, :N].index_select(0, users)
+            user += ws[s, :, :N].index_select(0, users)
+        if fp8:
+            acc += self.scaled(user, None, ws_scale)
         if bias is not None:
             acc += bias.float()
         acc = apply_activation(acc, cfg.activation)
         acc[~valid] = float("nan")
         out.data[:, :N].copy_(acc)  # through the pointer, as the kernel: autograd sees no write
+
+
+    @staticmethod
+    def scaled(acc, row_scale=None, col_scale=None):
+        """FP8: sums times their rows' and columns' scales (where given)."""
+        if row_scale is not None:
+            acc = acc * row_scale[:, None]
+        return acc if col_scale is None else acc * col_scale[None, :]
 
 
 def install(monkeypatch) -> EmulatedLaunches:

@@ -1,6 +1,8 @@
 """Every shipped kernel configuration of the ops compiles for sm_90a without a GPU, once each:
 its PTX holds the instructions the kernels are built on, ptxas spills nothing, and ptxas neither
 serializes a wgmma nor inserts fences or waits the code lacks (a silent slowdown otherwise)."""
+import re
+
 import pytest
 import torch
 
@@ -36,6 +38,8 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
     assert ".target sm_90a" in kernel.ptx, f"{op} {cfg}: not compiled for sm_90a"
     for instruction in PTX_INSTRUCTIONS:
         assert instruction in kernel.ptx, f"{op} {cfg}: no {instruction} in the PTX"
+    if getattr(cfg, "dtype", None) == torch.float8_e4m3fn:  # 8-bit wgmma, both operands K-major
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", kernel.ptx), f"{op} {cfg}"
     if op == "linear" and cfg.phase == "cand":
         assert "cp.async.bulk.tensor.2d.global.shared" in kernel.ptx, f"{op} {cfg}: no TMA store of the output"
     if op == "linear" and cfg.split_k > 1:

@@ -1,0 +1,82 @@
+"""The GPU path of ikbo_gemm.linear with FP8 operands on CPU tensors (its host side as on an
+H200, the kernels emulated: tests/linear_emulation.py): the configurations it picks, K padded to
+16 bytes, the scales one per row (0-d ones repeated), the bias in fp32, the output dtype."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ikbo_gemm
+import linear_emulation
+from fp8_inputs import linear_fp8_f64, linear_fp8_problem
+
+FP8 = torch.float8_e4m3fn
+BF16, F16 = torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["rowwise", "per_tensor"])
+@pytest.mark.parametrize("dims", [dict(B=150, U=5, N=24, K_user=196, K_cand=36),  # K not a multiple of 16
+                                  dict(B=600, U=3, N=40, K_user=1000, K_cand=300),  # user K slices
+                                  dict(B=1, U=1, N=1, K_user=1, K_cand=1)],
+                         ids=["pad", "slices", "one"])
+@pytest.mark.parametrize("out_dtype", [BF16, F16])
+def test_fp8_call_through_the_kernel_path(dims, per_tensor, out_dtype, monkeypatch):
+    kernels = linear_emulation.install(monkeypatch)
+    kw = linear_fp8_problem(**dims, per_tensor=per_tensor, bias_dtype=BF16)
+    out = torch.full((dims["B"], dims["N"]), float("nan"), dtype=out_dtype)
+    res = ikbo_gemm.linear(**kw, activation="gelu", out=out, out_dtype=out_dtype)
+    assert res is out
+    user, cand = (launch["cfg"] for launch in kernels.launches)
+    assert user.dtype == cand.dtype == FP8 and user.phase == "user" and cand.phase == "cand"
+    assert cand.out_dtype == out_dtype and user.out_dtype == BF16
+    exact = linear_fp8_f64(**kw, activation="gelu")
+    bound = (2.0**-8 if out_dtype == BF16 else 2.0**-11) * exact.abs() + 1e-5
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+def test_fp8_plan_counts_k_blocks_of_128(monkeypatch):
+    """The user phase's K slices each hold whole 128-element k-blocks (the emulation checks it)."""
+    kernels = linear_emulation.install(monkeypatch)
+    kw = linear_fp8_problem(2000, 2, 64, 4096, 128)
+    ikbo_gemm.linear(**kw)
+    user = kernels.launches[0]
+    assert user["splits"] > 1 and -(-4096 // 128) >= 2 * user["splits"]
+
+
+def test_fp8_shipped_configurations():
+    fp8 = [c for c in ikbo_gemm.SHIPPED_CONFIGS if getattr(c, "dtype", None) == FP8]
+    assert {c.phase for c in fp8} == {"user", "cand"} and {c.out_dtype for c in fp8} == {BF16, F16}
+    assert all(str(c).endswith(f"-out_{str(c.out_dtype)[6:]}") for c in fp8)
+    with pytest.raises(ValueError, match="out_dtype"):
+        ikbo_gemm.LinearConfig(FP8, torch.int32, 128, 128, "cand")
+    with pytest.raises(ValueError, match="out_dtype"):
+        ikbo_gemm.LinearConfig(BF16, torch.int32, 128, 128, "cand", out_dtype=F16)
+
+
+def test_fp8_library_op_passes_opcheck():
+    kw = linear_fp8_problem(6, 2, 13, 9, 7, per_tensor=False)
+    args = tuple(kw[n] for n in ("x_cand", "x_user", "idx", "w_cand", "w_user", "bias"))
+    scales = {n: kw[n] for n in ("x_cand_scale", "x_user_scale", "w_cand_scale", "w_user_scale")}
+    # Not test_schema: it multiplies the inputs, which FP8 tensors on the CPU cannot.
+    checks = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.ikbo_gemm.linear.default, args, dict(activation="relu", **scales),
+                          test_utils=checks)
+    torch.library.opcheck(torch.ops.ikbo_gemm.linear.default, args, dict(out_dtype=F16, **scales), test_utils=checks)
+
+
+def test_fp8_call_compiles_whole_as_the_registered_op():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    kw = linear_fp8_problem(20, 3, 16, 8, 24)
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
+    def layer(kw):
+        return ikbo_gemm.linear(**kw, activation="silu", out_dtype=F16) * 2
+
+    for B in (20, 33):
+        kw = linear_fp8_problem(B, 3, 16, 8, 24, seed=B)
+        assert torch.equal(layer(kw), ikbo_gemm.linear_reference(**kw, activation="silu", out_dtype=F16) * 2)
+    assert counter.graphs and all("ikbo_gemm.linear" in str(g.graph) for g in counter.graphs)
+    torch._dynamo.reset()
