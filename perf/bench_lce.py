@@ -47,16 +47,12 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `perf` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from perf import harness  # noqa: E402
-from perf.harness import ContextLost, make_idx, user_counts  # noqa: E402
+from perf import harness
+from perf.harness import ContextLost, make_idx, user_counts
 
 NAME = "bench_lce"
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)

@@ -1,8 +1,8 @@
 """The reference models (examples/) end to end, in four versions, on one Hopper GPU:
 
-    python perf/bench_models.py                   # --configs headline: every model at B 1024, ratio 70
-    python perf/bench_models.py --configs grid    # every model at B {256, 1024, 4096} x ratio {10, 70, 1000}
-    python perf/bench_models.py --models combined --B 1024 --ratio 70
+    python -m perf.bench_models                   # --configs headline: every model at B 1024, ratio 70
+    python -m perf.bench_models --configs grid    # every model at B {256, 1024, 4096} x ratio {10, 70, 1000}
+    python -m perf.bench_models --models combined --B 1024 --ratio 70
 
 Versions of each model (bf16, inference, candidates sorted by user):
   eager      the model as written (index_select / [idx], concat, nn.Linear, SDPA)
@@ -41,12 +41,9 @@ from typing import Callable, Optional
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `perf` and `examples` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from examples import combined, din, multi_seed, wukong  # noqa: E402
-from perf import harness  # noqa: E402
-from perf.harness import make_idx, user_counts  # noqa: E402
+from examples import combined, din, multi_seed, wukong
+from perf import harness
+from perf.harness import make_idx, user_counts
 
 NAME = "bench_models"
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)

@@ -1,13 +1,13 @@
 """IKBO attention head to head with FlashAttention-4 and torch SDPA on one Hopper GPU.
 
-    python perf/compare_fa4.py                      # the published configuration
-    python perf/compare_fa4.py --sweep ratio B S_q  # one-variable sweeps around it (L = 1024)
-    python perf/compare_fa4.py --sweep S_q_fine     # S_q 1 ... 128 at L 1024 and 8192
-    python perf/compare_fa4.py --L 1024 --order shuffled --broadcast q --dtype fp16
-    python perf/compare_fa4.py --jagged lognormal --L 8192   # K/V of per-user lengths <= L
-    python perf/compare_fa4.py --preset gr-cross    # generative-recommender cross attention
-    python perf/compare_fa4.py --sweep S_q_fine --H 1 2 4 8 --D 64 128 --dtype bf16 fp16
-    python perf/compare_fa4.py --S-q 1 --L 1024 2048 --variant _SPLIT_PAIR=0 _SPLIT_MIN_KEYS=1024
+    python -m perf.compare_fa4                      # the published configuration
+    python -m perf.compare_fa4 --sweep ratio B S_q  # one-variable sweeps around it (L = 1024)
+    python -m perf.compare_fa4 --sweep S_q_fine     # S_q 1 ... 128 at L 1024 and 8192
+    python -m perf.compare_fa4 --L 1024 --order shuffled --broadcast q --dtype fp16
+    python -m perf.compare_fa4 --jagged lognormal --L 8192   # K/V of per-user lengths <= L
+    python -m perf.compare_fa4 --preset gr-cross    # generative-recommender cross attention
+    python -m perf.compare_fa4 --sweep S_q_fine --H 1 2 4 8 --D 64 128 --dtype bf16 fp16
+    python -m perf.compare_fa4 --S-q 1 --L 1024 2048 --variant _SPLIT_PAIR=0 _SPLIT_MIN_KEYS=1024
 
 Workload (K/V broadcast): B candidates, U users, idx[b] = the user of candidate b;
 q [B, S_q, H, D] per candidate, k, v [U, L, H, D] per user;
@@ -87,11 +87,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `perf` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from perf import harness  # noqa: E402
-from perf.harness import (  # noqa: E402,F401  (user_counts, Skip: public here too)
+from perf import harness
+from perf.harness import (  # noqa: F401  (user_counts, Skip: public here too)
     ContextLost, Skip, context_lost, make_idx, short_error, user_counts,
 )
 

@@ -1,7 +1,7 @@
 """Energy per call of the LCE providers at the board's power limit, and the speedups it allows.
 
-    python perf/energy_lce.py                     # published shape, fp16, 5 s per workload
-    python perf/energy_lce.py --dtype bf16 --seconds 8
+    python -m perf.energy_lce                     # published shape, fp16, 5 s per workload
+    python -m perf.energy_lce --dtype bf16 --seconds 8
 
 Under sustained load an H200 draws its power limit (700 W) and lowers its clock until it
 fits, so time per call is energy per call over that limit: the ratio of two providers' energy
@@ -34,10 +34,7 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `perf` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from perf import bench_lce, harness  # noqa: E402
+from perf import bench_lce, harness
 
 NAME = "energy_lce"
 COPY_BYTES = 2**30

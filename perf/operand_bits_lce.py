@@ -1,7 +1,7 @@
 """How the LCE providers' times depend on the bits of their operands, in one run.
 
-    python perf/operand_bits_lce.py                         # published shape: fp16, fp16/7, fp16/3, bf16
-    python perf/operand_bits_lce.py --variants fp16 fp16/7 bf16
+    python -m perf.operand_bits_lce                         # published shape: fp16, fp16/7, fp16/3, bf16
+    python -m perf.operand_bits_lce --variants fp16 fp16/7 bf16
 
 Run back to back, an H200 runs these providers at the clock its power limit allows, and a
 tensor core's power depends on the bits it multiplies: the same kernel on the same shape
@@ -23,14 +23,10 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `perf` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from perf import bench_lce, harness  # noqa: E402
+from perf import bench_lce, harness
 
 NAME = "operand_bits_lce"
 PROVIDERS = ["torch materialize+bmm", "torch decomposition", "ikbo fused"]

@@ -250,7 +250,7 @@ def test_f_linear_in_half_precision_on_the_cpu():
 def test_without_a_gpu_one_line_and_exit_2():
     import subprocess
 
-    res = subprocess.run([sys.executable, "perf/bench_linear.py"], cwd=ROOT, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "perf.bench_linear"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     text = (res.stdout + res.stderr).strip()
     assert res.returncode == 2 and len(text.splitlines()) == 1, text

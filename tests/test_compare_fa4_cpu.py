@@ -13,9 +13,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from perf import compare_fa4 as cf  # noqa: E402
+from perf import compare_fa4 as cf
 
 
 # --------------------------------------------------------------------------- stand-ins
@@ -388,9 +387,9 @@ def test_bad_arguments_exit_2():
 # --------------------------------------------------------------------------- no GPU
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
-@pytest.mark.parametrize("script", ["perf/compare_fa4.py", "perf/bench_lce.py"])
-def test_without_a_gpu_one_line_and_exit_2(script):
-    res = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("module", ["perf.compare_fa4", "perf.bench_lce"])
+def test_without_a_gpu_one_line_and_exit_2(module):
+    res = subprocess.run([sys.executable, "-m", module], cwd=ROOT, capture_output=True, text=True, timeout=120)
     text = (res.stdout + res.stderr).strip()
     assert res.returncode == 2, text
     assert len(text.splitlines()) == 1, text

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from perf import bench_lce as bl  # noqa: E402
-from perf import energy_lce as el  # noqa: E402
-from perf import harness  # noqa: E402
+from perf import bench_lce as bl
+from perf import energy_lce as el
+from perf import harness
 
 
 def test_parse_power_samples():

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from perf import harness  # noqa: E402
-from perf import operand_bits_lce as ob  # noqa: E402
+from perf import harness
+from perf import operand_bits_lce as ob
 
 
 def _rounded_reference(x: float, bits: int) -> float:

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from perf import harness  # noqa: E402
+from perf import harness
 
 
 # --------------------------------------------------------------------------- harness

@@ -1,8 +1,8 @@
 """Where the GPU time of one attention call goes: each kernel's duration and the span of the call.
 
-    python tools/attention_timeline.py --S-q 1 --L 1024 2048 4096 [--B 2048 --ratio 64 --H 2 --D 128]
-    python tools/attention_timeline.py --preset gr-cross
-    python tools/attention_timeline.py --S-q 1 --L 1024 --set _SPLIT_KV=0
+    python -m tools.attention_timeline --S-q 1 --L 1024 2048 4096 [--B 2048 --ratio 64 --H 2 --D 128]
+    python -m tools.attention_timeline --preset gr-cross
+    python -m tools.attention_timeline --S-q 1 --L 1024 --set _SPLIT_KV=0
 
 For each shape, ikbo_fa.attention and FA4 varlen (when flash-attn-4 is installed) run eagerly
 with a device sync between calls, under torch.profiler; per provider it prints the median
@@ -19,8 +19,6 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
