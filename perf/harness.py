@@ -4,10 +4,11 @@ Timing rules used by every benchmark here:
 - ``bench_ms``: median of CUDA-event timings of single calls after warm-up. With
   ``rotate``, successive calls cycle through copies of the inputs so that L2 does not
   keep one call's inputs for the next (``rotation_count`` says how many copies).
-- ``bench_graph_ms``: the same on replays of a captured CUDA graph (launch overhead gone).
-- ``bench_interleaved`` / ``bench_graph_interleaved``: the same for several functions timed in
+- ``bench_interleaved``: the same for several functions timed in
   turns (one call of each per round), so that drift in clocks or temperature during a run
   does not favor whichever is timed first; the benchmarks time their providers this way.
+  ``bench_graph_interleaved``: the same on replays of one CUDA graph per function (launch
+  overhead gone).
 - ``host_overhead_us``: CPU time per call without synchronization, on a tiny problem.
 - ``sustained``: one function back to back, long enough to reach the board's power limit (the
   state of a serving GPU), with the power and SM clock seen meanwhile.
@@ -46,15 +47,6 @@ def _script_name() -> str:
     return Path(sys.argv[0]).stem or "benchmark"
 
 
-def fa4_import_error() -> Optional[str]:
-    """None when ``flash_attn.cute`` (flash-attn-4) imports, else the reason."""
-    try:
-        import flash_attn.cute  # noqa: F401
-    except Exception as e:  # an ImportError, or a broken install
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def hopper_missing() -> Optional[str]:
     """None on a CUDA build of torch with an sm_90 GPU, else what is missing."""
     if not torch.cuda.is_available():
@@ -66,12 +58,10 @@ def hopper_missing() -> Optional[str]:
     return None
 
 
-def require_hopper_or_exit(need_fa4: bool = False, *, name: Optional[str] = None) -> None:
+def require_hopper_or_exit(*, name: Optional[str] = None) -> None:
     """Exit with status 2 and one line on stderr unless the benchmark can run here."""
     name = name or _script_name()
     missing = hopper_missing()
-    if missing is None and need_fa4 and fa4_import_error() is not None:
-        missing = "needs flash-attn-4 (flash_attn.cute); it does not import"
     if missing is not None:
         print(f"{name}: {missing}. Run it on an H100/H200 after `{INSTALL_HINT}`.",
               file=sys.stderr, flush=True)
@@ -144,15 +134,6 @@ def bench_ms(fn: Callable, *, warmup: int = 5, rep: int = 30, rotate: Optional[S
     if isinstance(ms, BaseException):
         raise ms
     return ms
-
-
-def bench_graph_ms(fn: Callable, *, warmup: int = 3, rep: int = 30,
-                   rotate: Optional[Sequence] = None) -> Optional[float]:
-    """Median milliseconds per call from replays of a CUDA graph holding one call per input set.
-
-    None when ``fn`` cannot be captured (host synchronization, allocation outside torch, ...).
-    """
-    return bench_graph_interleaved({"fn": fn}, warmup=warmup, rep=rep, rotate=rotate)["fn"]
 
 
 def _round_robin(names: list, rep: int, step: Callable[[str, int], None]) -> None:
@@ -577,6 +558,7 @@ def environment() -> dict:
         "torch_cuda": torch.version.cuda,
         "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
         "flash-attn-4": _version("flash-attn-4"),
+        "fa3-fwd": _version("fa3-fwd"),
         "gpu": None,
     }
     if torch.cuda.is_available():

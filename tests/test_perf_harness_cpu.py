@@ -308,15 +308,6 @@ def test_require_hopper_names_the_wrong_gpu(monkeypatch, capsys):
     assert "NVIDIA A100 (sm_80)" in capsys.readouterr().err
 
 
-def test_require_hopper_and_fa4(monkeypatch, capsys):
-    monkeypatch.setattr(harness, "hopper_missing", lambda: None)
-    monkeypatch.setattr(harness, "fa4_import_error", lambda: "ImportError: no flash_attn")
-    harness.require_hopper_or_exit(need_fa4=False, name="x")  # FA4 optional: returns
-    with pytest.raises(SystemExit) as e:
-        harness.require_hopper_or_exit(need_fa4=True, name="x")
-    assert e.value.code == 2 and "flash-attn-4" in capsys.readouterr().err
-
-
 def test_out_dir_argument():
     import argparse
     ap = argparse.ArgumentParser()
@@ -332,3 +323,25 @@ def test_import_op_says_what_is_missing():
     assert mod is None and note == "math.no_such_op does not exist yet"
     mod, note = harness.import_op("no_such_module_for_ikbo", "f")
     assert mod is None and "not importable" in note
+
+
+def test_libraries_load_once_and_say_what_is_missing(monkeypatch):
+    from perf.providers import LIBRARIES, Libraries, Library, Provider, needed, select
+
+    monkeypatch.setitem(LIBRARIES, "maths", Library("math", "sqrt", "maths providers skipped"))
+    monkeypatch.setitem(LIBRARIES, "old", Library("math", "no_such_op", "old providers skipped"))
+    monkeypatch.setitem(LIBRARIES, "gone", Library("no_such_module_for_ikbo", "f", "gone providers skipped"))
+    libs = Libraries()
+    notes = libs.load(["maths", "old", "gone", "old"])
+    assert notes == ["math.no_such_op does not exist; old providers skipped",
+                     "no_such_module_for_ikbo not importable (ModuleNotFoundError: No module named "
+                     "'no_such_module_for_ikbo'); gone providers skipped"]
+    import math
+    assert libs.get("maths") is math and libs.get("old") is None and libs.get("never") is None
+    provs = [Provider("a", None, None, needs=("maths",)), Provider("b", None, None, needs=("maths", "gone")),
+             Provider("c", None, None)]
+    assert [libs.skip_note(pr) for pr in provs] == [None, notes[1], None]
+    assert needed(provs) == ["maths", "gone"]
+    assert [pr.name for pr in select(provs, ["c", "a"])] == ["a", "c"] and select(provs, None) == provs
+    libs.modules["maths"] = "a stand-in"  # what tests do: load leaves it
+    assert libs.load(["maths"]) == [] and libs.get("maths") == "a stand-in"
