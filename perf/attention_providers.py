@@ -189,46 +189,46 @@ def _paged_run(p: Problem, st, inp: Inputs):
     return run_paged(LIBS.get("fa4").flash_attn_varlen_func, inp.q, kp, vp, table, p.scale)
 
 
-def _varlen_setup(p: Problem, inp: Inputs):
+def _packing(p: Problem, inp: Inputs):
     if p.jagged is not None and p.broadcast == "q":
         return build_candidate_packing(p.idx_cpu, p.kv_offsets_cpu, p.S_q).to(inp.q.device)
     _kv_only(p, "varlen packing")
     return build_varlen_packing(p.idx_cpu, p.U, p.S_q, p.L, kv_offsets=p.kv_offsets_cpu).to(inp.q.device)
 
 
-def _fa_varlen(lib: str, **kw) -> Callable:
-    """A run of FA varlen of library ``lib`` ("fa4" or "fa3") on the packing of ``_varlen_setup``."""
-    def run(p: Problem, st, inp: Inputs):
+def _fa_varlen_setup(lib: str, **kw) -> Callable:
+    """The setup of FA varlen of library ``lib`` ("fa4" or "fa3", with its keywords ``kw``): the
+    function and the packing, built once, untimed."""
+    def setup(p: Problem, inp: Inputs):
+        if lib == "fa3" and p.dtype == torch.float16:
+            raise Skip("FA3's forward (fa3-fwd) takes bf16 only, no fp16")
         fn = LIBS.get(lib).flash_attn_varlen_func
-        return run_varlen(functools.partial(fn, **kw) if kw else fn, inp.q, inp.k, inp.v, st, p.scale)
-    return run
+        return (functools.partial(fn, **kw) if kw else fn), _packing(p, inp)
+    return setup
 
 
-def _fa3_setup(p: Problem, inp: Inputs):
-    if p.dtype == torch.float16:
-        raise Skip("FA3's forward (fa3-fwd) takes bf16 only, no fp16")
-    return _varlen_setup(p, inp)
+def _fa_varlen_run(p: Problem, st, inp: Inputs):
+    fn, packing = st
+    return run_varlen(fn, inp.q, inp.k, inp.v, packing, p.scale)
 
 
-def _jagged_kw(p: Problem) -> dict:
-    return {} if p.jagged is None else {"kv_offsets": p.kv_offsets, "max_kv_len": p.max_len}
+def _ikbo_setup(policy=None, work_list: bool = False) -> Callable:
+    """The keywords of ikbo's calls, set once: jagged K/V's offsets, a work list built beforehand
+    (untimed, as FA varlen's packing is) and an attention policy, where asked for."""
+    def setup(p: Problem, inp: Inputs) -> dict:
+        jagged = {} if p.jagged is None else {"kv_offsets": p.kv_offsets, "max_kv_len": p.max_len}
+        kw = {"scale": p.scale, "broadcast": p.broadcast, **jagged}
+        if work_list:
+            _kv_only(p, "a work list (it groups the candidates by user)")
+            kw["work_list"] = LIBS.get("ikbo_fa").work_list(p.idx, p.U, p.S_q, **jagged)
+        if policy is not None:
+            kw["policy"] = policy
+        return kw
+    return setup
 
 
-def _ikbo(policy=None) -> Callable:
-    """ikbo_fa.attention on the inputs as they are; under ``policy`` when one is given."""
-    extra = {} if policy is None else {"policy": policy}
-
-    def run(p: Problem, work_list, inp: Inputs):
-        wl = {} if work_list is None else {"work_list": work_list}
-        return LIBS.get("ikbo_fa").attention(inp.q, (inp.k, inp.v), p.idx, scale=p.scale, broadcast=p.broadcast,
-                                             **_jagged_kw(p), **wl, **extra)
-    return run
-
-
-def _work_list_setup(p: Problem, inp: Inputs):
-    """The work list of p's idx, built once and untimed, as FA varlen's packing is."""
-    _kv_only(p, "a work list (it groups the candidates by user)")
-    return LIBS.get("ikbo_fa").work_list(p.idx, p.U, p.S_q, **_jagged_kw(p))
+def _ikbo_run(p: Problem, kw: dict, inp: Inputs):
+    return LIBS.get("ikbo_fa").attention(inp.q, (inp.k, inp.v), p.idx, **kw)
 
 
 def parse_policy(spec: str):
@@ -243,21 +243,19 @@ def parse_policy(spec: str):
 def variant(spec: str, policy) -> Provider:
     """ikbo under an attention policy, named ``ikbo SPEC``: an A/B of the op's launch choices in
     the same run as the default and the peers."""
-    return Provider(f"ikbo {spec}", lambda p, i: None, _ikbo(policy), needs=("ikbo_fa",))
+    return Provider(f"ikbo {spec}", _ikbo_setup(policy), _ikbo_run, needs=("ikbo_fa",))
 
 
 def providers() -> list:
     """In check order: peers first, ikbo last (a failure there cannot spoil the peers' checks)."""
-    def none(p, i):
-        return None
-
+    peer = frozenset({PEER})
     return [
         Provider("materialize", _materialized, _materialize_into, checked=False),
-        Provider("fa4 varlen packed", _varlen_setup, _fa_varlen("fa4"), needs=("fa4",), tags=frozenset({PEER})),
-        Provider("fa3 varlen packed", _fa3_setup, _fa_varlen("fa3", num_splits=0), needs=("fa3",),
-                 tags=frozenset({PEER})),
-        Provider("fa3 varlen packed, no split", _fa3_setup, _fa_varlen("fa3", num_splits=1), needs=("fa3",),
-                 tags=frozenset({PEER})),
+        Provider("fa4 varlen packed", _fa_varlen_setup("fa4"), _fa_varlen_run, needs=("fa4",), tags=peer),
+        Provider("fa3 varlen packed", _fa_varlen_setup("fa3", num_splits=0), _fa_varlen_run, needs=("fa3",),
+                 tags=peer),
+        Provider("fa3 varlen packed, no split", _fa_varlen_setup("fa3", num_splits=1), _fa_varlen_run,
+                 needs=("fa3",), tags=peer),
         Provider("fa4 page table", _paged_setup, _paged_run, needs=("fa4",)),
         Provider("fa4 materialized", _fa4_materialized_setup,
                  lambda p, st, i: _fa4_dense(_dense_args(p, st, i), p.scale), needs=("fa4",)),
@@ -265,8 +263,8 @@ def providers() -> list:
                  lambda p, st, i: _fa4_dense(_materialize_into(p, st, i), p.scale), needs=("fa4",)),
         Provider("sdpa materialized", _materialized, lambda p, st, i: _sdpa(_dense_args(p, st, i), p.scale)),
         Provider("torch.compile materialize+sdpa", _compiled_sdpa_setup, _compiled_sdpa_run),
-        Provider("ikbo", none, _ikbo(), needs=("ikbo_fa",)),
-        Provider("ikbo, work list reused", _work_list_setup, _ikbo(), needs=("ikbo_fa",)),
+        Provider("ikbo", _ikbo_setup(), _ikbo_run, needs=("ikbo_fa",)),
+        Provider("ikbo, work list reused", _ikbo_setup(work_list=True), _ikbo_run, needs=("ikbo_fa",)),
     ]
 
 
