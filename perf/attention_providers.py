@@ -1,29 +1,12 @@
 """The providers of the attention benchmarks (perf/compare_fa4.py, tools/attention_timeline.py),
-all fed the same inputs; each is checked against an fp32 reference before it is timed.
-
-  ikbo                     ikbo_fa.attention on the inputs as they are
-  ikbo, work list reused   ikbo_fa.attention with ``work_list=``: idx's grouping by user built
-                           once, untimed, as FA varlen's packing is (K/V broadcast only)
-  ikbo SPEC                ikbo_fa.attention under ``ikbo_fa.AttentionPolicy.parse(SPEC)``
-                           (``--variant``): launch choices other than the op's, in the same run
-  fa4 varlen packed        FA4 varlen with each user's candidates packed into one query sequence
-                           against that user's K/V (no copy; K/V broadcast, or jagged K/V per
-                           candidate with Q copied per candidate)
-  fa3 varlen packed        FA3's forward (fa3-fwd), packed the same way, its split-KV choosing
-                           the split count (num_splits=0); bf16 only
-  fa3 varlen packed, no split   the same with num_splits=1
-  fa4 page table           FA4 with every candidate's page-table row pointing at its user's K/V
-                           pages (no copy; dense K/V broadcast only)
-  fa4 materialized         FA4 on the broadcast side copied per candidate, kernel alone
-  fa4 materialize+kernel   the same, the copy timed too
-  sdpa materialized        torch SDPA on the materialized tensors, kernel alone (jagged: K/V
-                           padded per candidate to the longest length, with a key mask)
-  torch.compile materialize+sdpa   the copy and SDPA under torch.compile, compiled afresh for
-                           each problem
-  materialize              the broadcast copy on its own (no attention)
-Index metadata (page table, cu_seqlens, the grouping permutation, the padding gather) is built
-once, untimed. A provider whose materialized tensors would not fit in 80% of the free memory is
-skipped.
+all fed the same inputs: ikbo (as the op runs, with a work list built beforehand, or under an
+attention policy: ``ikbo SPEC``), the FA varlen peers (FA4, and FA3 with and without its
+split-KV) with each user's candidates packed as one query sequence, FA4's page table, FA4 and
+SDPA on K/V materialized per candidate (jagged: padded to the longest row, with a key mask),
+torch.compile of the copy and SDPA, and the copy alone. Index metadata (page table,
+cu_seqlens, the grouping permutation, the padding gather) is built once, untimed; a provider
+whose materialized tensors would not fit in 80% of the free memory is skipped. What each
+provider computes: docs/benchmarks.md.
 """
 from __future__ import annotations
 

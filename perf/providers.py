@@ -23,7 +23,6 @@ class Library:
 
 LIBRARIES = {
     "ikbo_fa": Library("ikbo_fa", "attention", "ikbo providers skipped"),
-    "ikbo_gemm": Library("ikbo_gemm", "lce", "ikbo providers skipped"),
     "fa4": Library("flash_attn.cute", "flash_attn_varlen_func", f"FA4 providers skipped; `{INSTALL_HINT}`"),
     "fa3": Library("fa3_fwd_interface", "flash_attn_varlen_func",
                    "FA3 providers skipped (the fa3-fwd wheel: docs/benchmarks.md)"),
