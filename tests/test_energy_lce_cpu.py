@@ -1,12 +1,8 @@
 """CPU checks of perf/energy_lce.py and the power helpers in perf/harness.py."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 from perf import bench_lce as bl
 from perf import energy_lce as el

@@ -1,13 +1,9 @@
 """CPU checks of perf/operand_bits_lce.py: the mantissa rounding and a dry run of main()."""
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 from perf import harness
 from perf import operand_bits_lce as ob

@@ -2,14 +2,11 @@
 device checks, arguments)."""
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 from perf import harness
 
