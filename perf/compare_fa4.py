@@ -154,20 +154,29 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
 def derive_ratios(rows: list, provs: list, flops: float, ceiling: float, timing: str) -> None:
     """In each timing mode, every attention row with a time gets its TFLOP/s, percent of cuBLAS,
     ``ikbo_speedup`` (its ms / ikbo's) and, where an FA varlen peer was timed, ``best_peer`` (the
-    fastest of them) and ``x_best_peer`` (that peer's ms / its ms)."""
+    fastest of them) and ``x_best_peer`` (that peer's ms / its ms); the graph replays beside the
+    interleaved calls (``graph_ms``) get ``graph_best_peer`` and ``graph_x_best_peer``."""
     attention = {prov.name for prov in provs if prov.checked}
     peers = {prov.name for prov in provs if PEER in prov.tags}
-    for s in harness.mode_suffixes(timing):
-        timed = {r["provider"]: r["ms" + s] for r in rows if r.get("ms" + s) and r["provider"] in attention}
+    by_name = {r["provider"]: r for r in rows if r["provider"] in attention}
+
+    def best_peer(field: str, prefix: str, suffix: str) -> dict:
+        timed = {name: r[field] for name, r in by_name.items() if r.get(field)}
         best = min((n for n in timed if n in peers), key=timed.get, default=None)
+        for name, ms in timed.items() if best is not None else ():
+            by_name[name][f"{prefix}best_peer{suffix}"] = best
+            by_name[name][f"{prefix}x_best_peer{suffix}"] = timed[best] / ms
+        return timed
+
+    for s in harness.mode_suffixes(timing):
+        timed = best_peer("ms" + s, "", s)
         for name, ms in timed.items():
-            r = next(r for r in rows if r["provider"] == name)
+            r = by_name[name]
             r["tflops" + s] = harness.tflops(flops, ms)
             r["pct_cublas" + s] = 100.0 * r["tflops" + s] / ceiling
             if "ikbo" in timed and name != "ikbo":
                 r["ikbo_speedup" + s] = ms / timed["ikbo"]
-            if best is not None:
-                r["best_peer" + s], r["x_best_peer" + s] = best, timed[best] / ms
+    best_peer("graph_ms", "graph_", "")
 
 
 def host_overheads(args, provs: list, dtype: torch.dtype, broadcast: str,
@@ -334,7 +343,8 @@ def run_settings(args) -> dict:
 
 TABLE_COLUMNS = ["provider", "status", "rel_err", "first_call_s"]
 PLOT_COLUMNS = 8  # sweeps side by side in the PNG; more wrap onto further rows
-TIMED_COLUMNS = ["ms", "graph_ms", "tflops", "pct_cublas", "ikbo_speedup", "x_best_peer"]  # per timing mode
+TIMED_COLUMNS = ["ms", "graph_ms", "tflops", "pct_cublas", "ikbo_speedup", "x_best_peer",
+                 "graph_x_best_peer"]  # per timing mode
 
 
 def problem_title(p: Problem) -> str:
@@ -366,10 +376,12 @@ def summary(rows: list, sweeps: dict, mode: str = "interleaved") -> None:
                 line[r["provider"]] = r.get("tflops" + s) if r["status"] == "ok" else r["status"]
                 if r["provider"] == "ikbo" and r.get("best_peer" + s):
                     line["best peer"], line["ikbo / best peer"] = r["best_peer" + s], r["x_best_peer" + s]
+                if r["provider"] == "ikbo" and not s and r.get("graph_best_peer"):
+                    line["ikbo / best peer, graph"] = r["graph_x_best_peer"]
             table.append(line)
         cols = [x] + (["total_keys", "max_len"] if jagged else [])
         names = sorted({r["provider"] for r in rows}, key=lambda n: (display_index(n), n))
-        cols += [c for c in names + ["materialize ms", "best peer", "ikbo / best peer"]
+        cols += [c for c in names + ["materialize ms", "best peer", "ikbo / best peer", "ikbo / best peer, graph"]
                  if c != "materialize" and any(c in t for t in table)]
         print(f"sweep {name}")
         harness.print_table(table, cols)

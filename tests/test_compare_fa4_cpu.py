@@ -484,7 +484,8 @@ def test_h_and_d_lists_run_their_product():
         "S_q", [(2048, 64, S, 8192, "fp16", "kv", "sorted", None, 4, 64) for S in s_q])
     assert (cf.run_settings(args)["H"], cf.run_settings(args)["D"]) == ([1, 2, 4, 8], [64, 128])
     keys, sweeps = cf.build_configs(cf.parse_args(["--H", "4", "--D", "64", "--L", "1024"]))
-    assert keys == [(2048, 64, 64, 1024, "bf16", "kv", "sorted", None, 4, 64)] and list(sweeps) == ["L (bf16, kv, sorted)"]
+    assert keys == [(2048, 64, 64, 1024, "bf16", "kv", "sorted", None, 4, 64)]
+    assert list(sweeps) == ["L (bf16, kv, sorted)"]
     _, sweeps = cf.build_configs(cf.parse_args(["--D", "64", "128", "--jagged", "zipf", "--L", "1024"]))
     assert list(sweeps) == [f"L (bf16, kv, sorted, jagged zipf, H=2 D={D})" for D in (64, 128)]
 
@@ -612,13 +613,15 @@ def test_main_dry_run(dry_run, tmp_path, capsys):
                 best = min(peers.values(), key=lambda o: o["ms" + s])
                 assert r["best_peer" + s] == best["provider"]
                 assert r["x_best_peer" + s] == pytest.approx(best["ms" + s] / r["ms" + s])
+            best = min(peers.values(), key=lambda o: o["graph_ms"])  # and in the graph replays beside
+            assert r["graph_x_best_peer"] == pytest.approx(best["graph_ms"] / r["graph_ms"])
         if r["broadcast"] == "q":
             assert "best_peer" not in r  # no varlen peer takes dense Q broadcast
     assert set(data["host_overhead_us"]) >= {"ikbo", "fa4 materialized", "fa3 varlen packed", "sdpa materialized"}
     assert data["environment"]["torch"] == torch.__version__ and "fa3-fwd" in data["environment"]
     out = capsys.readouterr().out
     assert "TFLOP/s (eager, interleaved)" in out and "TFLOP/s (eager, sustained)" in out
-    assert "ikbo / best peer" in out and "host time per call" in out
+    assert "ikbo / best peer" in out and "ikbo / best peer, graph" in out and "host time per call" in out
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -661,7 +664,8 @@ def test_main_dry_run_wrong_missing_and_unavailable(dry_run, tmp_path, monkeypat
     data = _run_main(tmp_path, ["--no-plot", "--timing", "interleaved"])
     by = {(r["L"], r["provider"]): r for r in data["rows"]}
     assert by[(8, "ikbo")]["status"] == "wrong" and "ms" not in by[(8, "ikbo")]
-    assert by[(8, "fa3 varlen packed")]["status"] == "skipped" and "fa3_fwd_interface" in by[(8, "fa3 varlen packed")]["note"]
+    fa3 = by[(8, "fa3 varlen packed")]
+    assert fa3["status"] == "skipped" and "fa3_fwd_interface" in fa3["note"]
     assert any("fa3_fwd_interface not importable" in n for n in data["notes"])
     assert "fa3_fwd_interface not importable" in capsys.readouterr().out
     sdpa = by[(8, "sdpa materialized")]
