@@ -265,6 +265,7 @@ def build_configs(args) -> tuple[list, dict]:
 
 
 def length_arg(spec: str) -> str:
+    """``--jagged``'s type: a length distribution (``length_spec``), or an argument error naming it."""
     try:
         length_spec(spec)
     except ValueError as e:
@@ -273,6 +274,7 @@ def length_arg(spec: str) -> str:
 
 
 def variant_arg(spec: str) -> tuple:
+    """``--variant``'s type: (spec, its attention policy), or an argument error naming the spec."""
     try:
         return spec, parse_policy(spec)
     except (ValueError, TypeError, ImportError) as e:
