@@ -622,6 +622,7 @@ def test_main_dry_run(dry_run, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "TFLOP/s (eager, interleaved)" in out and "TFLOP/s (eager, sustained)" in out
     assert "ikbo / best peer" in out and "ikbo / best peer, graph" in out and "host time per call" in out
+    assert "best_peer  x_best_peer  graph_x_best_peer" in out  # the columns of each problem's table
     try:
         import matplotlib  # noqa: F401
     except ImportError:
