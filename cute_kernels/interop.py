@@ -19,6 +19,7 @@ _DTYPES = {
     torch.float32: cutlass.Float32,
     torch.int32: cutlass.Int32,
     torch.int64: cutlass.Int64,
+    torch.float8_e4m3fn: cutlass.Float8E4M3FN,
 }
 
 

@@ -46,7 +46,7 @@ from cute_kernels import (
 
 from cute_kernels.checks import capturing, check_index_range, check_out_target, validation_enabled
 
-from .checks import check_lce_inputs, check_schedule
+from .checks import check_lce_inputs, check_schedule, fp8_call
 from .config import LceConfig, LceGeometry, compile_config, pick_config
 from .reference import lce_reference
 
@@ -180,7 +180,8 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule) -> _Plan | None:
     return _plans.keep(key, plan)
 
 
-def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused"):
+def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused", w_cand_scale=None,
+        w_user_scale=None, e_cand_scale=None, e_user_scale=None, out_dtype=None):
     """IKBO linear compression: ``out[b] = w_cand @ e_cand[b] + w_user @ e_user[idx[b]]``.
 
     Shapes: w_cand [M, K_cand], w_user [M, K_user], e_cand [B, K_cand, N],
@@ -188,7 +189,17 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     order). fp16 or bf16, all operands one dtype; fp32 accumulation, the user
     and candidate partial sums added in fp32 and rounded once.
 
-    ``out`` (optional): a contiguous [B, M, N] tensor of the operands' dtype, any
+    FP8: all four operands float8_e4m3fn, e K-major: e_cand [B, N, K_cand], e_user
+    [U, N, K_user] (8-bit wgmma reads both operands K-major; ``quantize_fp8(e, dim=(1, 2),
+    layout="transposed")`` makes them from [B, K, N] in its one pass), with float32 scales
+    ``w_cand_scale`` [M], ``w_user_scale`` [M] (one per row of w), ``e_cand_scale`` [B],
+    ``e_user_scale`` [U] (one per batch entry), or 0-d for one per tensor: ``out[b] =
+    sw_c * se_c[b] * (w_cand8 @ e_cand8[b].T) + sw_u * se_u[idx[b]] * (w_user8 @
+    e_user8[idx[b]].T)``, the scales applied to the fp32 sums, one rounding to ``out_dtype``
+    (bf16 by default, or fp16). The FP8 call runs :func:`lce_reference` on every device until
+    its kernel configurations ship.
+
+    ``out`` (optional): a contiguous [B, M, N] tensor of the output dtype, any
     alignment, sharing no memory with the inputs (ValueError otherwise); written as
     torch writes in place (its version counter moves; a leaf that requires grad or an
     inference tensor outside inference mode raises RuntimeError; with an autograd node,
@@ -220,6 +231,11 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     kernel has no backward: with grad mode on and an operand that requires
     grad, the output's backward raises (use :func:`lce_reference` for gradients).
     """
+    scales = dict(w_cand_scale=w_cand_scale, w_user_scale=w_user_scale, e_cand_scale=e_cand_scale,
+                  e_user_scale=e_user_scale)
+    if fp8_call((w_cand, w_user, e_cand, e_user), scales.values(), out_dtype):
+        return lce_reference(w_cand, w_user, e_cand, e_user, idx, out=out, validate=validate, schedule=schedule,
+                             out_dtype=out_dtype, **scales)
     if torch.compiler.is_compiling():
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
         return into_out(out, torch.ops.ikbo_gemm.lce(w_cand, w_user, e_cand, e_user, idx, validate, schedule))

@@ -51,7 +51,7 @@ from cute_kernels import (
 )
 from cute_kernels.checks import check_index_range, check_out_target, validation_enabled
 
-from .checks import check_linear_inputs
+from .checks import check_linear_inputs, fp8_call
 from .config import LinearConfig, compile_linear_config, linear_configs, pick_cand_split, pick_cand_tile, pick_linear_tile
 from .reference import linear_reference
 
@@ -268,7 +268,8 @@ def _user_splits(user_tiles: int, k_blocks: int, sms: int, most: int = 4) -> int
     return -(-k_blocks // per_split)
 
 
-def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None):
+def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None,
+           x_cand_scale=None, x_user_scale=None, w_cand_scale=None, w_user_scale=None, out_dtype=None):
     """IKBO linear layer: ``out[b] = act(x_cand[b] @ w_cand.T + x_user[idx[b]] @ w_user.T + bias)``.
 
     Shapes: x_cand [B, K_cand], x_user [U, K_user], idx [B] (int32 or int64, values in [0, U),
@@ -277,7 +278,14 @@ def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, o
     the user and candidate partial sums and the bias added in fp32 and rounded once, after
     ``activation``: None, "relu", "gelu" (erf), "gelu_tanh", "silu" or "sigmoid".
 
-    ``out`` (optional): a contiguous [B, N] tensor of the operands' dtype, any alignment, sharing
+    FP8: all four operands float8_e4m3fn (``quantize_fp8``), each with its float32 scale,
+    ``x_cand_scale`` [B], ``x_user_scale`` [U], ``w_cand_scale`` [N], ``w_user_scale`` [N], or
+    0-d for one per tensor: ``out[b] = act(sxc[b] swc * (xc8[b] @ wc8.T) + sxu[idx[b]] swu *
+    (xu8[idx[b]] @ wu8.T) + bias)``, the scales applied to the fp32 sums, one rounding to
+    ``out_dtype`` (bf16 by default, or fp16); bias bf16, fp16 or fp32. The FP8 call runs
+    :func:`linear_reference` on every device until its kernel configurations ship.
+
+    ``out`` (optional): a contiguous [B, N] tensor of the output dtype, any alignment, sharing
     no memory with the inputs (ValueError otherwise); written as torch writes in place.
 
     ``validate`` (default: the IKBO_VALIDATE environment variable) checks that every idx lies
@@ -291,6 +299,11 @@ def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, o
     has no backward: with grad mode on and an input that requires grad, the output's backward
     raises (use :func:`linear_reference` for gradients).
     """
+    scales = dict(x_cand_scale=x_cand_scale, x_user_scale=x_user_scale, w_cand_scale=w_cand_scale,
+                  w_user_scale=w_user_scale)
+    if fp8_call((x_cand, x_user, w_cand, w_user), scales.values(), out_dtype):
+        return linear_reference(x_cand, x_user, idx, w_cand, w_user, bias, activation=activation, out=out,
+                                validate=validate, out_dtype=out_dtype, **scales)
     if torch.compiler.is_compiling():
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
         return into_out(out, torch.ops.ikbo_gemm.linear(x_cand, x_user, idx, w_cand, w_user, bias, activation,

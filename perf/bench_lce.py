@@ -26,6 +26,25 @@ reported, never timed); those that pass are timed in turns, one call of each per
   ikbo two_launch          ikbo_gemm.lce(schedule="two_launch"): user GEMM, then the candidate
                            GEMM with the gather-add fused into its epilogue
   ikbo fused               ikbo_gemm.lce(schedule="fused"): one persistent warp-specialized kernel
+FP8 (--dtype fp8 / --sweep-dtype fp8): the bf16 providers above on the bf16 inputs, and their
+e4m3 peers, w with one scale per row, e with one per batch entry (ikbo_gemm.quantize_fp8's
+formula, amax / 448), bf16 out. torch._scaled_mm takes e K-major, [B, N, K] as the rows of
+one GEMM's B operand ([B N, K]), so each peer computes out^T per batch as [M, B N] and returns
+its [B, M, N] view:
+  fp8 materialize+scaled_mm    what an FP8 model does today: cat(e_user[idx], e_cand) along K,
+                               quantized and transposed (timed), then one row-wise _scaled_mm
+                               with the quantized cat(w_user, w_cand)
+  fp8 decomposition            user _scaled_mm at U, candidate _scaled_mm at B, gather + add;
+                               torch.compile fp8 decomposition: the same compiled
+  fp8 scaled_mm floor          the candidate _scaled_mm alone
+  ikbo fp8                     ikbo_gemm.lce on the FP8 operands (e [B, N, K])
+  ikbo fp8 + quantize          the same with quantize_fp8(e, dim=(1, 2), layout="transposed") of
+                               e_cand and e_user [B, K, N] in the call
+The FP8 operands are quantized once, untimed (but by the providers that say so); _scaled_mm's
+need K and N divisible by 16: the torch peers get e padded with zeros to [B, N16, K16] then
+(and the per-batch scales repeated over their N16 rows), the weights once per problem. rel_err of an FP8
+provider is against the fp32 formula on its dequantized operands (materialize: its own
+quantized concatenation), quant_err against the bf16 problem's fp32 reference.
 The torch.compile providers compile afresh for each problem (static shapes, one graph, no
 Inductor disk cache), so compile_s is a cold compile.
 Columns: median ms, TFLOP/s, speedup over each torch provider (its ms / this ms: x_mat_bmm,
@@ -51,15 +70,20 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from perf import harness
+from perf import fp8_peers, harness
+from perf.fp8_peers import FP8, dequantize, pad16, quantize_rows, scaled_mm
 from perf.harness import ContextLost, make_idx, user_counts
 
 NAME = "bench_lce"
+DTYPES = {**harness.DTYPES, "fp8": FP8}
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
 PUBLISHED = {"B": 1024, "ratio": 70, "M": 433, "N": 256, "K_user": 1184, "K_cand": 872}
 SWEEPS = {"B": [256, 512, 1024, 2048, 4096], "ratio": [2, 5, 10, 30, 70, 200, 1000, 10000]}
 SPEEDUP_COLUMNS = {"torch materialize+bmm": "x_mat_bmm", "torch bmm": "x_bmm",
                    "torch decomposition": "x_decomp", "torch.compile decomposition": "x_compiled"}
+FP8_SPEEDUP_COLUMNS = {"fp8 materialize+scaled_mm": "x_fp8_mat", "fp8 decomposition": "x_fp8_decomp",
+                       "torch.compile fp8 decomposition": "x_fp8_compiled", "fp8 scaled_mm floor": "x_fp8_floor",
+                       "ikbo fused": "x_ikbo_bf16"}
 AUTOTUNE_MODE = "max-autotune-no-cudagraphs"
 
 
@@ -91,7 +115,42 @@ class LceProblem:
     def fields(self) -> dict:
         return {"B": self.B, "ratio": self.ratio, "U": self.U, "M": self.M, "N": self.N,
                 "K_user": self.K_user, "K_cand": self.K_cand,
-                "dtype": {v: k for k, v in harness.DTYPES.items()}[self.dtype]}
+                "dtype": {v: k for k, v in DTYPES.items()}[self.dtype]}
+
+
+@dataclasses.dataclass
+class Fp8Operands:
+    """The operands in e4m3: w with one scale per row, e K-major ([B, N, K], as ikbo_gemm.lce
+    takes it) with one per batch entry, and e again with K padded to 16 for _scaled_mm."""
+
+    w_cand: torch.Tensor  # [M, K_cand]
+    w_user: torch.Tensor
+    e_cand: torch.Tensor  # [B, N, K_cand]
+    e_user: torch.Tensor  # [U, N, K_user]
+    w_cand_scale: torch.Tensor  # [M]
+    w_user_scale: torch.Tensor
+    e_cand_scale: torch.Tensor  # [B]
+    e_user_scale: torch.Tensor  # [U]
+    e_cand16: torch.Tensor  # [B, N16, K16]: N and K padded to 16 for _scaled_mm
+    e_user16: torch.Tensor
+    e_cand16_scale: torch.Tensor  # [B N16]: e_cand_scale repeated over the rows of e_cand16
+    e_user16_scale: torch.Tensor
+
+    @staticmethod
+    def of(w_cand, w_user, e_cand, e_user) -> "Fp8Operands":
+        (wc, swc), (wu, swu) = quantize_rows(w_cand), quantize_rows(w_user)
+        (ec, sec), (eu, seu) = (quantize_rows(e.transpose(1, 2), dim=(1, 2)) for e in (e_cand, e_user))
+        ec, eu = ec.contiguous(), eu.contiguous()
+        n16 = -(-ec.shape[1] // 16) * 16
+        return Fp8Operands(wc, wu, ec, eu, swc, swu, sec, seu, pad16(pad16(ec), 1), pad16(pad16(eu), 1),
+                           sec.repeat_interleave(n16), seu.repeat_interleave(n16))
+
+    def scales(self) -> dict:
+        return {n: getattr(self, n) for n in ("w_cand_scale", "w_user_scale", "e_cand_scale", "e_user_scale")}
+
+    def clone_activations(self) -> "Fp8Operands":
+        e = {n: getattr(self, n).clone() for n in ("e_cand", "e_user", "e_cand16", "e_user16")}
+        return dataclasses.replace(self, **e)
 
 
 @dataclasses.dataclass
@@ -100,13 +159,23 @@ class LceInputs:
     w_user: torch.Tensor
     e_cand: torch.Tensor
     e_user: torch.Tensor
+    fp8: Optional[Fp8Operands] = None  # FP8 problems: the operands quantized (the 16-bit ones are bf16)
 
     def clone_activations(self) -> "LceInputs":
         """A copy of the per-request inputs; the weights stay shared."""
-        return dataclasses.replace(self, e_cand=self.e_cand.clone(), e_user=self.e_user.clone())
+        return dataclasses.replace(self, e_cand=self.e_cand.clone(), e_user=self.e_user.clone(),
+                                   fp8=self.fp8 and self.fp8.clone_activations())
 
     def activation_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.e_cand, self.e_user))
+        extra = (self.fp8.e_cand, self.fp8.e_user) if self.fp8 else ()
+        return sum(t.numel() * t.element_size() for t in (self.e_cand, self.e_user, *extra))
+
+    def dequantized(self) -> "LceInputs":
+        """fp32 inputs of the FP8 operands' values, e back in [B, K, N]."""
+        q = self.fp8
+        return LceInputs(dequantize(q.w_cand, q.w_cand_scale), dequantize(q.w_user, q.w_user_scale),
+                         dequantize(q.e_cand, q.e_cand_scale).transpose(1, 2),
+                         dequantize(q.e_user, q.e_user_scale).transpose(1, 2))
 
 
 def make_problem(B, ratio, dtype, shape=PUBLISHED, device=None) -> LceProblem:
@@ -119,23 +188,31 @@ def make_problem(B, ratio, dtype, shape=PUBLISHED, device=None) -> LceProblem:
 def make_inputs(p: LceProblem, gen: torch.Generator, device=None) -> LceInputs:
     device = device or DEVICE
 
+    dtype = torch.bfloat16 if p.dtype == FP8 else p.dtype  # FP8: the bf16 problem and its quantization
+
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(p.dtype)
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
 
     # weights scaled like a trained layer (std 1/sqrt(K)) so outputs stay O(1) in fp16
-    return LceInputs(randn(p.M, p.K_cand, scale=(p.K_cand + p.K_user) ** -0.5),
-                     randn(p.M, p.K_user, scale=(p.K_cand + p.K_user) ** -0.5),
-                     randn(p.B, p.K_cand, p.N), randn(p.U, p.K_user, p.N))
+    inp = LceInputs(randn(p.M, p.K_cand, scale=(p.K_cand + p.K_user) ** -0.5),
+                    randn(p.M, p.K_user, scale=(p.K_cand + p.K_user) ** -0.5),
+                    randn(p.B, p.K_cand, p.N), randn(p.U, p.K_user, p.N))
+    if p.dtype == FP8:
+        inp.fp8 = Fp8Operands.of(inp.w_cand, inp.w_user, inp.e_cand, inp.e_user)
+    return inp
 
 
-def reference_output(p: LceProblem, inp: LceInputs, chunk: int = 256) -> torch.Tensor:
-    """fp32 [B, M, N] (computed in chunks of candidates to bound the fp32 temporaries)."""
+def reference_output(p: LceProblem, inp: LceInputs, chunk: int = 256, user_side: bool = True) -> torch.Tensor:
+    """fp32 [B, M, N] (computed in chunks of candidates to bound the fp32 temporaries); without
+    ``user_side``, the candidate GEMM alone (the FP8 floor's)."""
     user = torch.matmul(inp.w_user.float(), inp.e_user.float())  # [U, M, N]
     out = torch.empty(p.B, p.M, p.N, dtype=torch.float32, device=inp.e_cand.device)
     idx = p.idx.long()
     for s in range(0, p.B, chunk):
         e = min(p.B, s + chunk)
-        out[s:e] = torch.matmul(inp.w_cand.float(), inp.e_cand[s:e].float()) + user[idx[s:e]]
+        out[s:e] = torch.matmul(inp.w_cand.float(), inp.e_cand[s:e].float())
+        if user_side:
+            out[s:e] += user[idx[s:e]]
     return out
 
 
@@ -149,6 +226,9 @@ class Provider:
     run: Callable[[LceProblem, Any, LceInputs], torch.Tensor]  # -> out [B, M, N]
     ours: bool = False
     max_autotune: bool = False  # compiles for long: --max-autotune says where it runs
+    fp8: Optional[str] = None  # an FP8 provider (FP8 problems only), checked against the fp32 formula on
+    # "operands": the dequantized FP8 operands; "cat": its own quantized concatenation
+    floor: bool = False  # the candidate side alone: checked against the candidate GEMM's reference
 
 
 class _Lib:
@@ -225,8 +305,97 @@ def _ours(schedule: str) -> Callable:
     return run
 
 
-def providers() -> list:
-    """In check order: torch first, ours last (a failure there cannot spoil the baselines)."""
+# --------------------------------------------------------------------------- FP8 providers
+
+def fp8_batched_gemm(w8, sw, e16, se16, n: int) -> torch.Tensor:
+    """bf16 [M, b, n]: w8 @ e[i].T for every batch entry i as one row-wise _scaled_mm, e16 [b, N16, K16]
+    the rows of its B operand, ``se16`` [b N16] their scales."""
+    b, n16 = e16.shape[:2]
+    return scaled_mm(w8, sw, e16.reshape(b * n16, -1), se16).view(-1, b, n16)[:, :, :n]
+
+
+def fp8_decomposition(wc8, swc, wu8, swu, ec16, sec16, eu16, seu16, idx, n: int) -> torch.Tensor:
+    """[B, M, N] (a view of [M, B, N]): the two batched _scaled_mm, gather + add."""
+    user = fp8_batched_gemm(wu8, swu, eu16, seu16, n)  # [M, U, N]
+    out = fp8_batched_gemm(wc8, swc, ec16, sec16, n)  # [M, B, N]
+    return out.add_(user.index_select(1, idx)).permute(1, 0, 2)
+
+
+def _fp8_weights(p: LceProblem, i: LceInputs) -> tuple:
+    """(w_cand8, scale, w_user8, scale), K padded to 16, once per problem (static weights)."""
+    if "w8" not in p.cache:
+        q = i.fp8
+        p.cache["w8"] = (pad16(q.w_cand), q.w_cand_scale, pad16(q.w_user), q.w_user_scale)
+    return p.cache["w8"]
+
+
+def _fp8_args(p: LceProblem, w, i: LceInputs) -> tuple:
+    q = i.fp8
+    return (w[0], w[1], w[2], w[3], q.e_cand16, q.e_cand16_scale, q.e_user16, q.e_user16_scale, p.idx, p.N)
+
+
+def quantized_cat(p: LceProblem, e_user: torch.Tensor, e_cand: torch.Tensor) -> tuple:
+    """What an FP8 model quantizes: cat(e_user[idx], e_cand) along K, one scale per candidate,
+    transposed to [B, N16, K16]; with the scales repeated over each candidate's rows."""
+    e = torch.cat([e_user.index_select(0, p.idx), e_cand], dim=1).transpose(1, 2)  # [B, N, K]
+    e8, scale = quantize_rows(e, dim=(1, 2))
+    e16 = pad16(pad16(e8.contiguous()), 1)
+    return e16, scale.repeat_interleave(e16.shape[1])
+
+
+def _fp8_cat_weight(p: LceProblem, i: LceInputs) -> tuple:
+    if "w8_cat" not in p.cache:
+        w8, sw = quantize_rows(_w_cat(p, i))
+        p.cache["w8_cat"] = (pad16(w8), sw)
+    return p.cache["w8_cat"]
+
+
+def fp8_cat_reference(p: LceProblem, i: LceInputs) -> torch.Tensor:
+    """fp32 [B, M, N] of the fp8 materialize+scaled_mm provider's own quantized operands."""
+    e16, se16 = quantized_cat(p, i.e_user, i.e_cand)
+    w8, sw = _fp8_cat_weight(p, i)
+    e = dequantize(e16.reshape(-1, e16.shape[-1]), se16).view(e16.shape)
+    return torch.matmul(dequantize(w8, sw), e.transpose(1, 2))[:, :, :p.N]
+
+
+def _fp8_cat(p: LceProblem, w, i: LceInputs) -> torch.Tensor:
+    e16, se16 = quantized_cat(p, i.e_user, i.e_cand)
+    return fp8_batched_gemm(*w, e16, se16, p.N).permute(1, 0, 2)
+
+
+def _fp8_floor(p: LceProblem, w, i: LceInputs) -> torch.Tensor:
+    q = i.fp8
+    return fp8_batched_gemm(w[0], w[1], q.e_cand16, q.e_cand16_scale, p.N).permute(1, 0, 2)
+
+
+def _ours_fp8(quantize: bool) -> Callable:
+    def run(p: LceProblem, st, i: LceInputs) -> torch.Tensor:
+        q, op = i.fp8, LIB.ikbo_gemm
+        scales = q.scales()
+        e_cand, e_user = q.e_cand, q.e_user
+        if quantize:
+            (e_cand, scales["e_cand_scale"]), (e_user, scales["e_user_scale"]) = (
+                op.quantize_fp8(e, dim=(1, 2), layout="transposed") for e in (i.e_cand, i.e_user))
+        return op.lce(q.w_cand, q.w_user, e_cand, e_user, p.idx, validate=False, **scales)
+    return run
+
+
+def providers(fp8: bool = False) -> list:
+    """In check order: torch first, ours last (a failure there cannot spoil the baselines); with
+    ``fp8`` the FP8 providers too."""
+    fp8_torch = [
+        Provider("fp8 materialize+scaled_mm", _fp8_cat_weight, _fp8_cat, fp8="cat"),
+        Provider("fp8 decomposition", _fp8_weights, lambda p, w, i: fp8_decomposition(*_fp8_args(p, w, i)),
+                 fp8="operands"),
+        Provider("torch.compile fp8 decomposition",
+                 lambda p, i: (_fp8_weights(p, i), harness.torch_compiled(fp8_decomposition)),
+                 lambda p, st, i: st[1](*_fp8_args(p, st[0], i)), fp8="operands"),
+        Provider("fp8 scaled_mm floor", _fp8_weights, _fp8_floor, fp8="operands", floor=True),
+    ] if fp8 else []
+    fp8_ours = [
+        Provider("ikbo fp8", lambda p, i: None, _ours_fp8(False), ours=True, fp8="operands"),
+        Provider("ikbo fp8 + quantize", lambda p, i: None, _ours_fp8(True), ours=True, fp8="operands"),
+    ] if fp8 else []
     return [
         Provider("torch materialize+bmm", lambda p, i: _w_cat(p, i),
                  lambda p, w, i: torch.matmul(w, _materialize(p, i))),
@@ -235,8 +404,10 @@ def providers() -> list:
         _compiled("torch.compile decomposition", decomposition),
         _compiled("torch.compile decomposition max-autotune", decomposition_autotuned, AUTOTUNE_MODE),
         _compiled_materialize_bmm(),
+        *fp8_torch,
         Provider("ikbo two_launch", lambda p, i: None, _ours("two_launch"), ours=True),
         Provider("ikbo fused", lambda p, i: None, _ours("fused"), ours=True),
+        *fp8_ours,
     ]
 
 
@@ -245,17 +416,36 @@ def providers() -> list:
 
 def check_providers(p: LceProblem, inp: LceInputs, provs: list, tol: float,
                     skip: Optional[dict] = None) -> tuple[list, dict]:
-    """``harness.check_providers`` against the fp32 reference; ours skipped when not importable,
-    and those ``skip`` names (name -> why)."""
-    ref = reference_output(p, inp)
+    """``harness.check_providers`` against the fp32 reference (FP8 providers: of their dequantized
+    operands, with the quantization's own error against the bf16 problem's as "quant_err");
+    ours skipped when not importable, and those ``skip`` names (name -> why). FP8 providers run
+    on FP8 problems only."""
+    provs = [pr for pr in provs if not pr.fp8 or p.dtype == FP8]
+    refs, quant_err = {}, {}
     skip = skip or {}
+
+    def reference(floor: bool, fp8: Optional[str]) -> torch.Tensor:
+        if (floor, fp8) not in refs:
+            if fp8 == "cat":
+                refs[floor, fp8] = fp8_cat_reference(p, inp)
+            else:
+                refs[floor, fp8] = reference_output(p, inp.dequantized() if fp8 else inp, user_side=not floor)
+        return refs[floor, fp8]
+
+    def rel_error_of(prov, out):
+        if prov.fp8:
+            quant_err[prov.name] = harness.rel_error(out.float(), reference(prov.floor, None))
+        return harness.rel_error(out.float(), reference(prov.floor, prov.fp8))
 
     def skip_note(prov):
         return LIB.note if prov.ours and LIB.ikbo_gemm is None else skip.get(prov.name)
 
-    return harness.check_providers(
-        provs, p, inp, fields=p.fields(), rel_error_of=lambda prov, out: harness.rel_error(out.float(), ref),
-        tol=tol, skip_note=skip_note, device=DEVICE)
+    rows, timed = harness.check_providers(provs, p, inp, fields=p.fields(), rel_error_of=rel_error_of, tol=tol,
+                                          skip_note=skip_note, device=DEVICE)
+    for r in rows:
+        if r["provider"] in quant_err:
+            r["quant_err"] = quant_err[r["provider"]]
+    return rows, timed
 
 
 def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float,
@@ -268,7 +458,8 @@ def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float
     harness.time_checked(timed, rows, rotate=sets, device=DEVICE, **harness.timing_options(args))
     timed.clear()
     harness.compile_seconds(rows)
-    harness.derive_rates(rows, args.timing, flops=p.flops, ceiling=ceiling, peers=SPEEDUP_COLUMNS)
+    peers = {**SPEEDUP_COLUMNS, **FP8_SPEEDUP_COLUMNS} if p.dtype == FP8 else SPEEDUP_COLUMNS
+    harness.derive_rates(rows, args.timing, flops=p.flops, ceiling=ceiling, peers=peers)
     p.cache.clear()
     return rows
 
@@ -297,9 +488,9 @@ def parse_args(argv=None):
     ap.add_argument("--configs", nargs="+", choices=["published", "B", "ratio"],
                     default=["published", "B", "ratio"],
                     help="published shape, B sweep (ratio 70), ratio sweep (B 1024)")
-    ap.add_argument("--dtype", nargs="+", choices=sorted(harness.DTYPES), default=["fp16", "bf16"],
-                    help="dtypes of the published shape")
-    ap.add_argument("--sweep-dtype", nargs="+", choices=sorted(harness.DTYPES), default=["fp16"])
+    ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["fp16", "bf16"],
+                    help="dtypes of the published shape (fp8: the bf16 problem and its e4m3 quantization)")
+    ap.add_argument("--sweep-dtype", nargs="+", choices=sorted(DTYPES), default=["fp16"])
     ap.add_argument("--B", type=int, nargs="+", help=f"B sweep values (default {SWEEPS['B']})")
     ap.add_argument("--ratio", type=int, nargs="+", help=f"ratio sweep values (default {SWEEPS['ratio']})")
     ap.add_argument("--M", type=int, default=PUBLISHED["M"])
@@ -307,7 +498,7 @@ def parse_args(argv=None):
     ap.add_argument("--K-user", dest="K_user", type=int, default=PUBLISHED["K_user"])
     ap.add_argument("--K-cand", dest="K_cand", type=int, default=PUBLISHED["K_cand"])
     ap.add_argument("--providers", nargs="+", metavar="NAME",
-                    help=f"subset of: {', '.join(p.name for p in providers())}")
+                    help=f"subset of: {', '.join(p.name for p in providers(fp8=True))}")
     ap.add_argument("--max-autotune", choices=["published", "all"], default="published",
                     help="where the max-autotune provider runs: the published shape (default) or every point")
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
@@ -316,12 +507,13 @@ def parse_args(argv=None):
     harness.add_common_args(ap)
     harness.add_timing_args(ap)
     args = ap.parse_args(argv)
-    harness.check_provider_names(ap, args.providers, [p.name for p in providers()])
+    harness.check_provider_names(ap, args.providers, [p.name for p in providers(fp8=True)])
     return args
 
 
-COLUMNS = ["provider", "status", "rel_err", "compile_s"]
-TIMED_COLUMNS = ["ms", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values()]  # per timing mode
+COLUMNS = ["provider", "status", "rel_err", "quant_err", "compile_s"]
+TIMED_COLUMNS = ["ms", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values(),
+                 *FP8_SPEEDUP_COLUMNS.values()]  # per timing mode
 AUTOTUNE_NOTE = "max-autotune compiles for tens of seconds: at the published shape only (--max-autotune all)"
 
 
@@ -339,12 +531,13 @@ def main(argv=None) -> int:
     load_ikbo_gemm()
     if LIB.note:
         print(f"{NAME}: {LIB.note}; its rows are skipped", flush=True)
-    provs = [pr for pr in providers() if not args.providers or pr.name in args.providers]
     shape = {"M": args.M, "N": args.N, "K_user": args.K_user, "K_cand": args.K_cand}
     keys, groups = build_configs(args)
+    provs = [pr for pr in providers(fp8=any(k[2] == "fp8" for k in keys))
+             if not args.providers or pr.name in args.providers]
     env = harness.environment()
     harness.print_environment(env)
-    ceilings = harness.ceilings_tflops(k[2] for k in keys)
+    ceilings = fp8_peers.ceilings_tflops(k[2] for k in keys)
 
     stamp = harness.utc_stamp()
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
@@ -362,7 +555,7 @@ def main(argv=None) -> int:
                 payload["notes"].append(note)
                 continue
             gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
-            p = make_problem(B, ratio, harness.DTYPES[dt], shape)
+            p = make_problem(B, ratio, DTYPES[dt], shape)
             inp = make_inputs(p, gen)
             skip = {} if key in published or args.max_autotune == "all" else {
                 pr.name: AUTOTUNE_NOTE for pr in provs if pr.max_autotune}

@@ -27,6 +27,21 @@ reported, never timed):
                                K-split user pairs; the user phase in narrow tiles and up to 8
                                K slices; both), which the op leaves off until they are timed
                                against it in one run
+FP8 (--dtype fp8): the layer in bf16 as above (its providers run on the bf16 inputs) and in
+e4m3 with row-wise scales (ikbo_gemm.quantize_fp8's formula, amax / 448 per row), bf16 out:
+  fp8 cat+scaled_mm            what an FP8 model does today: cat(x_user[idx], x_cand), quantized
+                               (timed), then torch._scaled_mm row-wise with the quantized
+                               cat(w_user, w_cand), bias and activation
+  fp8 decomposition            two _scaled_mm (user at U, candidates at B), gather, add, bias,
+                               activation; torch.compile fp8 decomposition: the same compiled
+  fp8 scaled_mm floor          the candidate _scaled_mm alone, bias, activation
+  ikbo linear fp8              ikbo_gemm.linear on the FP8 operands and scales
+  ikbo linear fp8 + quantize   the same with quantize_fp8 of x_cand and x_user in the call
+The FP8 operands are quantized once, untimed (but by the two providers that say so). _scaled_mm
+needs K and N divisible by 16: its operands are padded with zeros, the weights once per problem,
+the features in the call (a copy, timed, only where K is not a multiple of 16). rel_err of an FP8 provider is against the fp32 layer on
+its dequantized operands (fp8 cat+scaled_mm: its own quantized concatenation); quant_err is
+against the bf16 layer's fp32 reference: the quantization's own error, the model's business.
 Columns: us per call, TFLOP/s of the useful work (the floor counted at it too: the rate at
 which the op would match it), percent of the 8192^3 cuBLAS GEMM ceiling, x_* = that torch
 provider's time / this time, compile_s = first call minus a steady call. Calls cycle through
@@ -60,10 +75,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from perf import harness
+from perf import fp8_peers, harness
+from perf.fp8_peers import FP8, dequantize, pad16, padded_scale, quantize_rows, scaled_mm
 from perf.harness import ContextLost, make_idx, user_counts
 
 NAME = "bench_linear"
+DTYPES = {**harness.DTYPES, "fp8": FP8}
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
 K_PAIRS = [(512, 512), (1024, 2048), (4096, 4096)]  # (K_user, K_cand)
 GROUPS = {
@@ -77,6 +94,7 @@ GROUPS = {
 AXES = ["B", "ratio", "K", "N", "dtype", "activation"]
 ACTIVATIONS = ["none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
 OURS = "ikbo linear"
+OURS_FP8 = "ikbo linear fp8"
 SMALL_GRID = "ikbo linear, small-grid rules"
 # Extra providers: the op under launch-plan rules it leaves off (linear.PlanRules), by the
 # name of the rule set in ikbo_gemm.linear, and the column of the op's row that compares them.
@@ -86,6 +104,9 @@ PLAN_VARIANTS = {SMALL_GRID: ("SMALL_GRID_RULES", "x_small_grid"),
 SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x_decomp",
                    "torch.compile decomposition": "x_compiled", "torch addmm floor": "x_floor",
                    **{name: column for name, (_, column) in PLAN_VARIANTS.items()}}
+FP8_SPEEDUP_COLUMNS = {"fp8 cat+scaled_mm": "x_fp8_cat", "fp8 decomposition": "x_fp8_decomp",
+                       "torch.compile fp8 decomposition": "x_fp8_compiled", "fp8 scaled_mm floor": "x_fp8_floor",
+                       OURS: "x_ikbo_bf16"}
 
 
 def linear_flops(B: int, U: int, N: int, K_user: int, K_cand: int) -> int:
@@ -130,8 +151,30 @@ class LinearProblem:
 
     def fields(self) -> dict:
         return {"B": self.B, "ratio": self.ratio, "U": self.U, "K_user": self.K_user, "K_cand": self.K_cand,
-                "N": self.N, "dtype": {v: k for k, v in harness.DTYPES.items()}[self.dtype],
+                "N": self.N, "dtype": {v: k for k, v in DTYPES.items()}[self.dtype],
                 "activation": self.activation}
+
+
+@dataclasses.dataclass
+class Fp8Operands:
+    """The layer's operands in e4m3, each with its row-wise float32 scale."""
+
+    x_cand: torch.Tensor  # [B, K_cand] e4m3
+    x_user: torch.Tensor
+    w_cand: torch.Tensor
+    w_user: torch.Tensor
+    x_cand_scale: torch.Tensor  # [B]
+    x_user_scale: torch.Tensor  # [U]
+    w_cand_scale: torch.Tensor  # [N]
+    w_user_scale: torch.Tensor  # [N]
+
+    @staticmethod
+    def of(x_cand, x_user, w_cand, w_user) -> "Fp8Operands":
+        (xc, sxc), (xu, sxu), (wc, swc), (wu, swu) = map(quantize_rows, (x_cand, x_user, w_cand, w_user))
+        return Fp8Operands(xc, xu, wc, wu, sxc, sxu, swc, swu)
+
+    def scales(self) -> dict:
+        return {n: getattr(self, n) for n in ("x_cand_scale", "x_user_scale", "w_cand_scale", "w_user_scale")}
 
 
 @dataclasses.dataclass
@@ -141,13 +184,23 @@ class LinearInputs:
     w_cand: torch.Tensor
     w_user: torch.Tensor
     bias: torch.Tensor
+    fp8: Optional[Fp8Operands] = None  # --dtype fp8: the operands quantized (the 16-bit ones are bf16)
 
     def clone_activations(self) -> "LinearInputs":
         """A copy of the per-request features; the weights and bias stay shared."""
-        return dataclasses.replace(self, x_cand=self.x_cand.clone(), x_user=self.x_user.clone())
+        fp8 = self.fp8 and dataclasses.replace(self.fp8, x_cand=self.fp8.x_cand.clone(),
+                                               x_user=self.fp8.x_user.clone())
+        return dataclasses.replace(self, x_cand=self.x_cand.clone(), x_user=self.x_user.clone(), fp8=fp8)
 
     def activation_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.x_cand, self.x_user))
+        extra = (self.fp8.x_cand, self.fp8.x_user) if self.fp8 else ()
+        return sum(t.numel() * t.element_size() for t in (self.x_cand, self.x_user, *extra))
+
+    def dequantized(self) -> "LinearInputs":
+        """fp32 inputs of the FP8 operands' values (the bias as it is)."""
+        q = self.fp8
+        return LinearInputs(dequantize(q.x_cand, q.x_cand_scale), dequantize(q.x_user, q.x_user_scale),
+                            dequantize(q.w_cand, q.w_cand_scale), dequantize(q.w_user, q.w_user_scale), self.bias)
 
 
 def make_problem(B, ratio, K_user, K_cand, N, dtype, activation, device=None) -> LinearProblem:
@@ -159,12 +212,17 @@ def make_problem(B, ratio, K_user, K_cand, N, dtype, activation, device=None) ->
 def make_inputs(p: LinearProblem, gen: torch.Generator, device=None) -> LinearInputs:
     device = device or DEVICE
 
+    dtype = torch.bfloat16 if p.dtype == FP8 else p.dtype  # FP8: the bf16 layer and its quantization
+
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(p.dtype)
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
 
     w_scale = (p.K_user + p.K_cand) ** -0.5  # like a trained layer: outputs O(1)
-    return LinearInputs(randn(p.B, p.K_cand), randn(p.U, p.K_user), randn(p.N, p.K_cand, scale=w_scale),
-                        randn(p.N, p.K_user, scale=w_scale), randn(p.N, scale=0.5))
+    inp = LinearInputs(randn(p.B, p.K_cand), randn(p.U, p.K_user), randn(p.N, p.K_cand, scale=w_scale),
+                       randn(p.N, p.K_user, scale=w_scale), randn(p.N, scale=0.5))
+    if p.dtype == FP8:
+        inp.fp8 = Fp8Operands.of(inp.x_cand, inp.x_user, inp.w_cand, inp.w_user)
+    return inp
 
 
 def reference_output(p: LinearProblem, inp: LinearInputs, user_side: bool = True) -> torch.Tensor:
@@ -186,6 +244,8 @@ class Provider:
     ours: bool = False
     floor: bool = False  # computes the candidate side only: checked against its own reference
     extra: bool = False  # run only when --providers names it
+    fp8: Optional[str] = None  # an FP8 provider (--dtype fp8 only), checked against the fp32 layer on
+    # "operands": the dequantized FP8 operands; "cat": its own quantized concatenation
 
 
 class _Lib:
@@ -252,35 +312,140 @@ def _ours_with_rules(p: LinearProblem, op, i: LinearInputs) -> torch.Tensor:
               activation=None if p.activation == "none" else p.activation, validate=False)
 
 
-def providers() -> list:
-    """In check order: torch first, ours last (a failure there cannot spoil the baselines)."""
+# --------------------------------------------------------------------------- FP8 providers
+
+def fp8_decomposition(xc8, sxc, xu8, sxu, idx, wc8, swc, wu8, swu, bias, n: int, activation: str) -> torch.Tensor:
+    """Two row-wise _scaled_mm (operands padded to 16), gather, add, bias, activation."""
+    user = scaled_mm(xu8, sxu, wu8, swu, n)  # [U, N] bf16
+    out = scaled_mm(xc8, sxc, wc8, swc, n)  # [B, N]
+    return activate(out + user.index_select(0, idx) + bias, activation)
+
+
+def _fp8_weights(p: LinearProblem, i: LinearInputs) -> tuple:
+    """(w_cand8, w_user8, their scales): K and N padded to 16, once per problem (static weights)."""
+    if "w8" not in p.cache:
+        q, n16 = i.fp8, -(-p.N // 16) * 16
+        p.cache["w8"] = (pad16(pad16(q.w_cand), 0), pad16(pad16(q.w_user), 0),
+                         padded_scale(q.w_cand_scale, n16), padded_scale(q.w_user_scale, n16))
+    return p.cache["w8"]
+
+
+def quantized_cat(p: LinearProblem, x_user: torch.Tensor, x_cand: torch.Tensor) -> tuple:
+    """What an FP8 model quantizes: cat(x_user[idx], x_cand), K padded to 16, one scale per row."""
+    return quantize_rows(pad16(torch.cat([x_user.index_select(0, p.idx), x_cand], dim=1)))
+
+
+def _fp8_cat_weight(p: LinearProblem, i: LinearInputs) -> tuple:
+    """cat(w_user, w_cand) quantized once per problem, K and N padded to 16."""
+    if "w8_cat" not in p.cache:
+        w8, sw = quantize_rows(torch.cat([i.w_user, i.w_cand], dim=1))
+        p.cache["w8_cat"] = (pad16(pad16(w8), 0), padded_scale(sw, -(-p.N // 16) * 16))
+    return p.cache["w8_cat"]
+
+
+def fp8_cat_reference(p: LinearProblem, i: LinearInputs) -> torch.Tensor:
+    """fp32 [B, N] of the fp8 cat+scaled_mm provider's own quantized operands."""
+    x8, sx = quantized_cat(p, i.x_user, i.x_cand)
+    w8, sw = _fp8_cat_weight(p, i)
+    return activate((dequantize(x8, sx) @ dequantize(w8, sw).T)[:, :p.N] + i.bias.float(), p.activation)
+
+
+def _fp8_cat(p: LinearProblem, w, i: LinearInputs) -> torch.Tensor:
+    x8, sx = quantized_cat(p, i.x_user, i.x_cand)
+    return activate(scaled_mm(x8, sx, *w, p.N) + i.bias, p.activation)
+
+
+def _fp8_decomposition_args(p: LinearProblem, w, i: LinearInputs) -> tuple:
+    q = i.fp8
+    wc8, wu8, swc, swu = w
+    return (pad16(q.x_cand), q.x_cand_scale, pad16(q.x_user), q.x_user_scale, p.idx, wc8, swc, wu8, swu, i.bias,
+            p.N, p.activation)
+
+
+def _fp8_decomposition(p: LinearProblem, w, i: LinearInputs) -> torch.Tensor:
+    return fp8_decomposition(*_fp8_decomposition_args(p, w, i))
+
+
+def _fp8_compiled(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
+    w, f = st
+    return f(*_fp8_decomposition_args(p, w, i))
+
+
+def _fp8_floor(p: LinearProblem, w, i: LinearInputs) -> torch.Tensor:
+    q = i.fp8
+    return activate(scaled_mm(pad16(q.x_cand), q.x_cand_scale, w[0], w[2], p.N) + i.bias, p.activation)
+
+
+def _ours_fp8(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
+    q = i.fp8
+    return LIB.ikbo_gemm.linear(q.x_cand, q.x_user, p.idx, q.w_cand, q.w_user, i.bias,
+                                activation=None if p.activation == "none" else p.activation, validate=False,
+                                **q.scales())
+
+
+def _ours_fp8_quantizing(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
+    q, quantize = i.fp8, LIB.ikbo_gemm.quantize_fp8
+    (xc8, sxc), (xu8, sxu) = quantize(i.x_cand), quantize(i.x_user)
+    return LIB.ikbo_gemm.linear(xc8, xu8, p.idx, q.w_cand, q.w_user, i.bias,
+                                activation=None if p.activation == "none" else p.activation, validate=False,
+                                x_cand_scale=sxc, x_user_scale=sxu, w_cand_scale=q.w_cand_scale,
+                                w_user_scale=q.w_user_scale)
+
+
+def providers(fp8: bool = False) -> list:
+    """In check order: torch first, ours last (a failure there cannot spoil the baselines); with
+    ``fp8`` the FP8 providers too."""
+    fp8_torch = [
+        Provider("fp8 cat+scaled_mm", _fp8_cat_weight, _fp8_cat, fp8="cat"),
+        Provider("fp8 decomposition", _fp8_weights, _fp8_decomposition, fp8="operands"),
+        Provider("torch.compile fp8 decomposition",
+                 lambda p, i: (_fp8_weights(p, i), harness.torch_compiled(fp8_decomposition)), _fp8_compiled,
+                 fp8="operands"),
+        Provider("fp8 scaled_mm floor", _fp8_weights, _fp8_floor, floor=True, fp8="operands"),
+    ] if fp8 else []
+    fp8_ours = [
+        Provider(OURS_FP8, lambda p, i: None, _ours_fp8, ours=True, fp8="operands"),
+        Provider("ikbo linear fp8 + quantize", lambda p, i: None, _ours_fp8_quantizing, ours=True, fp8="operands"),
+    ] if fp8 else []
     return [
         Provider("torch cat+linear", _w_cat, _cat_linear),
         Provider("torch decomposition", lambda p, i: None, _decomposition),
         Provider("torch.compile decomposition", lambda p, i: harness.torch_compiled(decomposition), _compiled),
         Provider("torch addmm floor", lambda p, i: None, _floor, floor=True),
+        *fp8_torch,
         *(Provider(name, _rules_setup(rules), _ours_with_rules, ours=True, extra=True)
           for name, (rules, _) in PLAN_VARIANTS.items()),
         Provider(OURS, lambda p, i: None, _ours, ours=True),
+        *fp8_ours,
     ]
 
 
-def chosen_providers(names) -> list:
-    """The providers ``--providers`` names, or every one but the extra ones."""
-    return [pr for pr in providers() if (pr.name in names if names else not pr.extra)]
+def chosen_providers(names, fp8: bool = False) -> list:
+    """The providers ``--providers`` names, or every one but the extra ones (``fp8``: with the FP8 ones)."""
+    return [pr for pr in providers(fp8) if (pr.name in names if names else not pr.extra)]
 
 
 # --------------------------------------------------------------------------- one configuration
 
 
 def run_problem(p: LinearProblem, inp: LinearInputs, provs: list, args, ceiling: float) -> list:
-    """Check every provider, then time those that passed (``--timing``); one row per provider."""
-    refs = {}
+    """Check every provider, then time those that passed (``--timing``); one row per provider.
+    FP8 providers run only on FP8 problems."""
+    provs = [pr for pr in provs if not pr.fp8 or p.dtype == FP8]
+    refs, quant_err = {}, {}
+
+    def reference(floor: bool, fp8: Optional[str]) -> torch.Tensor:
+        if (floor, fp8) not in refs:
+            if fp8 == "cat":
+                refs[floor, fp8] = fp8_cat_reference(p, inp)
+            else:
+                refs[floor, fp8] = reference_output(p, inp.dequantized() if fp8 else inp, user_side=not floor)
+        return refs[floor, fp8]
 
     def rel_error_of(prov, out):
-        if prov.floor not in refs:
-            refs[prov.floor] = reference_output(p, inp, user_side=not prov.floor)
-        return harness.rel_error(out.float(), refs[prov.floor])
+        if prov.fp8:  # the quantization's own error: against the bf16 layer
+            quant_err[prov.name] = harness.rel_error(out.float(), reference(prov.floor, None))
+        return harness.rel_error(out.float(), reference(prov.floor, prov.fp8))
 
     # enough copies that 3x L2 lies between two uses of one: these inputs are small
     n_rot = harness.rotation_count(inp.activation_bytes(), harness.l2_bytes(), cap=1024)
@@ -290,16 +455,24 @@ def run_problem(p: LinearProblem, inp: LinearInputs, provs: list, args, ceiling:
         provs, p, inp, fields=p.fields(), rel_error_of=rel_error_of, tol=args.tol,
         skip_note=lambda prov: LIB.note if prov.ours and LIB.ikbo_gemm is None else None, device=DEVICE)
     refs.clear()
+    for r in rows:
+        if r["provider"] in quant_err:
+            r["quant_err"] = quant_err[r["provider"]]
     harness.time_checked(timed, rows, rotate=sets, device=DEVICE, **harness.timing_options(args))
     timed.clear()
     harness.compile_seconds(rows)
-    harness.derive_rates(rows, args.timing, flops=p.flops, ceiling=ceiling, peers=SPEEDUP_COLUMNS)
+    harness.derive_rates(rows, args.timing, flops=p.flops, ceiling=ceiling, peers=speedup_columns(p.dtype))
     for r in rows:
         for s in harness.mode_suffixes(args.timing):
             if r.get("ms" + s):
                 r["us" + s] = r["ms" + s] * 1e3
     p.cache.clear()
     return rows
+
+
+def speedup_columns(dtype: torch.dtype) -> dict:
+    """Peer provider -> ratio column: the bf16 peers, and on FP8 problems the FP8 ones and ikbo bf16."""
+    return {**SPEEDUP_COLUMNS, **FP8_SPEEDUP_COLUMNS} if dtype == FP8 else SPEEDUP_COLUMNS
 
 
 # --------------------------------------------------------------------------- configurations
@@ -333,22 +506,24 @@ def parse_args(argv=None):
     ap.add_argument("--ratio", type=int, nargs="+", help="candidates per user")
     ap.add_argument("--K", type=_k_pair, nargs="+", metavar="K_USER,K_CAND", help="feature widths")
     ap.add_argument("--N", type=int, nargs="+", help="output features")
-    ap.add_argument("--dtype", nargs="+", choices=sorted(harness.DTYPES))
+    ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES),
+                    help="fp8: the bf16 layer and its e4m3 quantization, both (module docstring)")
     ap.add_argument("--activation", nargs="+", choices=ACTIVATIONS)
     ap.add_argument("--providers", nargs="+", metavar="NAME",
-                    help=f"subset of: {', '.join(p.name for p in providers())}")
+                    help=f"subset of: {', '.join(p.name for p in providers(fp8=True))}")
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="skip the remaining points (the headline group's excepted) once this many seconds have passed")
     harness.add_common_args(ap)
     harness.add_timing_args(ap)
     args = ap.parse_args(argv)
-    harness.check_provider_names(ap, args.providers, [p.name for p in providers()])
+    harness.check_provider_names(ap, args.providers, [p.name for p in providers(fp8=True)])
     return args
 
 
-COLUMNS = ["provider", "status", "rel_err", "compile_s"]
-TIMED_COLUMNS = ["us", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values()]  # per timing mode
+COLUMNS = ["provider", "status", "rel_err", "quant_err", "compile_s"]
+TIMED_COLUMNS = ["us", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values(),
+                 *FP8_SPEEDUP_COLUMNS.values()]  # per timing mode
 KEY_FIELDS = ["B", "ratio", "K_user", "K_cand", "N", "dtype", "activation"]
 
 
@@ -364,25 +539,31 @@ def print_problem(p: LinearProblem, rows: list, timing: str) -> None:
 
 
 def summary(rows: list, groups: dict, provs: list, timing: str) -> None:
-    """Per group and timing mode: each point's us per provider, then ours' ratios."""
+    """Per group and timing mode: each point's us per provider, then ours' ratios (at FP8 points
+    those of ikbo linear fp8)."""
     for name, keys in groups.items():
         for s in harness.mode_suffixes(timing):
-            table = []
+            table, ratios = [], list(SPEEDUP_COLUMNS.values())
             for key in keys:
                 sel = [r for r in rows if _key(r) == key]
                 if not sel:
                     continue
                 line = dict(zip(KEY_FIELDS, key))
+                columns = speedup_columns(DTYPES[line["dtype"]])
+                ratios += [c for c in columns.values() if c not in ratios]
+                ours = OURS_FP8 if line["dtype"] == "fp8" else OURS
                 for r in sel:
                     line[r["provider"]] = r.get("us" + s) if r["status"] == "ok" else r["status"]
-                    if r["provider"] == OURS:
-                        line.update({c: r.get(c + s) for c in [*SPEEDUP_COLUMNS.values(), "pct_ceiling"]})
+                    if r["provider"] == ours:
+                        line.update({c: r.get(c + s) for c in [*columns.values(), "pct_ceiling"]})
                 table.append(line)
             if table:
                 mode = {"": "", "_sustained": ", sustained", "_graph": ", CUDA-graph replays"}[s]
-                print(f"\n{name}: us per call{mode} (x_* and pct_ceiling: {OURS})")
-                harness.print_table(table, KEY_FIELDS + [pr.name for pr in provs]
-                                    + [*SPEEDUP_COLUMNS.values(), "pct_ceiling"])
+                fp8 = any(k[5] == "fp8" for k in keys)
+                print(f"\n{name}: us per call{mode} (x_* and pct_ceiling: {OURS}"
+                      f"{f'; at fp8 points {OURS_FP8}' if fp8 else ''})")
+                names = [pr.name for pr in provs if not pr.fp8 or fp8]
+                harness.print_table(table, KEY_FIELDS + names + ratios + ["pct_ceiling"])
 
 
 @torch.no_grad()  # inference: no autograd bookkeeping in any provider
@@ -392,11 +573,11 @@ def main(argv=None) -> int:
     load_ikbo_gemm()
     if LIB.note:
         print(f"{NAME}: {LIB.note}; its rows are skipped", flush=True)
-    provs = chosen_providers(args.providers)
     keys, groups = build_configs(args)
+    provs = chosen_providers(args.providers, fp8=any(k[5] == "fp8" for k in keys))
     env = harness.environment()
     harness.print_environment(env)
-    ceilings = harness.ceilings_tflops(k[5] for k in keys)
+    ceilings = fp8_peers.ceilings_tflops(k[5] for k in keys)
 
     stamp = harness.utc_stamp()
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
@@ -412,7 +593,7 @@ def main(argv=None) -> int:
                 skipped += 1
                 continue
             gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
-            p = make_problem(B, ratio, K_user, K_cand, N, harness.DTYPES[dt], act)
+            p = make_problem(B, ratio, K_user, K_cand, N, DTYPES[dt], act)
             inp = make_inputs(p, gen)
             rows = run_problem(p, inp, provs, args, ceilings[dt])
             print_problem(p, rows, args.timing)

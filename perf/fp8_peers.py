@@ -1,0 +1,80 @@
+"""The FP8 peers of the IKBO GEMM benchmarks (``--dtype fp8`` of bench_linear.py and bench_lce.py):
+row-wise e4m3 quantization in torch, ``torch._scaled_mm`` with the padding it needs, the
+same-run FP8 ceiling, and the error columns.
+
+``torch._scaled_mm(a8, b8, scale_a, scale_b)``: a8 [M, K] row-major, b8 [K, N] column-major
+(``w8.t()`` of a row-major [N, K] weight), row-wise scales [M, 1] and [1, N] (float32), or 0-d
+per-tensor scales. It refuses K or N not divisible by 16: operands are padded with zeros (the
+weights once, at setup; activations where a provider makes them).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-12  # as ikbo_gemm.quantize_fp8
+OUT_DTYPE = torch.bfloat16  # the FP8 providers' output
+
+
+def quantize_rows(x: torch.Tensor, dim=-1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, scale): e4m3 with scale = amax over ``dim`` / 448, the formula ikbo_gemm.quantize_fp8
+    defines, as an FP8 model runs it in torch (a few elementwise passes)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=dim, keepdim=True).clamp_min(AMAX_FLOOR) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.squeeze(dim)
+
+
+def dequantize(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 of an FP8 tensor and its scale (0-d, or one per entry of dimension 0)."""
+    return x8.float() * scale.reshape(scale.shape + (1,) * (x8.dim() - scale.dim()))
+
+
+def pad16(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``t`` with dimension ``dim`` padded with zeros to a multiple of 16 (itself if it is one)."""
+    size = t.shape[dim]
+    if size % 16 == 0:
+        return t
+    if t.dtype == FP8:  # F.pad has no FP8 kernel: pad the bytes
+        return pad16(t.view(torch.uint8), dim).view(FP8)
+    pads = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, -size % 16]
+    return F.pad(t, pads)
+
+
+def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor,
+              n: Optional[int] = None) -> torch.Tensor:
+    """bf16 [M, n] = (a8 * sa) @ (w8 * sw).T: ``torch._scaled_mm`` row-wise, operands of K and
+    N already padded to 16 (``pad16``); ``n`` the unpadded N (a view of the leading columns)."""
+    out = torch._scaled_mm(a8, w8.t(), sa.reshape(-1, 1), sw.reshape(1, -1), out_dtype=OUT_DTYPE)
+    return out if n is None or n == out.shape[1] else out[:, :n]
+
+
+def padded_scale(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A row-wise scale of ``rows`` entries padded with ones (the padding rows are zeros anyway)."""
+    return scale if scale.shape[0] == rows else F.pad(scale, (0, rows - scale.shape[0]), value=1.0)
+
+
+def fp8_ceiling_tflops(n: int = 8192, *, warmup: int = 5, rep: int = 20) -> float:
+    """Same-run ceiling: TFLOP/s of ``torch._scaled_mm`` row-wise on random n x n e4m3 operands."""
+    from perf import harness
+
+    a8, sa = quantize_rows(torch.randn(n, n, device="cuda"))
+    w8, sw = quantize_rows(torch.randn(n, n, device="cuda"))
+    ms = harness.bench_ms(lambda: scaled_mm(a8, sa, w8, sw), warmup=warmup, rep=rep)
+    return 2.0 * n**3 / (ms * 1e-3) / 1e12
+
+
+def ceilings_tflops(dtype_names) -> dict:
+    """Same-run ceilings by dtype name: cuBLAS 8192^3 GEMM for the 16-bit ones
+    (``harness.ceilings_tflops``), row-wise _scaled_mm for "fp8"."""
+    from perf import harness
+
+    names = list(dict.fromkeys(dtype_names))
+    result = harness.ceilings_tflops([n for n in names if n != "fp8"])
+    if "fp8" in names:
+        result["fp8"] = fp8_ceiling_tflops()
+        print(f"torch._scaled_mm fp8 row-wise 8192^3 ceiling: {result['fp8']:.0f} TFLOP/s", flush=True)
+    return result

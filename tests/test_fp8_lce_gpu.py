@@ -1,0 +1,108 @@
+"""ikbo_gemm.lce with FP8 operands (e K-major, [B, N, K]) on an sm_90 GPU, against float64 of the
+formula on the dequantized operands, and quantize_fp8 on the GPU against its reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ikbo_gemm
+from fp8_inputs import lce_fp8_f64, lce_fp8_problem
+from ikbo_gemm.quantize import quantize_fp8_reference
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+BF16, F16 = torch.bfloat16, torch.float16
+UNIT_ROUNDOFF = {F16: 2.0**-11, BF16: 2.0**-8}
+
+CASES = [  # B, U, M, N, K_user, K_cand, per_tensor, out_dtype, schedule
+    (1, 1, 1, 1, 1, 1, False, BF16, "fused"),
+    (3, 3, 7, 7, 100, 7, True, F16, "fused"),  # ratio 1
+    (1024, 15, 433, 256, 1184, 872, False, BF16, "fused"),  # the published shape
+    (1024, 15, 433, 256, 1184, 872, True, BF16, "two_launch"),
+    (4096, 1, 100, 1000, 7, 100, False, BF16, "fused"),  # one user
+    (65536, 7, 64, 16, 1000, 64, False, F16, "fused"),  # ratio about 10,000
+]
+
+
+def _check(out, exact, dtype):
+    assert out.dtype == dtype and not out.isnan().any()
+    bound = UNIT_ROUNDOFF[dtype] * exact.abs() + 1e-4 * exact.abs().max().clamp_min(1.0)
+    bad = (out.double() - exact).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} elements off, the worst by {float((out.double() - exact).abs().max())}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c))
+def test_matches_the_dequantized_formula(case):
+    B, U, M, N, K_user, K_cand, per_tensor, out_dtype, schedule = case
+    kw = lce_fp8_problem(B, U, M, N, K_user, K_cand, seed=B + N, device=DEVICE, per_tensor=per_tensor)
+    out = torch.full((B, M, N), float("nan"), dtype=out_dtype, device=DEVICE)  # poisoned
+    assert ikbo_gemm.lce(**kw, out=out, out_dtype=out_dtype, schedule=schedule, validate=False) is out
+    _check(out, lce_fp8_f64(**kw), out_dtype)
+
+
+def test_nan_and_out_of_range_stay_in_their_candidates():
+    B, U, M, N, K = 200, 5, 64, 32, 64
+    kw = lce_fp8_problem(B, U, M, N, K, K, seed=3, device=DEVICE)
+    idx = kw["idx"].clone()
+    idx[[4, 50]] = torch.tensor([U, -3], dtype=idx.dtype, device=DEVICE)
+    kw["idx"] = idx
+    kw["e_user"] = kw["e_user"].clone()
+    kw["e_user"][1, 0, 0] = float("nan")  # user 1: every candidate of it
+    out = ikbo_gemm.lce(**kw, validate=False)
+    bad = (idx == 1) | (idx < 0) | (idx >= U)
+    assert out[bad].isnan().all() and not out[~bad].isnan().any()
+
+
+def test_cuda_graph_replays_new_inputs():
+    B, U, M, N, K = 256, 4, 128, 64, 256
+    kw = lce_fp8_problem(B, U, M, N, K, K, seed=1, device=DEVICE)
+    ikbo_gemm.lce(**kw, validate=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ikbo_gemm.lce(**kw, validate=False)
+    fresh = lce_fp8_problem(B, U, M, N, K, K, seed=2, device=DEVICE)
+    for name in ("e_cand", "e_user", "e_cand_scale", "e_user_scale"):
+        kw[name].copy_(fresh[name])
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, lce_fp8_f64(**kw), BF16)
+
+
+def test_in_a_compiled_model_with_dynamic_shapes():
+    pytest.importorskip("triton")
+    torch._dynamo.reset()
+    M, N, K = 96, 40, 80
+    w = {n: v for n, v in lce_fp8_problem(1, 1, M, N, K, K, seed=0, device=DEVICE).items() if n.startswith("w_")}
+
+    def model(e_cand, e_user, idx, sec, seu):
+        y = ikbo_gemm.lce(w["w_cand"], w["w_user"], e_cand, e_user, idx, e_cand_scale=sec, e_user_scale=seu,
+                          w_cand_scale=w["w_cand_scale"], w_user_scale=w["w_user_scale"])
+        return y.float() + 1
+
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for B, U in ((300, 5), (77, 2)):
+        kw = lce_fp8_problem(B, U, M, N, K, K, seed=B, device=DEVICE) | w
+        res = compiled(kw["e_cand"], kw["e_user"], kw["idx"], kw["e_cand_scale"], kw["e_user_scale"])
+        exact = lce_fp8_f64(**kw) + 1
+        assert float((res.double() - exact).norm() / exact.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("shape, dim, layout", [
+    ((1, 1), -1, "same"), ((4096, 1000), -1, "same"), ((65536, 7), -1, "same"), ((3, 100, 1000), -1, "same"),
+    ((1024, 872, 256), (1, 2), "transposed"), ((15, 1184, 256), (1, 2), "transposed"), ((5, 7, 3), (1, 2), "transposed"),
+    ((64, 33), None, "same"),
+])
+@pytest.mark.parametrize("dtype", [BF16, F16, torch.float32])
+def test_quantize_matches_its_reference(shape, dim, layout, dtype):
+    g = torch.Generator(device=DEVICE).manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g, device=DEVICE) * 3).to(dtype)
+    x.view(-1)[0] = 0  # a zero among the values
+    x8, scale = ikbo_gemm.quantize_fp8(x, dim=dim, layout=layout)
+    r8, rscale = quantize_fp8_reference(x, dim=dim, layout=layout)
+    assert x8.is_contiguous() and x8.shape == r8.shape and scale.shape == rscale.shape
+    torch.testing.assert_close(scale, rscale, rtol=1e-6, atol=0)
+    # one e4m3 step at most where the scale's last bit moved the product across a rounding boundary
+    diff = (x8.float() - r8.float()).abs()
+    assert (diff <= r8.float().abs() * 2.0**-3 + 2.0**-9).all()
