@@ -468,33 +468,6 @@ def sustained_graph(fn: Callable, seconds: float, *, warm_s: float = 1.5,
     return r
 
 
-def burst_ms(fn: Callable, *, cool_s: float = 3.0, calls: int = 60, skip: int = 5,
-             window_ms: float = 25.0) -> float:
-    """Median ms per call of ``fn`` from a cool GPU: after ``cool_s`` idle, ``calls`` calls back to
-    back, each between CUDA events; the first ``skip`` (clocks leaving idle) and those starting
-    after ``window_ms`` (the power limit acts after a few tens of ms) are left out."""
-    _sync()
-    time.sleep(cool_s)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
-    for a, b in events:
-        a.record()
-        fn()
-        b.record()
-    _sync()
-    first = events[0][0]
-    kept = [a.elapsed_time(b) for a, b in events[skip:] if first.elapsed_time(a) < window_ms]
-    return statistics.median(kept or [events[skip][0].elapsed_time(events[skip][1])])
-
-
-def idle_watts(seconds: float = 3.0) -> Optional[float]:
-    """Mean board power with nothing running."""
-    _sync()
-    with PowerSampler() as sampler:
-        time.sleep(seconds)
-    samples = sampler.samples[2:]
-    return statistics.fmean(s[0] for s in samples) if samples else None
-
-
 # --------------------------------------------------------------------------- accuracy
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
