@@ -26,6 +26,8 @@ LIBRARIES = {
     "fa4": Library("flash_attn.cute", "flash_attn_varlen_func", f"FA4 providers skipped; `{INSTALL_HINT}`"),
     "fa3": Library("fa3_fwd_interface", "flash_attn_varlen_func",
                    "FA3 providers skipped (the fa3-fwd wheel: docs/benchmarks.md)"),
+    "ikbo_gemm.lce": Library("ikbo_gemm", "lce", "ikbo rows skipped"),
+    "ikbo_gemm.linear": Library("ikbo_gemm", "linear", "ikbo rows skipped"),
 }
 
 

@@ -106,29 +106,6 @@ def compile_eagerly(monkeypatch):
 
 
 @pytest.fixture
-def lce_benchmark_on_cpu(monkeypatch, compile_eagerly):
-    """The LCE benchmarks' setup on the CPU (dry runs): no Hopper check, ``ikbo_gemm.lce``
-    replaced by torch matmuls, torch.compile by the function itself, and problems of a small
-    shape (M 9, N 6, K_user 5, K_cand 7)."""
-    import torch
-    from perf import bench_lce, harness
-
-    def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused"):
-        return torch.matmul(w_cand, e_cand) + torch.matmul(w_user, e_user)[idx.long()]
-
-    small = {"M": 9, "N": 6, "K_user": 5, "K_cand": 7}
-    make_problem = bench_lce.make_problem
-    monkeypatch.setattr(bench_lce, "DEVICE", "cpu")
-    monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
-    monkeypatch.setattr(bench_lce, "load_ikbo_gemm", lambda: None)
-    monkeypatch.setattr(bench_lce.LIB, "ikbo_gemm", type("M", (), {"lce": staticmethod(lce)}))
-    monkeypatch.setattr(bench_lce, "make_problem", lambda B, ratio, dtype, device=None: make_problem(
-        B, ratio, dtype, small, device))
-    # CPU half-precision matmul may be missing on old torch; the dry runs need it
-    torch.matmul(torch.ones(2, 2, dtype=torch.float16), torch.ones(2, 2, dtype=torch.float16))
-
-
-@pytest.fixture
 def devices_made_current(monkeypatch):
     """``patch(module)`` replaces the module's ``on_device`` with a recorder and returns the
     stack of devices made current (empty outside the op's guard)."""

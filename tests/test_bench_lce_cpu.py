@@ -1,17 +1,14 @@
 """CPU checks of perf/bench_lce.py: workload, FLOP count, reference, torch baselines,
 arguments and a dry run of main()."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from perf import bench_lce as bl  # noqa: E402
-from perf import harness  # noqa: E402
+from perf import bench_lce as bl
+from perf import gemm_bench, harness
+from perf.providers import LIBS
 
 
 def test_lce_flops_published():
@@ -84,7 +81,7 @@ def test_lce_ours_calls_the_op(monkeypatch):
         seen.append((schedule, validate))
         return torch.matmul(w_cand, e_cand) + torch.matmul(w_user, e_user)[idx.long()]
 
-    monkeypatch.setattr(bl.LIB, "ikbo_gemm", type("M", (), {"lce": staticmethod(lce)}))
+    monkeypatch.setitem(LIBS.modules, bl.IKBO[0], type("M", (), {"lce": staticmethod(lce)}))
     ref = bl.reference_output(p, inp)
     for prov in [pr for pr in bl.providers() if pr.ours]:
         assert harness.rel_error(prov.run(p, prov.setup(p, inp), inp), ref) < 1e-5
@@ -123,8 +120,7 @@ def _lce_main(monkeypatch, tmp_path, extra):
 
     monkeypatch.setattr(bl, "DEVICE", "cpu")
     monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
-    monkeypatch.setattr(bl, "load_ikbo_gemm", lambda: None)
-    monkeypatch.setattr(bl.LIB, "ikbo_gemm", type("M", (), {"lce": staticmethod(lce)}))
+    monkeypatch.setitem(LIBS.modules, bl.IKBO[0], type("M", (), {"lce": staticmethod(lce)}))
     monkeypatch.setattr(harness, "l2_bytes", lambda: 2**20)
     monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
     argv = ["--M", "9", "--N", "6", "--K-user", "5", "--K-cand", "7", "--warmup", "1", "--rep", "3",
@@ -197,8 +193,8 @@ def test_lce_compiled_providers_are_listed_and_checked(compile_eagerly):
     assert bl.SPEEDUP_COLUMNS["torch.compile decomposition"] == "x_compiled"
     p = bl.make_problem(10, 4, torch.float16, shape=SMALL, device="cpu")
     inp = bl.make_inputs(p, torch.Generator().manual_seed(0), device="cpu")
-    rows, timed = bl.check_providers(p, inp, [pr for pr in bl.providers() if pr.name in compiled], tol=1e-2,
-                                     skip={AUTOTUNED: "not here"})
+    rows, timed = gemm_bench.check_providers(p, inp, [pr for pr in bl.providers() if pr.name in compiled], 1e-2,
+                                             skip={AUTOTUNED: "not here"}, device="cpu", **bl.CHECK)
     assert [r["status"] for r in rows] == ["ok", "skipped", "ok"] and rows[1]["note"] == "not here"
     assert set(timed) == {compiled[0], compiled[2]} and all(r["rel_err"] < 1e-2 for r in (rows[0], rows[2]))
     assert [(c["fn"], c["mode"]) for c in compile_eagerly] == [(bl.decomposition, None), (bl.materialize_bmm, None)]
