@@ -192,29 +192,12 @@ def bench_graph_interleaved(fns: dict, *, warmup: int = 3, rep: int = 30,
                             rotate: Optional[Sequence] = None) -> dict:
     """As :func:`bench_interleaved`, on replays of one CUDA graph per function (one call per
     input set in each); an entry is None when that function cannot be captured."""
-    graphs, result = {}, {}
-    for name, fn in fns.items():
-        graphs[name] = _capture(fn, rotate)
-        if graphs[name] is None:
-            result[name] = None
-    live = [name for name in fns if graphs[name] is not None]
-    _round_robin(live, warmup, lambda name, i: graphs[name][0].replay())
-    torch.cuda.synchronize()
-    events = {name: [] for name in live}
-
-    def timed(name, i):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graphs[name][0].replay()
-        end.record()
-        events[name].append((start, end))
-
-    _round_robin(live, rep, timed)
-    torch.cuda.synchronize()
-    for name in live:
-        result[name] = statistics.median(s.elapsed_time(e) for s, e in events[name]) / graphs[name][1]
-    graphs.clear()
-    return result
+    graphs = {name: _capture(fn, rotate) for name, fn in fns.items()}
+    ms = bench_interleaved({name: g[0].replay for name, g in graphs.items() if g}, warmup=warmup, rep=rep)
+    for name, t in ms.items():
+        if isinstance(t, BaseException):
+            raise t
+    return {name: ms[name] / g[1] if g else None for name, g in graphs.items()}
 
 
 def _capture(fn: Callable, rotate: Optional[Sequence]):
@@ -896,14 +879,3 @@ def context_lost(device="cuda") -> bool:
         return torch.ones(1, device=device).add_(1).item() != 2.0
     except Exception:
         return True
-
-
-def import_op(module: str, attr: str):
-    """``(module, None)`` when ``module.attr`` is importable and callable, else ``(None, why)``."""
-    try:
-        mod = __import__(module)
-    except Exception as e:
-        return None, f"{module} not importable ({type(e).__name__}: {e})"
-    if not callable(getattr(mod, attr, None)):
-        return None, f"{module}.{attr} does not exist yet"
-    return mod, None

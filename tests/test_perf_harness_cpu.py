@@ -313,15 +313,6 @@ def test_out_dir_argument():
     assert ap.parse_args(["--out-dir", "elsewhere"]).out_dir == Path("elsewhere")
 
 
-def test_import_op_says_what_is_missing():
-    mod, note = harness.import_op("math", "sqrt")
-    assert mod is not None and note is None
-    mod, note = harness.import_op("math", "no_such_op")
-    assert mod is None and note == "math.no_such_op does not exist yet"
-    mod, note = harness.import_op("no_such_module_for_ikbo", "f")
-    assert mod is None and "not importable" in note
-
-
 def test_libraries_load_once_and_say_what_is_missing(monkeypatch):
     from perf.providers import LIBRARIES, Libraries, Library, Provider, needed, select
 
