@@ -51,14 +51,8 @@ Columns: median ms, TFLOP/s, speedup over each torch provider (its ms / this ms:
 x_bmm, x_decomp, and x_compiled over the compiled decomposition), percent of the 8192^3 cuBLAS
 GEMM ceiling, and compile_s = first call (synchronized) minus a steady call.
 
-Timing (--timing): interleaved (the default) times the providers in turns, one call of each per
-round, so they share the GPU's clock and temperature, but each runs in short bursts below the
-board's power limit. sustained runs each provider alone, back to back, for --sustained-s after
---sustained-warmup-s, as a serving GPU runs: the median ms per call of chunks of calls, with the
-power (W) and SM clock (MHz) seen meanwhile, fields ms_sustained, tflops_sustained,
-x_*_sustained, ... (ratios within the mode). both does the two, interleaved first; sustained
-adds about 3 s per provider and point (5 min more on the default configurations, whose
-interleaved run takes about 3 min on an H200): --configs published --timing both for the headline.
+Timing (--timing, docs/benchmarks.md): interleaved (the default), sustained or both; sustained adds
+about 3 s per provider and point: --configs published --timing both for the headline.
 """
 from __future__ import annotations
 

@@ -104,9 +104,6 @@ def test_lce_arguments():
     keys, groups = bl.build_configs(args)
     assert keys == [(1024, 2, "bf16"), (1024, 10000, "bf16")]
     assert args.out_dir == Path("o") and args.providers == ["ikbo fused", "torch bmm"]
-    with pytest.raises(SystemExit) as e:
-        bl.parse_args(["--providers", "cutlass"])
-    assert e.value.code == 2
 
 
 # --------------------------------------------------------------------------- CPU dry run of main()
@@ -217,14 +214,10 @@ def test_lce_compiled_providers_compile_for_real():
     harness.reset_compiled()
 
 
-def test_lce_timing_arguments():
+def test_lce_arguments_and_their_errors():
     args = bl.parse_args([])
-    assert (args.timing, args.sustained_warmup_s, args.sustained_s) == ("interleaved", 2.0, 1.0)
-    assert args.max_autotune == "published" and args.budget_s == 240.0
-    args = bl.parse_args(["--timing", "both", "--sustained-warmup-s", "3", "--sustained-s", "0.5",
-                          "--max-autotune", "all"])
-    assert harness.timing_options(args) == {"warmup": 5, "rep": 30, "timing": "both", "warm_s": 3.0, "seconds": 0.5}
-    for bad in (["--timing", "burst"], ["--max-autotune", "never"]):
+    assert (args.timing, args.max_autotune, args.budget_s) == ("interleaved", "published", 240.0)
+    for bad in (["--timing", "burst"], ["--max-autotune", "never"], ["--providers", "cutlass"]):
         with pytest.raises(SystemExit) as e:
             bl.parse_args(bad)
         assert e.value.code == 2
