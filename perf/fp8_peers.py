@@ -65,16 +65,3 @@ def fp8_ceiling_tflops(n: int = 8192, *, warmup: int = 5, rep: int = 20) -> floa
     w8, sw = quantize_rows(torch.randn(n, n, device="cuda"))
     ms = harness.bench_ms(lambda: scaled_mm(a8, sa, w8, sw), warmup=warmup, rep=rep)
     return 2.0 * n**3 / (ms * 1e-3) / 1e12
-
-
-def ceilings_tflops(dtype_names) -> dict:
-    """Same-run ceilings by dtype name: cuBLAS 8192^3 GEMM for the 16-bit ones
-    (``harness.ceilings_tflops``), row-wise _scaled_mm for "fp8"."""
-    from perf import harness
-
-    names = list(dict.fromkeys(dtype_names))
-    result = harness.ceilings_tflops([n for n in names if n != "fp8"])
-    if "fp8" in names:
-        result["fp8"] = fp8_ceiling_tflops()
-        print(f"torch._scaled_mm fp8 row-wise 8192^3 ceiling: {result['fp8']:.0f} TFLOP/s", flush=True)
-    return result

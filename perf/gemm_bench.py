@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from perf import fp8_peers, harness
+from perf import harness
 from perf.fp8_peers import FP8
 from perf.providers import LIBS, Provider, needed
 
@@ -113,7 +113,7 @@ def run(name: str, args, argv, provs: Sequence[GemmProvider], keys: list, dtypes
         print(f"{name}: {note}; its rows are skipped", flush=True)
     env = harness.environment()
     harness.print_environment(env)
-    ceilings = fp8_peers.ceilings_tflops(dtypes)
+    ceilings = harness.ceilings_tflops(dtypes)
     stamp = harness.utc_stamp()
     payload = {"benchmark": name, "argv": sys.argv[1:] if argv is None else list(argv), "environment": env,
                "ceiling_tflops": ceilings, **fields,

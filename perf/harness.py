@@ -631,11 +631,18 @@ def print_environment(env: dict, libraries: Sequence[str] = ("nvidia-cutlass-dsl
 
 
 def ceilings_tflops(dtype_names) -> dict:
-    """Same-run cuBLAS 8192^3 GEMM TFLOP/s for each dtype name (printed as measured)."""
+    """Same-run ceilings per dtype name, printed as measured: cuBLAS 8192^3 GEMM TFLOP/s, and for
+    "fp8" row-wise torch._scaled_mm (perf/fp8_peers.py)."""
+    from perf import fp8_peers
+
     result = {}
     for dt in dict.fromkeys(dtype_names):
-        result[dt] = cublas_ceiling_tflops(DTYPES[dt])
-        print(f"cuBLAS {dt} 8192^3 GEMM ceiling: {result[dt]:.0f} TFLOP/s", flush=True)
+        if dt == "fp8":
+            result[dt] = fp8_peers.fp8_ceiling_tflops()
+            print(f"torch._scaled_mm fp8 row-wise 8192^3 ceiling: {result[dt]:.0f} TFLOP/s", flush=True)
+        else:
+            result[dt] = cublas_ceiling_tflops(DTYPES[dt])
+            print(f"cuBLAS {dt} 8192^3 GEMM ceiling: {result[dt]:.0f} TFLOP/s", flush=True)
     return result
 
 
