@@ -41,15 +41,6 @@ def test_tflops_and_rotation_count():
     assert harness.rotation_count(0, l2) == 8
 
 
-def test_round_robin_rotates_the_start():
-    calls = []
-    harness._round_robin(["a", "b", "c"], 4, lambda name, i: calls.append((i, name)))
-    assert calls == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
-                     (2, "c"), (2, "a"), (2, "b"), (3, "a"), (3, "b"), (3, "c")]
-    harness._round_robin([], 3, lambda name, i: calls.append(name))  # nothing to time: no call
-    assert len(calls) == 12
-
-
 class _FakeEvent:
     """torch.cuda.Event on the CPU: the wall-clock time of record(); synchronize() is counted."""
     waited = []
@@ -76,6 +67,32 @@ def test_interleaved_calls_take_successive_input_sets(monkeypatch):
     assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
     # warm-up a b, then timed a b | b a: every call, whichever the function, takes the next set
     assert seen == [("a", 0), ("b", 1), ("a", 2), ("b", 0), ("b", 1), ("a", 2)]
+
+
+def test_graph_replays_are_timed_in_turns_per_call(monkeypatch):
+    """One replay of each graph per round, its time divided by the calls the graph holds; a
+    function that cannot be captured gets None."""
+    clock, replays = [0.0], []
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            replays.append(self.name)
+            clock[0] += 4.0 if self.name == "a" else 6.0  # ms on the GPU
+
+    class Event(_FakeEvent):
+        def record(self):
+            self.t = clock[0] / 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(harness, "_capture", lambda fn, rotate: fn and (Graph(fn()), len(rotate)))
+    ms = harness.bench_graph_interleaved({"a": lambda: "a", "b": lambda: "b", "c": None}, warmup=1, rep=2,
+                                         rotate=[0, 1])
+    assert ms == {"a": pytest.approx(2.0), "b": pytest.approx(3.0), "c": None}
+    assert replays == ["a", "b", "a", "b", "b", "a"]
 
 
 def test_record_failure_kinds():
