@@ -110,7 +110,7 @@ def run(name: str, args, argv, provs: Sequence[GemmProvider], keys: list, dtypes
     harness.start_benchmark(name)
     notes = LIBS.load(needed(provs))
     for note in notes:
-        print(f"{name}: {note}; its rows are skipped", flush=True)
+        print(f"{name}: {note}", flush=True)
     env = harness.environment()
     harness.print_environment(env)
     ceilings = harness.ceilings_tflops(dtypes)
