@@ -43,29 +43,19 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # --------------------------------------------------------------------------- device checks
 
-def _script_name() -> str:
-    return Path(sys.argv[0]).stem or "benchmark"
-
-
-def hopper_missing() -> Optional[str]:
-    """None on a CUDA build of torch with an sm_90 GPU, else what is missing."""
+def require_hopper_or_exit(*, name: str) -> None:
+    """Exit with status 2 and one line on stderr unless torch is a CUDA build with an sm_90 GPU."""
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else "no visible GPU"
-        return f"needs a Hopper (sm_90) GPU; none found (torch {torch.__version__}, {build})"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return f"needs a Hopper (sm_90) GPU; found {torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return None
-
-
-def require_hopper_or_exit(*, name: Optional[str] = None) -> None:
-    """Exit with status 2 and one line on stderr unless the benchmark can run here."""
-    name = name or _script_name()
-    missing = hopper_missing()
-    if missing is not None:
-        print(f"{name}: {missing}. Run it on an H100/H200 after `{INSTALL_HINT}`.",
-              file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        missing = f"none found (torch {torch.__version__}, {build})"
+    elif torch.cuda.get_device_capability() != (9, 0):
+        major, minor = torch.cuda.get_device_capability()
+        missing = f"found {torch.cuda.get_device_name()} (sm_{major}{minor})"
+    else:
+        return
+    print(f"{name}: needs a Hopper (sm_90) GPU; {missing}. Run it on an H100/H200 after `{INSTALL_HINT}`.",
+          file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 # --------------------------------------------------------------------------- workloads
@@ -710,14 +700,10 @@ def check_providers(provs: list, p, inp, *, fields: dict, rel_error_of: Callable
                 if not err <= tol:
                     row.update(status="wrong", note=f"rel. error {err:.3g} > {tol:g}: not timed")
                     continue
-            timed[prov.name] = (row, functools.partial(_run_provider, prov, p, st))
+            timed[prov.name] = (row, functools.partial(prov.run, p, st))
         except Exception as e:
             record_failure(row, e, rows, device)
     return rows, timed
-
-
-def _run_provider(prov, p, state, x):
-    return prov.run(p, state, x)
 
 
 def time_checked(timed: dict, rows: list, *, warmup: int, rep: int, rotate: Optional[Sequence] = None,
