@@ -262,12 +262,7 @@ def plot(payload: dict, out_dir) -> Optional[Path]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    harness.start_benchmark(NAME)
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fx_graph_cache = False  # every version's first call compiles afresh
-    functorch_config.enable_autograd_cache = False
+    harness.start_benchmark(NAME)  # compile caches off: every version's first call compiles afresh
     env = harness.environment()
     harness.print_environment(env)
     stamp = harness.utc_stamp()
