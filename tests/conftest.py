@@ -106,6 +106,20 @@ def compile_eagerly(monkeypatch):
 
 
 @pytest.fixture
+def gemm_benchmarks_on_cpu(monkeypatch, cpu_timing):
+    """bench_lce's and bench_linear's main() on the CPU: no Hopper check, a 64 KiB L2, and fixed
+    same-run ceilings (cuBLAS 700 TFLOP/s, FP8 1400)."""
+    from perf import bench_lce, bench_linear, fp8_peers, harness
+
+    for module in (bench_lce, bench_linear):
+        monkeypatch.setattr(module, "DEVICE", "cpu")
+    monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
+    monkeypatch.setattr(harness, "l2_bytes", lambda: 2**16)
+    monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
+    monkeypatch.setattr(fp8_peers, "fp8_ceiling_tflops", lambda: 1400.0)
+
+
+@pytest.fixture
 def devices_made_current(monkeypatch):
     """``patch(module)`` replaces the module's ``on_device`` with a recorder and returns the
     stack of devices made current (empty outside the op's guard)."""

@@ -115,11 +115,7 @@ def _lce_main(monkeypatch, tmp_path, extra):
             raise NotImplementedError("two_launch: not yet")
         return torch.matmul(w_cand, e_cand) + torch.matmul(w_user, e_user)[idx.long()]
 
-    monkeypatch.setattr(bl, "DEVICE", "cpu")
-    monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
     monkeypatch.setitem(LIBS.modules, bl.IKBO[0], type("M", (), {"lce": staticmethod(lce)}))
-    monkeypatch.setattr(harness, "l2_bytes", lambda: 2**20)
-    monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
     argv = ["--M", "9", "--N", "6", "--K-user", "5", "--K-cand", "7", "--warmup", "1", "--rep", "3",
             "--out-dir", str(tmp_path)] + extra
     # CPU half-precision matmul may be missing on old torch; the dry run needs it
@@ -131,7 +127,7 @@ def _lce_main(monkeypatch, tmp_path, extra):
 AUTOTUNED = "torch.compile decomposition max-autotune"
 
 
-def test_lce_main_dry_run(monkeypatch, tmp_path, capsys, cpu_timing, compile_eagerly):
+def test_lce_main_dry_run(monkeypatch, tmp_path, capsys, gemm_benchmarks_on_cpu, compile_eagerly):
     data = _lce_main(monkeypatch, tmp_path, ["--dtype", "fp16", "--sweep-dtype", "bf16", "--B", "16", "70",
                                              "--ratio", "3", "10000"])
     rows = data["rows"]
@@ -157,7 +153,7 @@ def test_lce_main_dry_run(monkeypatch, tmp_path, capsys, cpu_timing, compile_eag
 
 
 @pytest.mark.parametrize("timing", ["sustained", "both"])
-def test_lce_main_dry_run_sustained(monkeypatch, tmp_path, capsys, cpu_timing, compile_eagerly, timing):
+def test_lce_main_dry_run_sustained(monkeypatch, tmp_path, capsys, gemm_benchmarks_on_cpu, compile_eagerly, timing):
     data = _lce_main(monkeypatch, tmp_path, ["--configs", "published", "--dtype", "bf16", "--timing", timing,
                                              "--sustained-warmup-s", "0.01", "--sustained-s", "0.02",
                                              "--max-autotune", "all"])

@@ -26,13 +26,9 @@ def torch_linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=N
 
 
 @pytest.fixture
-def linear_on_cpu(monkeypatch, cpu_timing, compile_eagerly):
-    """bench_linear's main() on the CPU: no Hopper check, the op stood in for by torch."""
-    monkeypatch.setattr(bli, "DEVICE", "cpu")
-    monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
+def linear_on_cpu(monkeypatch, gemm_benchmarks_on_cpu, compile_eagerly):
+    """bench_linear's main() on the CPU, the op stood in for by torch."""
     monkeypatch.setitem(LIBS.modules, bli.IKBO[0], type("M", (), {"linear": staticmethod(torch_linear)}))
-    monkeypatch.setattr(harness, "l2_bytes", lambda: 2**16)
-    monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
     return compile_eagerly
 
 

@@ -76,12 +76,7 @@ def test_fp8_providers_match_their_references(compile_eagerly, real_op, activati
     assert harness.rel_error(prov.run(p, prov.setup(p, inp), flipped), refs[False, "operands"]) > 0.05
 
 
-def test_main_dry_run_fp8(monkeypatch, cpu_timing, compile_eagerly, real_op, tmp_path, capsys):
-    monkeypatch.setattr(bli, "DEVICE", "cpu")
-    monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
-    monkeypatch.setattr(harness, "l2_bytes", lambda: 2**16)
-    monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
-    monkeypatch.setattr(fp8_peers, "fp8_ceiling_tflops", lambda: 1400.0)
+def test_main_dry_run_fp8(gemm_benchmarks_on_cpu, compile_eagerly, real_op, tmp_path, capsys):
     argv = ["--configs", "headline", "--B", "12", "--K", "5,7", "--N", "6", "--dtype", "fp8", "bf16",
             "--warmup", "1", "--rep", "3", "--out-dir", str(tmp_path)]
     assert bli.main(argv) == 0
