@@ -28,6 +28,7 @@ LIBRARIES = {
                    "FA3 providers skipped (the fa3-fwd wheel: docs/benchmarks.md)"),
     "ikbo_gemm.lce": Library("ikbo_gemm", "lce", "ikbo rows skipped"),
     "ikbo_gemm.linear": Library("ikbo_gemm", "linear", "ikbo rows skipped"),
+    "ikbo_rewrite": Library("ikbo_rewrite", "compile", "the rewrite's rows skipped"),
 }
 
 

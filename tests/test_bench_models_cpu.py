@@ -10,6 +10,7 @@ import torch
 
 from examples import wukong
 from perf import bench_models, harness
+from perf.providers import LIBS
 
 
 @pytest.fixture
@@ -46,6 +47,18 @@ def test_main_runs_every_version_and_writes_results(bench_on_cpu, tmp_path, caps
     assert summary["U"] == 3 and summary["rewrite_left"] == [] and summary["rewrite_vs_hand"] > 0
     assert "wukong: B 12, ratio 4 (U 3)" in text and "broadcasts the rewrite left" in text
     assert torch.compiler.config.force_disable_caches  # every version's first call compiled afresh
+
+
+def test_without_the_rewrite_its_rows_are_skipped_with_a_note(bench_on_cpu, tmp_path, monkeypatch):
+    monkeypatch.setitem(LIBS.modules, "ikbo_rewrite", None)
+    monkeypatch.setitem(LIBS.notes, "ikbo_rewrite", "ikbo_rewrite not importable")
+    assert bench_models.main(["--models", "wukong", "--B", "12", "--ratio", "4", "--versions", "eager", "rewrite",
+                              "--warmup", "1", "--rep", "2", "--out-dir", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "bench_models-latest.json").read_text())
+    rows = {r["version"]: r for r in payload["rows"]}
+    assert rows["eager"]["status"] == "ok" and rows["rewrite"]["status"] == "skipped"
+    assert payload["notes"] == [rows["rewrite"]["note"]] == ["ikbo_rewrite not importable"]
+    assert payload["summaries"][0]["rewrite_left"] is None
 
 
 def test_shapes_of_each_config_set():
