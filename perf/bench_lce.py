@@ -1,9 +1,9 @@
 """The linear-compression (LCE) ladder on one Hopper GPU: torch baselines, our kernel stages,
 and a same-run cuBLAS ceiling.
 
-    python perf/bench_lce.py                          # published shape (fp16, bf16) + B and ratio sweeps (fp16)
-    python perf/bench_lce.py --configs published --dtype bf16
-    python perf/bench_lce.py --configs ratio --ratio 2 70 10000
+    python -m perf.bench_lce                          # published shape (fp16, bf16) + B and ratio sweeps (fp16)
+    python -m perf.bench_lce --configs published --dtype bf16
+    python -m perf.bench_lce --configs ratio --ratio 2 70 10000
 
 out[b] = w_cand @ e_cand[b] + w_user @ e_user[idx[b]]; w_cand [M, K_cand], w_user [M, K_user],
 e_cand [B, K_cand, N], e_user [U, K_user, N], idx [B]. Useful work: 2 M N (B K_cand + U K_user).
@@ -52,34 +52,26 @@ Columns: median ms, TFLOP/s, speedup over each torch provider (its ms / this ms:
 x_bmm, x_decomp, and x_compiled over the compiled decomposition), percent of the 8192^3 cuBLAS
 GEMM ceiling, and compile_s = first call (synchronized) minus a steady call.
 
-Timing (--timing): interleaved (the default) times the providers in turns, one call of each per
-round, so they share the GPU's clock and temperature, but each runs in short bursts below the
-board's power limit. sustained runs each provider alone, back to back, for --sustained-s after
---sustained-warmup-s, as a serving GPU runs: the median ms per call of chunks of calls, with the
-power (W) and SM clock (MHz) seen meanwhile, fields ms_sustained, tflops_sustained,
-x_*_sustained, ... (ratios within the mode). both does the two, interleaved first; sustained
-adds about 3 s per provider and point (5 min more on the default configurations, whose
-interleaved run takes about 3 min on an H200): --configs published --timing both for the headline.
+Timing (--timing, docs/benchmarks.md): interleaved (the default), sustained or both; sustained adds
+about 3 s per provider and point: --configs published --timing both for the headline.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
-import time
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `perf` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from perf import fp8_peers, harness  # noqa: E402
-from perf.fp8_peers import FP8, dequantize, pad16, quantize_rows, scaled_mm  # noqa: E402
-from perf.harness import ContextLost, make_idx, user_counts  # noqa: E402
+from perf import gemm_bench, harness
+from perf.fp8_peers import FP8, dequantize, pad16, quantize_rows, scaled_mm
+from perf.gemm_bench import GemmProvider as Provider, w_cat
+from perf.harness import make_idx, user_counts
+from perf.providers import LIBS, select
 
 NAME = "bench_lce"
+IKBO = ("ikbo_gemm.lce",)  # what the ikbo providers need
 DTYPES = {**harness.DTYPES, "fp8": FP8}
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
 PUBLISHED = {"B": 1024, "ratio": 70, "M": 433, "N": 256, "K_user": 1184, "K_cand": 872}
@@ -88,7 +80,8 @@ SPEEDUP_COLUMNS = {"torch materialize+bmm": "x_mat_bmm", "torch bmm": "x_bmm",
                    "torch decomposition": "x_decomp", "torch.compile decomposition": "x_compiled"}
 FP8_SPEEDUP_COLUMNS = {"fp8 materialize+scaled_mm": "x_fp8_mat", "fp8 decomposition": "x_fp8_decomp",
                        "torch.compile fp8 decomposition": "x_fp8_compiled", "fp8 scaled_mm floor": "x_fp8_floor",
-                       "fp8 scaled_mm floor, per-tensor": "x_fp8_floor_pt", "ikbo fused": "x_ikbo_bf16"}
+                       "fp8 scaled_mm floor, per-tensor": "x_fp8_floor_pt",
+                       "ikbo fused": "x_ikbo_bf16"}
 AUTOTUNE_MODE = "max-autotune-no-cudagraphs"
 
 
@@ -190,8 +183,7 @@ class LceInputs:
                         dequantize(q.e_cand, q.e_cand_scale).transpose(1, 2),
                         dequantize(q.e_user, q.e_user_scale).transpose(1, 2))
         if per_tensor:
-            M, K = q.w_cand.shape
-            N = q.e_cand.shape[1]
+            K, N = q.w_cand.shape[1], q.e_cand.shape[1]
             deq.w_cand = dequantize(q.w_cand_pt, q.w_cand_pt_scale)[:, :K]
             deq.e_cand = dequantize(q.e_cand16_pt, q.e_cand_pt_scale)[:, :N, :K].transpose(1, 2)
         return deq
@@ -238,43 +230,12 @@ def reference_output(p: LceProblem, inp: LceInputs, chunk: int = 256, user_side:
 # --------------------------------------------------------------------------- providers
 
 
-@dataclasses.dataclass
-class Provider:
-    name: str
-    setup: Callable[[LceProblem, LceInputs], Any]
-    run: Callable[[LceProblem, Any, LceInputs], torch.Tensor]  # -> out [B, M, N]
-    ours: bool = False
-    max_autotune: bool = False  # compiles for long: --max-autotune says where it runs
-    fp8: Optional[str] = None  # an FP8 provider (FP8 problems only), checked against the fp32 formula on
-    # "operands": the dequantized FP8 operands; "per_tensor": its per-tensor ones; "cat": its own
-    # quantized concatenation
-    floor: bool = False  # the candidate side alone: checked against the candidate GEMM's reference
-
-
-class _Lib:
-    ikbo_gemm = None
-    note: Optional[str] = None
-
-
-LIB = _Lib()
-
-
-def load_ikbo_gemm() -> None:
-    LIB.ikbo_gemm, LIB.note = harness.import_op("ikbo_gemm", "lce")
-
-
-def _w_cat(p: LceProblem, inp: LceInputs) -> torch.Tensor:
-    if "w" not in p.cache:  # weights are static: concatenated once, like a deployed model
-        p.cache["w"] = torch.cat([inp.w_user, inp.w_cand], dim=1).contiguous()
-    return p.cache["w"]
-
-
 def _materialize(p: LceProblem, inp: LceInputs) -> torch.Tensor:
     return torch.cat([inp.e_user[p.idx], inp.e_cand], dim=1)  # [B, K_user + K_cand, N]
 
 
 def _bmm_setup(p: LceProblem, inp: LceInputs):
-    return _w_cat(p, inp), _materialize(p, inp)
+    return w_cat(p, inp), _materialize(p, inp)
 
 
 # The torch paths on plain tensors, the form torch.compile is given.
@@ -312,7 +273,7 @@ def _compiled(name: str, fn: Callable, mode: Optional[str] = None) -> Provider:
 
 def _compiled_materialize_bmm() -> Provider:
     def setup(p: LceProblem, inp: LceInputs):
-        return _w_cat(p, inp), harness.torch_compiled(materialize_bmm)
+        return w_cat(p, inp), harness.torch_compiled(materialize_bmm)
 
     return Provider("torch.compile materialize+bmm", setup,
                     lambda p, st, i: st[1](st[0], i.e_cand, i.e_user, p.idx))
@@ -320,8 +281,8 @@ def _compiled_materialize_bmm() -> Provider:
 
 def _ours(schedule: str) -> Callable:
     def run(p: LceProblem, st, inp: LceInputs) -> torch.Tensor:
-        return LIB.ikbo_gemm.lce(inp.w_cand, inp.w_user, inp.e_cand, inp.e_user, p.idx,
-                                 schedule=schedule, validate=False)
+        return LIBS.get(IKBO[0]).lce(inp.w_cand, inp.w_user, inp.e_cand, inp.e_user, p.idx,
+                                     schedule=schedule, validate=False)
     return run
 
 
@@ -365,7 +326,7 @@ def quantized_cat(p: LceProblem, e_user: torch.Tensor, e_cand: torch.Tensor) -> 
 
 def _fp8_cat_weight(p: LceProblem, i: LceInputs) -> tuple:
     if "w8_cat" not in p.cache:
-        w8, sw = quantize_rows(_w_cat(p, i))
+        w8, sw = quantize_rows(w_cat(p, i))
         p.cache["w8_cat"] = (pad16(w8), sw)
     return p.cache["w8_cat"]
 
@@ -395,7 +356,7 @@ def _fp8_floor_per_tensor(p: LceProblem, st, i: LceInputs) -> torch.Tensor:
 
 def _ours_fp8(quantize: bool) -> Callable:
     def run(p: LceProblem, st, i: LceInputs) -> torch.Tensor:
-        q, op = i.fp8, LIB.ikbo_gemm
+        q, op = i.fp8, LIBS.get(IKBO[0])
         scales = q.scales()
         e_cand, e_user = q.e_cand, q.e_user
         if quantize:
@@ -420,11 +381,11 @@ def providers(fp8: bool = False) -> list:
                  floor=True),
     ] if fp8 else []
     fp8_ours = [
-        Provider("ikbo fp8", lambda p, i: None, _ours_fp8(False), ours=True, fp8="operands"),
-        Provider("ikbo fp8 + quantize", lambda p, i: None, _ours_fp8(True), ours=True, fp8="operands"),
+        Provider("ikbo fp8", lambda p, i: None, _ours_fp8(False), needs=IKBO, fp8="operands"),
+        Provider("ikbo fp8 + quantize", lambda p, i: None, _ours_fp8(True), needs=IKBO, fp8="operands"),
     ] if fp8 else []
     return [
-        Provider("torch materialize+bmm", lambda p, i: _w_cat(p, i),
+        Provider("torch materialize+bmm", w_cat,
                  lambda p, w, i: torch.matmul(w, _materialize(p, i))),
         Provider("torch bmm", _bmm_setup, lambda p, st, i: torch.matmul(st[0], st[1])),
         Provider("torch decomposition", lambda p, i: None, _decomposition),
@@ -432,50 +393,18 @@ def providers(fp8: bool = False) -> list:
         _compiled("torch.compile decomposition max-autotune", decomposition_autotuned, AUTOTUNE_MODE),
         _compiled_materialize_bmm(),
         *fp8_torch,
-        Provider("ikbo two_launch", lambda p, i: None, _ours("two_launch"), ours=True),
-        Provider("ikbo fused", lambda p, i: None, _ours("fused"), ours=True),
+        Provider("ikbo two_launch", lambda p, i: None, _ours("two_launch"), needs=IKBO),
+        Provider("ikbo fused", lambda p, i: None, _ours("fused"), needs=IKBO),
         *fp8_ours,
     ]
 
 
-# --------------------------------------------------------------------------- one configuration
+def speedup_columns(dtype: torch.dtype) -> dict:
+    """Peer provider -> ratio column: the 16-bit peers, and on FP8 problems the FP8 ones and ikbo bf16."""
+    return {**SPEEDUP_COLUMNS, **FP8_SPEEDUP_COLUMNS} if dtype == FP8 else SPEEDUP_COLUMNS
 
 
-def check_providers(p: LceProblem, inp: LceInputs, provs: list, tol: float,
-                    skip: Optional[dict] = None) -> tuple[list, dict]:
-    """``harness.check_providers`` against the fp32 reference (FP8 providers: of their dequantized
-    operands, with the quantization's own error against the bf16 problem's as "quant_err");
-    ours skipped when not importable, and those ``skip`` names (name -> why). FP8 providers run
-    on FP8 problems only."""
-    provs = [pr for pr in provs if not pr.fp8 or p.dtype == FP8]
-    skip = skip or {}
-    errors = fp8_peers.ProviderErrors(lambda floor, fp8: fp8_cat_reference(p, inp) if fp8 == "cat" else
-                                      reference_output(p, inp.dequantized(fp8 == "per_tensor") if fp8 else inp,
-                                                       user_side=not floor))
-
-    def skip_note(prov):
-        return LIB.note if prov.ours and LIB.ikbo_gemm is None else skip.get(prov.name)
-
-    rows, timed = harness.check_providers(provs, p, inp, fields=p.fields(), rel_error_of=errors, tol=tol,
-                                          skip_note=skip_note, device=DEVICE)
-    errors.annotate(rows)
-    return rows, timed
-
-
-def run_problem(p: LceProblem, inp: LceInputs, provs: list, args, ceiling: float,
-                skip: Optional[dict] = None) -> list:
-    """Check every provider, then time those that passed (``--timing``); one row per provider."""
-    n_rot = harness.rotation_count(inp.activation_bytes(), harness.l2_bytes())
-    sets = [inp] + [inp.clone_activations() for _ in range(n_rot - 1)]
-    harness.reset_compiled()
-    rows, timed = check_providers(p, inp, provs, args.tol, skip)
-    harness.time_checked(timed, rows, rotate=sets, device=DEVICE, **harness.timing_options(args))
-    timed.clear()
-    harness.compile_seconds(rows)
-    peers = {**SPEEDUP_COLUMNS, **FP8_SPEEDUP_COLUMNS} if p.dtype == FP8 else SPEEDUP_COLUMNS
-    harness.derive_rates(rows, args.timing, flops=p.flops, ceiling=ceiling, peers=peers)
-    p.cache.clear()
-    return rows
+CHECK = {"reference": reference_output, "cat_reference": fp8_cat_reference}  # gemm_bench.check_providers'
 
 
 # --------------------------------------------------------------------------- configurations
@@ -511,21 +440,13 @@ def parse_args(argv=None):
     ap.add_argument("--N", type=int, default=PUBLISHED["N"])
     ap.add_argument("--K-user", dest="K_user", type=int, default=PUBLISHED["K_user"])
     ap.add_argument("--K-cand", dest="K_cand", type=int, default=PUBLISHED["K_cand"])
-    ap.add_argument("--providers", nargs="+", metavar="NAME",
-                    help=f"subset of: {', '.join(p.name for p in providers(fp8=True))}")
     ap.add_argument("--max-autotune", choices=["published", "all"], default="published",
                     help="where the max-autotune provider runs: the published shape (default) or every point")
-    ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
-    ap.add_argument("--budget-s", type=float, default=240.0,
-                    help="skip the remaining sweep points once this many seconds have passed")
-    harness.add_common_args(ap)
-    harness.add_timing_args(ap)
-    args = ap.parse_args(argv)
-    harness.check_provider_names(ap, args.providers, [p.name for p in providers(fp8=True)])
-    return args
+    names = [p.name for p in providers(fp8=True)]
+    gemm_bench.add_args(ap, names, "skip the remaining sweep points once this many seconds have passed")
+    return gemm_bench.parse(ap, argv, names)
 
 
-COLUMNS = ["provider", "status", "rel_err", "quant_err", "compile_s"]
 TIMED_COLUMNS = ["ms", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values(),
                  *FP8_SPEEDUP_COLUMNS.values()]  # per timing mode
 AUTOTUNE_NOTE = "max-autotune compiles for tens of seconds: at the published shape only (--max-autotune all)"
@@ -535,53 +456,34 @@ def print_problem(p: LceProblem, rows: list, timing: str) -> None:
     f = p.fields()
     harness.print_rows(f"B={f['B']} ratio={f['ratio']} (U={f['U']}) M={f['M']} N={f['N']} K_user={f['K_user']} "
                        f"K_cand={f['K_cand']} {f['dtype']}  [{p.flops / 1e9:.1f} GFLOP; x_* = that torch "
-                       f"provider's ms / this ms, in the same timing]", rows, COLUMNS, TIMED_COLUMNS, timing)
+                       f"provider's ms / this ms, in the same timing]", rows, gemm_bench.COLUMNS, TIMED_COLUMNS, timing)
 
 
 @torch.no_grad()  # inference: no autograd bookkeeping in any provider
 def main(argv=None) -> int:
     args = parse_args(argv)
-    harness.start_benchmark(NAME)
-    load_ikbo_gemm()
-    if LIB.note:
-        print(f"{NAME}: {LIB.note}; its rows are skipped", flush=True)
     shape = {"M": args.M, "N": args.N, "K_user": args.K_user, "K_cand": args.K_cand}
     keys, groups = build_configs(args)
-    provs = [pr for pr in providers(fp8=any(k[2] == "fp8" for k in keys))
-             if not args.providers or pr.name in args.providers]
-    env = harness.environment()
-    harness.print_environment(env)
-    ceilings = fp8_peers.ceilings_tflops(k[2] for k in keys)
-
-    stamp = harness.utc_stamp()
-    payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
-               "environment": env, "ceiling_tflops": ceilings, "shape": shape,
-               "settings": {**harness.timing_settings(args), "tol": args.tol, "max_autotune": args.max_autotune},
-               "notes": [LIB.note] if LIB.note else [], "rows": []}
+    provs = select(providers(fp8=any(k[2] == "fp8" for k in keys)), args.providers)
     published = set(groups.get("published", []))
-    start = time.perf_counter()
-    try:
-        for key in keys:
-            B, ratio, dt = key
-            if key not in published and time.perf_counter() - start > args.budget_s:
-                note = f"time budget of {args.budget_s:.0f} s spent: skipped B={B} ratio={ratio} {dt}"
-                print(f"{NAME}: {note}", flush=True)
-                payload["notes"].append(note)
-                continue
-            gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
-            p = make_problem(B, ratio, DTYPES[dt], shape)
-            inp = make_inputs(p, gen)
-            skip = {} if key in published or args.max_autotune == "all" else {
-                pr.name: AUTOTUNE_NOTE for pr in provs if pr.max_autotune}
-            rows = run_problem(p, inp, provs, args, ceilings[dt], skip)
-            print_problem(p, rows, args.timing)
-            payload["rows"] += rows
-            harness.write_results(NAME, payload, args.out_dir, stamp)
-            del p, inp
-            torch.cuda.empty_cache()
-    except ContextLost as e:
-        harness.note_lost_context(NAME, payload, e)
-    payload["seconds"] = time.perf_counter() - start
+
+    def measure(key, ceilings) -> list:
+        B, ratio, dt = key
+        gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
+        p = make_problem(B, ratio, DTYPES[dt], shape)
+        skip = {} if key in published or args.max_autotune == "all" else {
+            pr.name: AUTOTUNE_NOTE for pr in provs if pr.max_autotune}
+        rows = gemm_bench.run_problem(p, make_inputs(p, gen), provs, args, ceilings[dt], skip=skip,
+                                      peers=speedup_columns(p.dtype), device=DEVICE, **CHECK)
+        print_problem(p, rows, args.timing)
+        return rows
+
+    payload, skipped, stamp = gemm_bench.run(NAME, args, argv, provs, keys, [k[2] for k in keys], published,
+                                             measure, shape=shape, settings={"max_autotune": args.max_autotune})
+    for B, ratio, dt in skipped:
+        note = f"time budget of {args.budget_s:.0f} s spent: skipped B={B} ratio={ratio} {dt}"
+        print(f"{NAME}: {note}", flush=True)
+        payload["notes"].append(note)
     for name, ks in groups.items():
         sel = [r for r in payload["rows"] if (r["B"], r["ratio"], r["dtype"]) in set(ks)]
         for mode in harness.timing_modes(args.timing) if sel and name != "published" else []:
@@ -595,9 +497,7 @@ def main(argv=None) -> int:
                         line[r["provider"]] = r.get("tflops" + harness.SUFFIX[mode]) if ok else r["status"]
                 table.append(line)
             harness.print_table(table, ["B", "ratio"] + [pr.name for pr in provs])
-    path = harness.write_results(NAME, payload, args.out_dir, stamp)
-    print(f"\nresults: {path}  ({payload['seconds']:.0f} s)")
-    return 0
+    return gemm_bench.finish(NAME, payload, args, stamp)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """A linear layer over concatenated user and candidate features on one Hopper GPU: torch
 baselines, ``ikbo_gemm.linear`` and a same-run cuBLAS ceiling.
 
-    python perf/bench_linear.py                          # the headline and ratio groups
-    python perf/bench_linear.py --configs grid --budget-s 3600
-    python perf/bench_linear.py --configs headline --N 256 --activation none gelu --timing both
+    python -m perf.bench_linear                          # the headline and ratio groups
+    python -m perf.bench_linear --configs grid --budget-s 3600
+    python -m perf.bench_linear --configs headline --N 256 --activation none gelu --timing both
 
 out[b] = act(x_cand[b] @ w_cand^T + x_user[idx[b]] @ w_user^T + bias); x_cand [B, K_cand],
 x_user [U, K_user], w_cand [N, K_cand], w_user [N, K_user] (nn.Linear's [out, in]), bias [N],
@@ -69,21 +69,19 @@ import functools
 import importlib
 import itertools
 import sys
-import time
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-if __package__ in (None, ""):  # run as a script: make `perf` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from perf import fp8_peers, harness  # noqa: E402
-from perf.fp8_peers import FP8, dequantize, pad16, padded_scale, quantize_rows, scaled_mm  # noqa: E402
-from perf.harness import ContextLost, make_idx, user_counts  # noqa: E402
+from perf import gemm_bench, harness
+from perf.fp8_peers import FP8, dequantize, pad16, padded_scale, quantize_rows, scaled_mm
+from perf.gemm_bench import GemmProvider as Provider, w_cat
+from perf.harness import make_idx, user_counts
+from perf.providers import LIBS
 
 NAME = "bench_linear"
+IKBO = ("ikbo_gemm.linear",)  # what the ikbo providers need
 DTYPES = {**harness.DTYPES, "fp8": FP8}
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
 K_PAIRS = [(512, 512), (1024, 2048), (4096, 4096)]  # (K_user, K_cand)
@@ -240,42 +238,12 @@ def reference_output(p: LinearProblem, inp: LinearInputs, user_side: bool = True
 # --------------------------------------------------------------------------- providers
 
 
-@dataclasses.dataclass
-class Provider:
-    name: str
-    setup: Callable[[LinearProblem, LinearInputs], Any]
-    run: Callable[[LinearProblem, Any, LinearInputs], torch.Tensor]  # -> out [B, N]
-    ours: bool = False
-    floor: bool = False  # computes the candidate side only: checked against its own reference
-    extra: bool = False  # run only when --providers names it
-    fp8: Optional[str] = None  # an FP8 provider (--dtype fp8 only), checked against the fp32 layer on
-    # "operands": the dequantized FP8 operands; "cat": its own quantized concatenation
-
-
-class _Lib:
-    ikbo_gemm = None
-    note: Optional[str] = None
-
-
-LIB = _Lib()
-
-
-def load_ikbo_gemm() -> None:
-    LIB.ikbo_gemm, LIB.note = harness.import_op("ikbo_gemm", "linear")
-
-
 # The torch paths on plain tensors, the form torch.compile is given.
 
 def decomposition(x_cand, x_user, idx, w_cand, w_user, bias, activation: str) -> torch.Tensor:
     user = F.linear(x_user, w_user)  # [U, N]
     out = F.linear(x_cand, w_cand, bias)  # [B, N]
     return activate(out.add_(user.index_select(0, idx)), activation)
-
-
-def _w_cat(p: LinearProblem, inp: LinearInputs) -> torch.Tensor:
-    if "w" not in p.cache:  # weights are static: concatenated once, like a deployed model
-        p.cache["w"] = torch.cat([inp.w_user, inp.w_cand], dim=1).contiguous()
-    return p.cache["w"]
 
 
 def _cat_linear(p: LinearProblem, w: torch.Tensor, i: LinearInputs) -> torch.Tensor:
@@ -295,9 +263,14 @@ def _floor(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
     return activate(torch.addmm(i.bias, i.x_cand, i.w_cand.T), p.activation)
 
 
+def _act(p: LinearProblem) -> Optional[str]:
+    """The op's activation argument."""
+    return None if p.activation == "none" else p.activation
+
+
 def _ours(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
-    return LIB.ikbo_gemm.linear(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias,
-                                activation=None if p.activation == "none" else p.activation, validate=False)
+    return LIBS.get(IKBO[0]).linear(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, activation=_act(p),
+                                    validate=False)
 
 
 def _rules_setup(rules_name: str):
@@ -312,8 +285,7 @@ def _rules_setup(rules_name: str):
 
 
 def _ours_with_rules(p: LinearProblem, op, i: LinearInputs) -> torch.Tensor:
-    return op(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias,
-              activation=None if p.activation == "none" else p.activation, validate=False)
+    return op(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, activation=_act(p), validate=False)
 
 
 # --------------------------------------------------------------------------- FP8 providers
@@ -382,18 +354,15 @@ def _fp8_floor(p: LinearProblem, w, i: LinearInputs) -> torch.Tensor:
 
 def _ours_fp8(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
     q = i.fp8
-    return LIB.ikbo_gemm.linear(q.x_cand, q.x_user, p.idx, q.w_cand, q.w_user, i.bias,
-                                activation=None if p.activation == "none" else p.activation, validate=False,
-                                **q.scales())
+    return LIBS.get(IKBO[0]).linear(q.x_cand, q.x_user, p.idx, q.w_cand, q.w_user, i.bias, activation=_act(p),
+                                    validate=False, **q.scales())
 
 
 def _ours_fp8_quantizing(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
-    q, quantize = i.fp8, LIB.ikbo_gemm.quantize_fp8
-    (xc8, sxc), (xu8, sxu) = quantize(i.x_cand), quantize(i.x_user)
-    return LIB.ikbo_gemm.linear(xc8, xu8, p.idx, q.w_cand, q.w_user, i.bias,
-                                activation=None if p.activation == "none" else p.activation, validate=False,
-                                x_cand_scale=sxc, x_user_scale=sxu, w_cand_scale=q.w_cand_scale,
-                                w_user_scale=q.w_user_scale)
+    q, op = i.fp8, LIBS.get(IKBO[0])
+    (xc8, sxc), (xu8, sxu) = op.quantize_fp8(i.x_cand), op.quantize_fp8(i.x_user)
+    return op.linear(xc8, xu8, p.idx, q.w_cand, q.w_user, i.bias, activation=_act(p), validate=False,
+                     x_cand_scale=sxc, x_user_scale=sxu, w_cand_scale=q.w_cand_scale, w_user_scale=q.w_user_scale)
 
 
 def providers(fp8: bool = False) -> list:
@@ -408,18 +377,18 @@ def providers(fp8: bool = False) -> list:
         Provider("fp8 scaled_mm floor", _fp8_weights, _fp8_floor, floor=True, fp8="operands"),
     ] if fp8 else []
     fp8_ours = [
-        Provider(OURS_FP8, lambda p, i: None, _ours_fp8, ours=True, fp8="operands"),
-        Provider("ikbo linear fp8 + quantize", lambda p, i: None, _ours_fp8_quantizing, ours=True, fp8="operands"),
+        Provider(OURS_FP8, lambda p, i: None, _ours_fp8, needs=IKBO, fp8="operands"),
+        Provider("ikbo linear fp8 + quantize", lambda p, i: None, _ours_fp8_quantizing, needs=IKBO, fp8="operands"),
     ] if fp8 else []
     return [
-        Provider("torch cat+linear", _w_cat, _cat_linear),
+        Provider("torch cat+linear", w_cat, _cat_linear),
         Provider("torch decomposition", lambda p, i: None, _decomposition),
         Provider("torch.compile decomposition", lambda p, i: harness.torch_compiled(decomposition), _compiled),
         Provider("torch addmm floor", lambda p, i: None, _floor, floor=True),
         *fp8_torch,
-        *(Provider(name, _rules_setup(rules), _ours_with_rules, ours=True, extra=True)
+        *(Provider(name, _rules_setup(rules), _ours_with_rules, needs=IKBO, extra=True)
           for name, (rules, _) in PLAN_VARIANTS.items()),
-        Provider(OURS, lambda p, i: None, _ours, ours=True),
+        Provider(OURS, lambda p, i: None, _ours, needs=IKBO),
         *fp8_ours,
     ]
 
@@ -431,31 +400,18 @@ def chosen_providers(names, fp8: bool = False) -> list:
 
 # --------------------------------------------------------------------------- one configuration
 
+CHECK = {"reference": reference_output, "cat_reference": fp8_cat_reference}  # gemm_bench.check_providers'
+
 
 def run_problem(p: LinearProblem, inp: LinearInputs, provs: list, args, ceiling: float) -> list:
-    """Check every provider, then time those that passed (``--timing``); one row per provider.
-    FP8 providers run only on FP8 problems."""
-    provs = [pr for pr in provs if not pr.fp8 or p.dtype == FP8]
-    errors = fp8_peers.ProviderErrors(lambda floor, fp8: fp8_cat_reference(p, inp) if fp8 == "cat" else
-                                      reference_output(p, inp.dequantized() if fp8 else inp, user_side=not floor))
-
-    # enough copies that 3x L2 lies between two uses of one: these inputs are small
-    n_rot = harness.rotation_count(inp.activation_bytes(), harness.l2_bytes(), cap=1024)
-    sets = [inp] + [inp.clone_activations() for _ in range(n_rot - 1)]
-    harness.reset_compiled()
-    rows, timed = harness.check_providers(
-        provs, p, inp, fields=p.fields(), rel_error_of=errors, tol=args.tol,
-        skip_note=lambda prov: LIB.note if prov.ours and LIB.ikbo_gemm is None else None, device=DEVICE)
-    errors.annotate(rows)
-    harness.time_checked(timed, rows, rotate=sets, device=DEVICE, **harness.timing_options(args))
-    timed.clear()
-    harness.compile_seconds(rows)
-    harness.derive_rates(rows, args.timing, flops=p.flops, ceiling=ceiling, peers=speedup_columns(p.dtype))
+    """``gemm_bench.run_problem``, with each time in us too. The inputs are small: enough copies
+    that 3x L2 lies between two uses of one."""
+    rows = gemm_bench.run_problem(p, inp, provs, args, ceiling, peers=speedup_columns(p.dtype), rotations=1024,
+                                  device=DEVICE, **CHECK)
     for r in rows:
         for s in harness.mode_suffixes(args.timing):
             if r.get("ms" + s):
                 r["us" + s] = r["ms" + s] * 1e3
-    p.cache.clear()
     return rows
 
 
@@ -498,19 +454,12 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES),
                     help="fp8: the bf16 layer and its e4m3 quantization, both (module docstring)")
     ap.add_argument("--activation", nargs="+", choices=ACTIVATIONS)
-    ap.add_argument("--providers", nargs="+", metavar="NAME",
-                    help=f"subset of: {', '.join(p.name for p in providers(fp8=True))}")
-    ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
-    ap.add_argument("--budget-s", type=float, default=240.0,
-                    help="skip the remaining points (the headline group's excepted) once this many seconds have passed")
-    harness.add_common_args(ap)
-    harness.add_timing_args(ap)
-    args = ap.parse_args(argv)
-    harness.check_provider_names(ap, args.providers, [p.name for p in providers(fp8=True)])
-    return args
+    names = [p.name for p in providers(fp8=True)]
+    gemm_bench.add_args(ap, names, "skip the remaining points (the headline group's excepted) once this many "
+                                   "seconds have passed")
+    return gemm_bench.parse(ap, argv, names)
 
 
-COLUMNS = ["provider", "status", "rel_err", "quant_err", "compile_s"]
 TIMED_COLUMNS = ["us", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values(),
                  *FP8_SPEEDUP_COLUMNS.values()]  # per timing mode
 KEY_FIELDS = ["B", "ratio", "K_user", "K_cand", "N", "dtype", "activation"]
@@ -524,7 +473,7 @@ def print_problem(p: LinearProblem, rows: list, timing: str) -> None:
     f = p.fields()
     harness.print_rows(f"B={f['B']} ratio={f['ratio']} (U={f['U']}) K_user={f['K_user']} K_cand={f['K_cand']} "
                        f"N={f['N']} {f['dtype']} {f['activation']}  [{p.flops / 1e9:.1f} GFLOP; x_* = that "
-                       f"torch provider's time / this time, in the same timing]", rows, COLUMNS, TIMED_COLUMNS, timing)
+                       f"torch provider's time / this time, in the same timing]", rows, gemm_bench.COLUMNS, TIMED_COLUMNS, timing)
 
 
 def summary(rows: list, groups: dict, provs: list, timing: str) -> None:
@@ -558,49 +507,26 @@ def summary(rows: list, groups: dict, provs: list, timing: str) -> None:
 @torch.no_grad()  # inference: no autograd bookkeeping in any provider
 def main(argv=None) -> int:
     args = parse_args(argv)
-    harness.start_benchmark(NAME)
-    load_ikbo_gemm()
-    if LIB.note:
-        print(f"{NAME}: {LIB.note}; its rows are skipped", flush=True)
     keys, groups = build_configs(args)
     provs = chosen_providers(args.providers, fp8=any(k[5] == "fp8" for k in keys))
-    env = harness.environment()
-    harness.print_environment(env)
-    ceilings = fp8_peers.ceilings_tflops(k[5] for k in keys)
 
-    stamp = harness.utc_stamp()
-    payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
-               "environment": env, "ceiling_tflops": ceilings, "groups": {n: len(ks) for n, ks in groups.items()},
-               "settings": {**harness.timing_settings(args), "tol": args.tol},
-               "notes": [LIB.note] if LIB.note else [], "rows": []}
-    always = set(groups.get("headline", []))
-    start, skipped = time.perf_counter(), 0
-    try:
-        for key in keys:
-            B, ratio, K_user, K_cand, N, dt, act = key
-            if key not in always and time.perf_counter() - start > args.budget_s:
-                skipped += 1
-                continue
-            gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
-            p = make_problem(B, ratio, K_user, K_cand, N, DTYPES[dt], act)
-            inp = make_inputs(p, gen)
-            rows = run_problem(p, inp, provs, args, ceilings[dt])
-            print_problem(p, rows, args.timing)
-            payload["rows"] += rows
-            harness.write_results(NAME, payload, args.out_dir, stamp)  # partial results survive a crash
-            del p, inp
-            torch.cuda.empty_cache()
-    except ContextLost as e:
-        harness.note_lost_context(NAME, payload, e)
+    def measure(key, ceilings) -> list:
+        B, ratio, K_user, K_cand, N, dt, act = key
+        gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
+        p = make_problem(B, ratio, K_user, K_cand, N, DTYPES[dt], act)
+        rows = run_problem(p, make_inputs(p, gen), provs, args, ceilings[dt])
+        print_problem(p, rows, args.timing)
+        return rows
+
+    payload, skipped, stamp = gemm_bench.run(NAME, args, argv, provs, keys, [k[5] for k in keys],
+                                             set(groups.get("headline", [])), measure,
+                                             groups={n: len(ks) for n, ks in groups.items()}, settings={})
     if skipped:
-        note = f"time budget of {args.budget_s:.0f} s spent: {skipped} of {len(keys)} points skipped"
+        note = f"time budget of {args.budget_s:.0f} s spent: {len(skipped)} of {len(keys)} points skipped"
         print(f"{NAME}: {note}", flush=True)
         payload["notes"].append(note)
-    payload["seconds"] = time.perf_counter() - start
     summary(payload["rows"], groups, provs, args.timing)
-    path = harness.write_results(NAME, payload, args.out_dir, stamp)
-    print(f"\nresults: {path}  ({payload['seconds']:.0f} s)")
-    return 0
+    return gemm_bench.finish(NAME, payload, args, stamp)
 
 
 if __name__ == "__main__":

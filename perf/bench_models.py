@@ -1,8 +1,8 @@
 """The reference models (examples/) end to end, in four versions, on one Hopper GPU:
 
-    python perf/bench_models.py                   # --configs headline: every model at B 1024, ratio 70
-    python perf/bench_models.py --configs grid    # every model at B {256, 1024, 4096} x ratio {10, 70, 1000}
-    python perf/bench_models.py --models combined --B 1024 --ratio 70
+    python -m perf.bench_models                   # --configs headline: every model at B 1024, ratio 70
+    python -m perf.bench_models --configs grid    # every model at B {256, 1024, 4096} x ratio {10, 70, 1000}
+    python -m perf.bench_models --models combined --B 1024 --ratio 70
 
 Versions of each model (bf16, inference, candidates sorted by user):
   eager      the model as written (index_select / [idx], concat, nn.Linear, SDPA)
@@ -34,23 +34,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `perf` and `examples` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from examples import combined, din, multi_seed, wukong  # noqa: E402
-from perf import harness  # noqa: E402
-from perf.harness import make_idx, user_counts  # noqa: E402
+from examples import combined, din, multi_seed, wukong
+from perf import harness
+from perf.harness import make_idx, user_counts
+from perf.providers import LIBS, Provider, needed
 
 NAME = "bench_models"
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
-VERSIONS = ["eager", "compile", "rewrite", "hand"]
 GRID = {"B": [256, 1024, 4096], "ratio": [10, 70, 1000]}
 HEADLINE = (1024, 70)
 TOL = 3e-2  # bf16 end to end, against eager bf16
@@ -71,6 +69,26 @@ MODELS = {
     "multi_seed": ModelSpec(multi_seed, multi_seed.MultiSeedBlock, multi_seed.MultiSeedBlockIkbo,
                             multi_seed.MultiSeedConfig()),
 }
+
+
+class Models(NamedTuple):
+    model: torch.nn.Module  # as written
+    hand: torch.nn.Module  # written by hand with the IKBO ops
+
+
+def _call(models: Models, fn, inputs: tuple):
+    return fn(*inputs)
+
+
+# The versions as providers: setup makes the callable (the compiled ones compile at their first
+# call), run calls it.
+PROVIDERS = {prov.name: prov for prov in [
+    Provider("eager", lambda m, x: m.model, _call),
+    Provider("compile", lambda m, x: torch.compile(m.model), _call),
+    Provider("rewrite", lambda m, x: LIBS.get("ikbo_rewrite").compile(m.model), _call, needs=("ikbo_rewrite",)),
+    Provider("hand", lambda m, x: torch.compile(m.hand), _call),
+]}
+VERSIONS = list(PROVIDERS)
 
 
 def parse_args(argv=None):
@@ -107,28 +125,19 @@ def build(spec: ModelSpec, B: int, ratio: int, seed: int):
     return model, hand, inputs, len(counts)
 
 
-def make_versions(model, hand, versions) -> dict:
-    """name -> callable(inputs); the compiled ones compile at their first call."""
-    import ikbo_rewrite
-
-    made = {"eager": model, "compile": torch.compile(model), "rewrite": ikbo_rewrite.compile(model),
-            "hand": torch.compile(hand)}
-    return {v: made[v] for v in versions}
-
-
 def _sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
 
 
-def peak_mib(fn, inputs) -> Optional[float]:
+def peak_mib(call) -> Optional[float]:
     """Memory one call allocates at its peak, beyond what was allocated before it."""
     if DEVICE != "cuda":
         return None
     _sync()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    out = fn(*inputs)
+    out = call()
     _sync()
     peak = torch.cuda.max_memory_allocated() - base
     del out
@@ -145,14 +154,19 @@ def run_shape(name: str, spec: ModelSpec, B: int, ratio: int, args) -> tuple[lis
     torch._dynamo.reset()
     model, hand, inputs, U = build(spec, B, ratio, args.seed)
     fields = {"model": name, "B": B, "ratio": ratio, "U": U}
-    rows, timed, ref = [], {}, None
-    versions = make_versions(model, hand, args.versions)
+    models, rows, timed, ref, made = Models(model, hand), [], {}, None, {}
     with torch.no_grad():
-        for version, fn in versions.items():
-            row = {**fields, "version": version, "status": "ok", "note": None}
+        for version in args.versions:  # the first is the reference
+            prov = PROVIDERS[version]
+            row = {**fields, "version": version, "status": "ok", "note": LIBS.skip_note(prov)}
             rows.append(row)
+            if row["note"]:
+                row["status"] = "skipped"
+                continue
             try:
-                row["first_s"], out = harness.first_call_s(lambda: fn(*inputs))
+                made[version] = prov.setup(models, inputs)
+                call = functools.partial(prov.run, models, made[version], inputs)
+                row["first_s"], out = harness.first_call_s(call)
                 if ref is None:
                     ref = out.float()
                 row["rel_err"] = harness.rel_error(out.float(), ref)
@@ -160,8 +174,8 @@ def run_shape(name: str, spec: ModelSpec, B: int, ratio: int, args) -> tuple[lis
                 if not row["rel_err"] <= args.tol:
                     row.update(status="wrong", note=f"rel. error {row['rel_err']:.3g} > {args.tol:g}: not timed")
                     continue
-                row["peak_mib"] = peak_mib(fn, inputs)
-                timed[version] = (row, lambda fn=fn: fn(*inputs))
+                row["peak_mib"] = peak_mib(call)
+                timed[version] = (row, call)
             except Exception as e:
                 harness.record_failure(row, e, rows, DEVICE)
         # interleaved: plain calls and CUDA-graph replays in turns; sustained: plain calls,
@@ -179,7 +193,7 @@ def run_shape(name: str, spec: ModelSpec, B: int, ratio: int, args) -> tuple[lis
                 if r is not None:
                     row.update(graph_ms_sustained=r["ms"], graph_W=r["W"], graph_MHz=r["MHz"])
     summary = compare(rows, fields)
-    summary["rewrite_left"] = left_broadcasts(versions["rewrite"]) if "rewrite" in versions else None
+    summary["rewrite_left"] = left_broadcasts(made["rewrite"]) if "rewrite" in made else None
     return rows, summary
 
 
@@ -265,19 +279,17 @@ def plot(payload: dict, out_dir) -> Optional[Path]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    harness.start_benchmark(NAME)
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fx_graph_cache = False  # every version's first call compiles afresh
-    functorch_config.enable_autograd_cache = False
+    harness.start_benchmark(NAME)  # compile caches off: every version's first call compiles afresh
+    notes = LIBS.load(needed([PROVIDERS[v] for v in args.versions]))
+    for note in notes:
+        print(f"{NAME}: {note}", flush=True)
     env = harness.environment()
     harness.print_environment(env)
     stamp = harness.utc_stamp()
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv), "environment": env,
                "stamp": stamp, "settings": {**harness.timing_settings(args), "tol": args.tol,
                                             "versions": args.versions},
-               "notes": [], "rows": [], "summaries": []}
+               "notes": notes, "rows": [], "summaries": []}
     start = time.perf_counter()
     try:
         for name in args.models:

@@ -9,7 +9,7 @@ weights once, at setup; activations where a provider makes them).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,50 +65,3 @@ def fp8_ceiling_tflops(n: int = 8192, *, warmup: int = 5, rep: int = 20) -> floa
     w8, sw = quantize_rows(torch.randn(n, n, device="cuda"))
     ms = harness.bench_ms(lambda: scaled_mm(a8, sa, w8, sw), warmup=warmup, rep=rep)
     return 2.0 * n**3 / (ms * 1e-3) / 1e12
-
-
-def ceilings_tflops(dtype_names) -> dict:
-    """Same-run ceilings by dtype name: cuBLAS 8192^3 GEMM for the 16-bit ones
-    (``harness.ceilings_tflops``), row-wise _scaled_mm for "fp8"."""
-    from perf import harness
-
-    names = list(dict.fromkeys(dtype_names))
-    result = harness.ceilings_tflops([n for n in names if n != "fp8"])
-    if "fp8" in names:
-        result["fp8"] = fp8_ceiling_tflops()
-        print(f"torch._scaled_mm fp8 row-wise 8192^3 ceiling: {result['fp8']:.0f} TFLOP/s", flush=True)
-    return result
-
-
-class ProviderErrors:
-    """``rel_error_of`` for ``harness.check_providers`` where FP8 providers run beside 16-bit ones.
-
-    ``reference(floor, fp8)`` builds the fp32 reference a provider is checked against: its
-    ``floor`` (the candidate side alone) and ``fp8`` kind (None: the 16-bit problem's; "operands":
-    the dequantized FP8 operands'; "cat": the provider's own quantized concatenation's); each is
-    built once. An FP8 provider's error against the 16-bit problem's reference is kept as its
-    quant_err (``annotate`` writes it into the rows)."""
-
-    def __init__(self, reference: Callable[[bool, Optional[str]], torch.Tensor]):
-        self._build = reference
-        self._refs: dict = {}
-        self.quant_err: dict = {}
-
-    def reference(self, floor: bool, fp8: Optional[str]) -> torch.Tensor:
-        if (floor, fp8) not in self._refs:
-            self._refs[floor, fp8] = self._build(floor, fp8)
-        return self._refs[floor, fp8]
-
-    def __call__(self, prov, out: torch.Tensor) -> float:
-        from perf import harness
-
-        if prov.fp8:  # the quantization's own error: against the 16-bit problem
-            self.quant_err[prov.name] = harness.rel_error(out.float(), self.reference(prov.floor, None))
-        return harness.rel_error(out.float(), self.reference(prov.floor, prov.fp8))
-
-    def annotate(self, rows: list) -> None:
-        """Each FP8 provider's row gets its quant_err; the references are dropped."""
-        self._refs.clear()
-        for r in rows:
-            if r["provider"] in self.quant_err:
-                r["quant_err"] = self.quant_err[r["provider"]]

@@ -4,10 +4,11 @@ Timing rules used by every benchmark here:
 - ``bench_ms``: median of CUDA-event timings of single calls after warm-up. With
   ``rotate``, successive calls cycle through copies of the inputs so that L2 does not
   keep one call's inputs for the next (``rotation_count`` says how many copies).
-- ``bench_graph_ms``: the same on replays of a captured CUDA graph (launch overhead gone).
-- ``bench_interleaved`` / ``bench_graph_interleaved``: the same for several functions timed in
+- ``bench_interleaved``: the same for several functions timed in
   turns (one call of each per round), so that drift in clocks or temperature during a run
   does not favor whichever is timed first; the benchmarks time their providers this way.
+  ``bench_graph_interleaved``: the same on replays of one CUDA graph per function (launch
+  overhead gone).
 - ``host_overhead_us``: CPU time per call without synchronization, on a tiny problem.
 - ``sustained``: one function back to back, long enough to reach the board's power limit (the
   state of a serving GPU), with the power and SM clock seen meanwhile.
@@ -42,40 +43,19 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # --------------------------------------------------------------------------- device checks
 
-def _script_name() -> str:
-    return Path(sys.argv[0]).stem or "benchmark"
-
-
-def fa4_import_error() -> Optional[str]:
-    """None when ``flash_attn.cute`` (flash-attn-4) imports, else the reason."""
-    try:
-        import flash_attn.cute  # noqa: F401
-    except Exception as e:  # an ImportError, or a broken install
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def hopper_missing() -> Optional[str]:
-    """None on a CUDA build of torch with an sm_90 GPU, else what is missing."""
+def require_hopper_or_exit(*, name: str) -> None:
+    """Exit with status 2 and one line on stderr unless torch is a CUDA build with an sm_90 GPU."""
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else "no visible GPU"
-        return f"needs a Hopper (sm_90) GPU; none found (torch {torch.__version__}, {build})"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return f"needs a Hopper (sm_90) GPU; found {torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return None
-
-
-def require_hopper_or_exit(need_fa4: bool = False, *, name: Optional[str] = None) -> None:
-    """Exit with status 2 and one line on stderr unless the benchmark can run here."""
-    name = name or _script_name()
-    missing = hopper_missing()
-    if missing is None and need_fa4 and fa4_import_error() is not None:
-        missing = "needs flash-attn-4 (flash_attn.cute); it does not import"
-    if missing is not None:
-        print(f"{name}: {missing}. Run it on an H100/H200 after `{INSTALL_HINT}`.",
-              file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        missing = f"none found (torch {torch.__version__}, {build})"
+    elif torch.cuda.get_device_capability() != (9, 0):
+        major, minor = torch.cuda.get_device_capability()
+        missing = f"found {torch.cuda.get_device_name()} (sm_{major}{minor})"
+    else:
+        return
+    print(f"{name}: needs a Hopper (sm_90) GPU; {missing}. Run it on an H100/H200 after `{INSTALL_HINT}`.",
+          file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 # --------------------------------------------------------------------------- workloads
@@ -146,15 +126,6 @@ def bench_ms(fn: Callable, *, warmup: int = 5, rep: int = 30, rotate: Optional[S
     return ms
 
 
-def bench_graph_ms(fn: Callable, *, warmup: int = 3, rep: int = 30,
-                   rotate: Optional[Sequence] = None) -> Optional[float]:
-    """Median milliseconds per call from replays of a CUDA graph holding one call per input set.
-
-    None when ``fn`` cannot be captured (host synchronization, allocation outside torch, ...).
-    """
-    return bench_graph_interleaved({"fn": fn}, warmup=warmup, rep=rep, rotate=rotate)["fn"]
-
-
 def _round_robin(names: list, rep: int, step: Callable[[str, int], None]) -> None:
     """``rep`` rounds; round i runs ``step(name, i)`` for every name, starting one further along
     each round, so no name always follows the same neighbour."""
@@ -211,29 +182,12 @@ def bench_graph_interleaved(fns: dict, *, warmup: int = 3, rep: int = 30,
                             rotate: Optional[Sequence] = None) -> dict:
     """As :func:`bench_interleaved`, on replays of one CUDA graph per function (one call per
     input set in each); an entry is None when that function cannot be captured."""
-    graphs, result = {}, {}
-    for name, fn in fns.items():
-        graphs[name] = _capture(fn, rotate)
-        if graphs[name] is None:
-            result[name] = None
-    live = [name for name in fns if graphs[name] is not None]
-    _round_robin(live, warmup, lambda name, i: graphs[name][0].replay())
-    torch.cuda.synchronize()
-    events = {name: [] for name in live}
-
-    def timed(name, i):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graphs[name][0].replay()
-        end.record()
-        events[name].append((start, end))
-
-    _round_robin(live, rep, timed)
-    torch.cuda.synchronize()
-    for name in live:
-        result[name] = statistics.median(s.elapsed_time(e) for s, e in events[name]) / graphs[name][1]
-    graphs.clear()
-    return result
+    graphs = {name: _capture(fn, rotate) for name, fn in fns.items()}
+    ms = bench_interleaved({name: g[0].replay for name, g in graphs.items() if g}, warmup=warmup, rep=rep)
+    for name, t in ms.items():
+        if isinstance(t, BaseException):
+            raise t
+    return {name: ms[name] / g[1] if g else None for name, g in graphs.items()}
 
 
 def _capture(fn: Callable, rotate: Optional[Sequence]):
@@ -487,33 +441,6 @@ def sustained_graph(fn: Callable, seconds: float, *, warm_s: float = 1.5,
     return r
 
 
-def burst_ms(fn: Callable, *, cool_s: float = 3.0, calls: int = 60, skip: int = 5,
-             window_ms: float = 25.0) -> float:
-    """Median ms per call of ``fn`` from a cool GPU: after ``cool_s`` idle, ``calls`` calls back to
-    back, each between CUDA events; the first ``skip`` (clocks leaving idle) and those starting
-    after ``window_ms`` (the power limit acts after a few tens of ms) are left out."""
-    _sync()
-    time.sleep(cool_s)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
-    for a, b in events:
-        a.record()
-        fn()
-        b.record()
-    _sync()
-    first = events[0][0]
-    kept = [a.elapsed_time(b) for a, b in events[skip:] if first.elapsed_time(a) < window_ms]
-    return statistics.median(kept or [events[skip][0].elapsed_time(events[skip][1])])
-
-
-def idle_watts(seconds: float = 3.0) -> Optional[float]:
-    """Mean board power with nothing running."""
-    _sync()
-    with PowerSampler() as sampler:
-        time.sleep(seconds)
-    samples = sampler.samples[2:]
-    return statistics.fmean(s[0] for s in samples) if samples else None
-
-
 # --------------------------------------------------------------------------- accuracy
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -577,6 +504,7 @@ def environment() -> dict:
         "torch_cuda": torch.version.cuda,
         "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
         "flash-attn-4": _version("flash-attn-4"),
+        "fa3-fwd": _version("fa3-fwd"),
         "gpu": None,
     }
     if torch.cuda.is_available():
@@ -693,11 +621,18 @@ def print_environment(env: dict, libraries: Sequence[str] = ("nvidia-cutlass-dsl
 
 
 def ceilings_tflops(dtype_names) -> dict:
-    """Same-run cuBLAS 8192^3 GEMM TFLOP/s for each dtype name (printed as measured)."""
+    """Same-run ceilings per dtype name, printed as measured: cuBLAS 8192^3 GEMM TFLOP/s, and for
+    "fp8" row-wise torch._scaled_mm (perf/fp8_peers.py)."""
+    from perf import fp8_peers
+
     result = {}
     for dt in dict.fromkeys(dtype_names):
-        result[dt] = cublas_ceiling_tflops(DTYPES[dt])
-        print(f"cuBLAS {dt} 8192^3 GEMM ceiling: {result[dt]:.0f} TFLOP/s", flush=True)
+        if dt == "fp8":
+            result[dt] = fp8_peers.fp8_ceiling_tflops()
+            print(f"torch._scaled_mm fp8 row-wise 8192^3 ceiling: {result[dt]:.0f} TFLOP/s", flush=True)
+        else:
+            result[dt] = cublas_ceiling_tflops(DTYPES[dt])
+            print(f"cuBLAS {dt} 8192^3 GEMM ceiling: {result[dt]:.0f} TFLOP/s", flush=True)
     return result
 
 
@@ -765,14 +700,10 @@ def check_providers(provs: list, p, inp, *, fields: dict, rel_error_of: Callable
                 if not err <= tol:
                     row.update(status="wrong", note=f"rel. error {err:.3g} > {tol:g}: not timed")
                     continue
-            timed[prov.name] = (row, functools.partial(_run_provider, prov, p, st))
+            timed[prov.name] = (row, functools.partial(prov.run, p, st))
         except Exception as e:
             record_failure(row, e, rows, device)
     return rows, timed
-
-
-def _run_provider(prov, p, state, x):
-    return prov.run(p, state, x)
 
 
 def time_checked(timed: dict, rows: list, *, warmup: int, rep: int, rotate: Optional[Sequence] = None,
@@ -941,14 +872,3 @@ def context_lost(device="cuda") -> bool:
         return torch.ones(1, device=device).add_(1).item() != 2.0
     except Exception:
         return True
-
-
-def import_op(module: str, attr: str):
-    """``(module, None)`` when ``module.attr`` is importable and callable, else ``(None, why)``."""
-    try:
-        mod = __import__(module)
-    except Exception as e:
-        return None, f"{module} not importable ({type(e).__name__}: {e})"
-    if not callable(getattr(mod, attr, None)):
-        return None, f"{module}.{attr} does not exist yet"
-    return mod, None

@@ -106,26 +106,17 @@ def compile_eagerly(monkeypatch):
 
 
 @pytest.fixture
-def lce_benchmark_on_cpu(monkeypatch, compile_eagerly):
-    """The LCE benchmarks' setup on the CPU (dry runs): no Hopper check, ``ikbo_gemm.lce``
-    replaced by torch matmuls, torch.compile by the function itself, and problems of a small
-    shape (M 9, N 6, K_user 5, K_cand 7)."""
-    import torch
-    from perf import bench_lce, harness
+def gemm_benchmarks_on_cpu(monkeypatch, cpu_timing):
+    """bench_lce's and bench_linear's main() on the CPU: no Hopper check, a 64 KiB L2, and fixed
+    same-run ceilings (cuBLAS 700 TFLOP/s, FP8 1400)."""
+    from perf import bench_lce, bench_linear, fp8_peers, harness
 
-    def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedule="fused"):
-        return torch.matmul(w_cand, e_cand) + torch.matmul(w_user, e_user)[idx.long()]
-
-    small = {"M": 9, "N": 6, "K_user": 5, "K_cand": 7}
-    make_problem = bench_lce.make_problem
-    monkeypatch.setattr(bench_lce, "DEVICE", "cpu")
+    for module in (bench_lce, bench_linear):
+        monkeypatch.setattr(module, "DEVICE", "cpu")
     monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
-    monkeypatch.setattr(bench_lce, "load_ikbo_gemm", lambda: None)
-    monkeypatch.setattr(bench_lce.LIB, "ikbo_gemm", type("M", (), {"lce": staticmethod(lce)}))
-    monkeypatch.setattr(bench_lce, "make_problem", lambda B, ratio, dtype, device=None: make_problem(
-        B, ratio, dtype, small, device))
-    # CPU half-precision matmul may be missing on old torch; the dry runs need it
-    torch.matmul(torch.ones(2, 2, dtype=torch.float16), torch.ones(2, 2, dtype=torch.float16))
+    monkeypatch.setattr(harness, "l2_bytes", lambda: 2**16)
+    monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
+    monkeypatch.setattr(fp8_peers, "fp8_ceiling_tflops", lambda: 1400.0)
 
 
 @pytest.fixture

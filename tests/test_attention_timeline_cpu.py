@@ -1,25 +1,15 @@
-"""tools/attention_timeline.py on the CPU: the per-call summary of kernel events, its flag
-setter, and its refusal to run without a GPU."""
+"""tools/attention_timeline.py on the CPU: the per-call summary of kernel events, its arguments,
+and its refusal to run without a GPU."""
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parent.parent / "tools" / "attention_timeline.py"
+from tools import attention_timeline as timeline
 
 
-@pytest.fixture(scope="module")
-def timeline():
-    spec = importlib.util.spec_from_file_location("attention_timeline", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_summary_spans_and_kernels(timeline):
+def test_summary_spans_and_kernels():
     rng = random.Random()
     calls, kernels, spans = [], [], []
     t = rng.uniform(0, 1000)
@@ -42,22 +32,20 @@ def test_summary_spans_and_kernels(timeline):
     assert res["kernels"]["fwd"]["us"] == pytest.approx(fwd[2])
 
 
-def test_summary_without_events(timeline):
+def test_summary_without_events():
     assert timeline.summarize([(0.0, 1.0)], []) == {"span_us": None, "kernels": {}}
 
 
-def test_parse_policy(timeline):
-    from ikbo_fa import DEFAULT_POLICY, AttentionPolicy
-
-    assert timeline.parse_policy(["split_kv=0", "split_min_keys=2048"]) == AttentionPolicy(split_kv=False,
-                                                                                         split_min_keys=2048)
-    assert timeline.parse_policy([]) == DEFAULT_POLICY
-    for bad in ("_NO_SUCH_FLAG=1", "split_kv", "attention=1", "_SPLIT_KV=0"):
-        with pytest.raises(SystemExit, match="--set: policy"):
-            timeline.parse_policy([bad])
+def test_arguments():
+    args = timeline.parse_args(["--preset", "long-history"])
+    assert (args.B, args.ratio, args.S_q, args.L, args.H, args.D, args.jagged) == (4096, 512, [1], [16384], 4, 128, None)
+    assert timeline.parse_args(["--jagged", "lognormal:64"]).jagged == "lognormal:64"
+    for bad in (["--jagged", "pareto"], ["--variant", "no_such_field=1"]):
+        with pytest.raises(SystemExit):
+            timeline.parse_args(bad)
 
 
-def test_needs_a_gpu(timeline):
+def test_needs_a_gpu():
     import torch
 
     if torch.cuda.is_available():

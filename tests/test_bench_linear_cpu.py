@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from perf import bench_linear as bli
+from perf import harness
+from perf.providers import LIBS
 
-from perf import bench_linear as bli  # noqa: E402
-from perf import harness  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def torch_linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None):
@@ -26,15 +26,9 @@ def torch_linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=N
 
 
 @pytest.fixture
-def linear_on_cpu(monkeypatch, cpu_timing, compile_eagerly):
-    """bench_linear's main() on the CPU: no Hopper check, the op stood in for by torch."""
-    monkeypatch.setattr(bli, "DEVICE", "cpu")
-    monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
-    monkeypatch.setattr(bli, "load_ikbo_gemm", lambda: None)
-    monkeypatch.setattr(bli.LIB, "ikbo_gemm", type("M", (), {"linear": staticmethod(torch_linear)}))
-    monkeypatch.setattr(bli.LIB, "note", None)
-    monkeypatch.setattr(harness, "l2_bytes", lambda: 2**16)
-    monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
+def linear_on_cpu(monkeypatch, gemm_benchmarks_on_cpu, compile_eagerly):
+    """bench_linear's main() on the CPU, the op stood in for by torch."""
+    monkeypatch.setitem(LIBS.modules, bli.IKBO[0], type("M", (), {"linear": staticmethod(torch_linear)}))
     return compile_eagerly
 
 
@@ -103,7 +97,7 @@ def test_ours_calls_the_op(monkeypatch):
         seen.append((activation, validate))
         return torch_linear(*a, activation=activation, **k)
 
-    monkeypatch.setattr(bli.LIB, "ikbo_gemm", type("M", (), {"linear": staticmethod(linear)}))
+    monkeypatch.setitem(LIBS.modules, bli.IKBO[0], type("M", (), {"linear": staticmethod(linear)}))
     ours = next(pr for pr in bli.providers() if pr.name == bli.OURS)
     assert ours.ours
     for activation in ("none", "gelu"):
@@ -205,8 +199,8 @@ def test_main_dry_run_both_timings(linear_on_cpu, tmp_path, capsys):
 
 
 def test_main_dry_run_without_the_op(linear_on_cpu, tmp_path, monkeypatch):
-    monkeypatch.setattr(bli.LIB, "ikbo_gemm", None)
-    monkeypatch.setattr(bli.LIB, "note", "ikbo_gemm.linear does not exist yet")
+    monkeypatch.setitem(LIBS.modules, bli.IKBO[0], None)
+    monkeypatch.setitem(LIBS.notes, bli.IKBO[0], "ikbo_gemm.linear does not exist yet")
     data = _run_main(tmp_path, ["--configs", "headline", "--dtype", "fp16", "--K", "4,4"])
     ours = [r for r in data["rows"] if r["provider"] == bli.OURS]
     assert len(ours) == 1 and ours[0]["status"] == "skipped" and "does not exist yet" in ours[0]["note"]
@@ -214,26 +208,11 @@ def test_main_dry_run_without_the_op(linear_on_cpu, tmp_path, monkeypatch):
     assert data["notes"] == ["ikbo_gemm.linear does not exist yet"]
 
 
-def test_the_op_is_not_there_yet(monkeypatch):
-    """Until ikbo_gemm.linear lands, the benchmark says so (and skips its rows)."""
-    monkeypatch.setattr(bli.LIB, "ikbo_gemm", None)
-    monkeypatch.setattr(bli.LIB, "note", None)
-    bli.load_ikbo_gemm()
-    try:
-        import ikbo_gemm
-    except Exception:
-        pytest.skip("ikbo_gemm does not import here")
-    if callable(getattr(ikbo_gemm, "linear", None)):
-        assert bli.LIB.ikbo_gemm is ikbo_gemm and bli.LIB.note is None
-    else:
-        assert bli.LIB.ikbo_gemm is None and bli.LIB.note == "ikbo_gemm.linear does not exist yet"
-
-
 def test_a_wrong_op_is_reported_not_timed(linear_on_cpu, tmp_path, monkeypatch):
     def wrong(x_cand, x_user, idx, *a, **k):
         return torch_linear(x_cand, x_user, (idx + 1) % x_user.shape[0], *a, **k)
 
-    monkeypatch.setattr(bli.LIB, "ikbo_gemm", type("M", (), {"linear": staticmethod(wrong)}))
+    monkeypatch.setitem(LIBS.modules, bli.IKBO[0], type("M", (), {"linear": staticmethod(wrong)}))
     data = _run_main(tmp_path, ["--configs", "headline", "--dtype", "fp16", "--K", "8,16", "--ratio", "4"])
     ours = next(r for r in data["rows"] if r["provider"] == bli.OURS)
     assert ours["status"] == "wrong" and "ms" not in ours and "x_floor" not in ours
@@ -250,7 +229,7 @@ def test_f_linear_in_half_precision_on_the_cpu():
 def test_without_a_gpu_one_line_and_exit_2():
     import subprocess
 
-    res = subprocess.run([sys.executable, "perf/bench_linear.py"], cwd=ROOT, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "perf.bench_linear"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     text = (res.stdout + res.stderr).strip()
     assert res.returncode == 2 and len(text.splitlines()) == 1, text

@@ -6,9 +6,11 @@ import json
 import os
 
 import pytest
+import torch
 
 from examples import wukong
 from perf import bench_models, harness
+from perf.providers import LIBS
 
 
 @pytest.fixture
@@ -19,8 +21,6 @@ def bench_on_cpu(monkeypatch, cpu_timing):
     monkeypatch.setitem(bench_models.MODELS, "wukong", bench_models.ModelSpec(
         spec.module, spec.model, spec.hand, wukong.WukongConfig(M=5, N=8, K_user=6, K_cand=7, mlp=(4, 1))))
     import torch._dynamo
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
 
     for var in ("IKBO_VALIDATE", "CUTE_KERNELS_CACHE_DIR"):  # main() sets them: restored after
         if var in os.environ:
@@ -29,9 +29,8 @@ def bench_on_cpu(monkeypatch, cpu_timing):
             monkeypatch.delenv(var, raising=False)
     torch._dynamo.reset()
     # main() turns the compile caches off; config.patch puts them back (monkeypatch would
-    # delete the attributes on undo, which hides a config entry)
-    with inductor_config.patch(fx_graph_cache=inductor_config.fx_graph_cache), \
-            functorch_config.patch(enable_autograd_cache=functorch_config.enable_autograd_cache):
+    # delete the attribute on undo, which hides a config entry)
+    with torch.compiler.config.patch(force_disable_caches=torch.compiler.config.force_disable_caches):
         yield
     torch._dynamo.reset()
 
@@ -47,6 +46,19 @@ def test_main_runs_every_version_and_writes_results(bench_on_cpu, tmp_path, caps
     summary = payload["summaries"][0]
     assert summary["U"] == 3 and summary["rewrite_left"] == [] and summary["rewrite_vs_hand"] > 0
     assert "wukong: B 12, ratio 4 (U 3)" in text and "broadcasts the rewrite left" in text
+    assert torch.compiler.config.force_disable_caches  # every version's first call compiled afresh
+
+
+def test_without_the_rewrite_its_rows_are_skipped_with_a_note(bench_on_cpu, tmp_path, monkeypatch):
+    monkeypatch.setitem(LIBS.modules, "ikbo_rewrite", None)
+    monkeypatch.setitem(LIBS.notes, "ikbo_rewrite", "ikbo_rewrite not importable")
+    assert bench_models.main(["--models", "wukong", "--B", "12", "--ratio", "4", "--versions", "eager", "rewrite",
+                              "--warmup", "1", "--rep", "2", "--out-dir", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "bench_models-latest.json").read_text())
+    rows = {r["version"]: r for r in payload["rows"]}
+    assert rows["eager"]["status"] == "ok" and rows["rewrite"]["status"] == "skipped"
+    assert payload["notes"] == [rows["rewrite"]["note"]] == ["ikbo_rewrite not importable"]
+    assert payload["summaries"][0]["rewrite_left"] is None
 
 
 def test_shapes_of_each_config_set():

@@ -13,7 +13,8 @@ sys.path.insert(0, str(ROOT))
 
 import ikbo_gemm  # noqa: E402
 from perf import bench_lce as bl  # noqa: E402
-from perf import fp8_peers, harness  # noqa: E402
+from perf import harness  # noqa: E402
+from perf.providers import LIBS  # noqa: E402
 
 SMALL = {"M": 9, "N": 6, "K_user": 5, "K_cand": 7}
 FP8_NAMES = ["fp8 materialize+scaled_mm", "fp8 decomposition", "torch.compile fp8 decomposition",
@@ -27,8 +28,7 @@ def small(B=12, ratio=5, seed=0):
 
 @pytest.fixture
 def real_op(monkeypatch):
-    monkeypatch.setattr(bl.LIB, "ikbo_gemm", ikbo_gemm)
-    monkeypatch.setattr(bl.LIB, "note", None)
+    monkeypatch.setitem(LIBS.modules, bl.IKBO[0], ikbo_gemm)
 
 
 def test_fp8_inputs_quantize_the_bf16_problem():
@@ -68,13 +68,7 @@ def test_fp8_providers_match_their_references(compile_eagerly, real_op):
     assert harness.rel_error(prov.run(p, prov.setup(p, inp), flipped), refs[False, "operands"]) > 0.05
 
 
-def test_main_dry_run_fp8(monkeypatch, cpu_timing, compile_eagerly, real_op, tmp_path, capsys):
-    monkeypatch.setattr(bl, "DEVICE", "cpu")
-    monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
-    monkeypatch.setattr(bl, "load_ikbo_gemm", lambda: None)
-    monkeypatch.setattr(harness, "l2_bytes", lambda: 2**16)
-    monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
-    monkeypatch.setattr(fp8_peers, "fp8_ceiling_tflops", lambda: 1400.0)
+def test_main_dry_run_fp8(gemm_benchmarks_on_cpu, compile_eagerly, real_op, tmp_path, capsys):
     argv = ["--configs", "published", "ratio", "--ratio", "4", "--dtype", "fp8", "--sweep-dtype", "bf16",
             "--M", "9", "--N", "6", "--K-user", "5", "--K-cand", "7", "--warmup", "1", "--rep", "3",
             "--out-dir", str(tmp_path)]

@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT))
 import ikbo_gemm  # noqa: E402
 from perf import bench_linear as bli  # noqa: E402
 from perf import fp8_peers, harness  # noqa: E402
+from perf.providers import LIBS  # noqa: E402
 
 FP8_NAMES = ["fp8 cat+scaled_mm", "fp8 decomposition", "torch.compile fp8 decomposition", "fp8 scaled_mm floor",
              bli.OURS_FP8, "ikbo linear fp8 + quantize"]
@@ -27,8 +28,7 @@ def small(B=12, ratio=5, K_user=5, K_cand=7, N=6, activation="relu", seed=0):
 
 @pytest.fixture
 def real_op(monkeypatch):
-    monkeypatch.setattr(bli.LIB, "ikbo_gemm", ikbo_gemm)
-    monkeypatch.setattr(bli.LIB, "note", None)
+    monkeypatch.setitem(LIBS.modules, bli.IKBO[0], ikbo_gemm)
 
 
 def test_pad16():
@@ -76,13 +76,7 @@ def test_fp8_providers_match_their_references(compile_eagerly, real_op, activati
     assert harness.rel_error(prov.run(p, prov.setup(p, inp), flipped), refs[False, "operands"]) > 0.05
 
 
-def test_main_dry_run_fp8(monkeypatch, cpu_timing, compile_eagerly, real_op, tmp_path, capsys):
-    monkeypatch.setattr(bli, "DEVICE", "cpu")
-    monkeypatch.setattr(harness, "require_hopper_or_exit", lambda *a, **k: None)
-    monkeypatch.setattr(bli, "load_ikbo_gemm", lambda: None)
-    monkeypatch.setattr(harness, "l2_bytes", lambda: 2**16)
-    monkeypatch.setattr(harness, "cublas_ceiling_tflops", lambda dtype: 700.0)
-    monkeypatch.setattr(fp8_peers, "fp8_ceiling_tflops", lambda: 1400.0)
+def test_main_dry_run_fp8(gemm_benchmarks_on_cpu, compile_eagerly, real_op, tmp_path, capsys):
     argv = ["--configs", "headline", "--B", "12", "--K", "5,7", "--N", "6", "--dtype", "fp8", "bf16",
             "--warmup", "1", "--rep", "3", "--out-dir", str(tmp_path)]
     assert bli.main(argv) == 0

@@ -2,17 +2,13 @@
 device checks, arguments)."""
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from perf import harness  # noqa: E402
+from perf import harness
 
 
 # --------------------------------------------------------------------------- harness
@@ -45,15 +41,6 @@ def test_tflops_and_rotation_count():
     assert harness.rotation_count(0, l2) == 8
 
 
-def test_round_robin_rotates_the_start():
-    calls = []
-    harness._round_robin(["a", "b", "c"], 4, lambda name, i: calls.append((i, name)))
-    assert calls == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
-                     (2, "c"), (2, "a"), (2, "b"), (3, "a"), (3, "b"), (3, "c")]
-    harness._round_robin([], 3, lambda name, i: calls.append(name))  # nothing to time: no call
-    assert len(calls) == 12
-
-
 class _FakeEvent:
     """torch.cuda.Event on the CPU: the wall-clock time of record(); synchronize() is counted."""
     waited = []
@@ -80,6 +67,32 @@ def test_interleaved_calls_take_successive_input_sets(monkeypatch):
     assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
     # warm-up a b, then timed a b | b a: every call, whichever the function, takes the next set
     assert seen == [("a", 0), ("b", 1), ("a", 2), ("b", 0), ("b", 1), ("a", 2)]
+
+
+def test_graph_replays_are_timed_in_turns_per_call(monkeypatch):
+    """One replay of each graph per round, its time divided by the calls the graph holds; a
+    function that cannot be captured gets None."""
+    clock, replays = [0.0], []
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            replays.append(self.name)
+            clock[0] += 4.0 if self.name == "a" else 6.0  # ms on the GPU
+
+    class Event(_FakeEvent):
+        def record(self):
+            self.t = clock[0] / 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(harness, "_capture", lambda fn, rotate: fn and (Graph(fn()), len(rotate)))
+    ms = harness.bench_graph_interleaved({"a": lambda: "a", "b": lambda: "b", "c": None}, warmup=1, rep=2,
+                                         rotate=[0, 1])
+    assert ms == {"a": pytest.approx(2.0), "b": pytest.approx(3.0), "c": None}
+    assert replays == ["a", "b", "a", "b", "b", "a"]
 
 
 def test_record_failure_kinds():
@@ -309,15 +322,6 @@ def test_require_hopper_names_the_wrong_gpu(monkeypatch, capsys):
     assert "NVIDIA A100 (sm_80)" in capsys.readouterr().err
 
 
-def test_require_hopper_and_fa4(monkeypatch, capsys):
-    monkeypatch.setattr(harness, "hopper_missing", lambda: None)
-    monkeypatch.setattr(harness, "fa4_import_error", lambda: "ImportError: no flash_attn")
-    harness.require_hopper_or_exit(need_fa4=False, name="x")  # FA4 optional: returns
-    with pytest.raises(SystemExit) as e:
-        harness.require_hopper_or_exit(need_fa4=True, name="x")
-    assert e.value.code == 2 and "flash-attn-4" in capsys.readouterr().err
-
-
 def test_out_dir_argument():
     import argparse
     ap = argparse.ArgumentParser()
@@ -326,10 +330,23 @@ def test_out_dir_argument():
     assert ap.parse_args(["--out-dir", "elsewhere"]).out_dir == Path("elsewhere")
 
 
-def test_import_op_says_what_is_missing():
-    mod, note = harness.import_op("math", "sqrt")
-    assert mod is not None and note is None
-    mod, note = harness.import_op("math", "no_such_op")
-    assert mod is None and note == "math.no_such_op does not exist yet"
-    mod, note = harness.import_op("no_such_module_for_ikbo", "f")
-    assert mod is None and "not importable" in note
+def test_libraries_load_once_and_say_what_is_missing(monkeypatch):
+    from perf.providers import LIBRARIES, Libraries, Library, Provider, needed, select
+
+    monkeypatch.setitem(LIBRARIES, "maths", Library("math", "sqrt", "maths providers skipped"))
+    monkeypatch.setitem(LIBRARIES, "old", Library("math", "no_such_op", "old providers skipped"))
+    monkeypatch.setitem(LIBRARIES, "gone", Library("no_such_module_for_ikbo", "f", "gone providers skipped"))
+    libs = Libraries()
+    notes = libs.load(["maths", "old", "gone", "old"])
+    assert notes == ["math.no_such_op does not exist; old providers skipped",
+                     "no_such_module_for_ikbo not importable (ModuleNotFoundError: No module named "
+                     "'no_such_module_for_ikbo'); gone providers skipped"]
+    import math
+    assert libs.get("maths") is math and libs.get("old") is None and libs.get("never") is None
+    provs = [Provider("a", None, None, needs=("maths",)), Provider("b", None, None, needs=("maths", "gone")),
+             Provider("c", None, None)]
+    assert [libs.skip_note(pr) for pr in provs] == [None, notes[1], None]
+    assert needed(provs) == ["maths", "gone"]
+    assert [pr.name for pr in select(provs, ["c", "a"])] == ["a", "c"] and select(provs, None) == provs
+    libs.modules["maths"] = "a stand-in"  # what tests do: load leaves it
+    assert libs.load(["maths"]) == [] and libs.get("maths") == "a stand-in"

@@ -1,6 +1,6 @@
 """Compile many attention configurations for sm_90a (no GPU needed) and report those that spill.
 
-    python tools/attention_spills.py [--S-q 1 2 8 17 200] [--variants plain pair split]
+    python -m tools.attention_spills [--S-q 1 2 8 17 200] [--variants plain pair split]
                                      [--jobs 2] [--out spills.jsonl]
 
 The shipped configurations are few; the op compiles whatever a problem needs at its first call
@@ -15,11 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 

@@ -1,10 +1,11 @@
 """Where the GPU time of one attention call goes: each kernel's duration and the span of the call.
 
-    python tools/attention_timeline.py --S-q 1 --L 1024 2048 4096 [--B 2048 --ratio 64 --H 2 --D 128]
-    python tools/attention_timeline.py --preset gr-cross
-    python tools/attention_timeline.py --S-q 1 --L 1024 --set split_kv=0
+    python -m tools.attention_timeline --S-q 1 --L 1024 2048 4096 [--B 2048 --ratio 64 --H 2 --D 128]
+    python -m tools.attention_timeline --preset gr-cross
+    python -m tools.attention_timeline --S-q 1 --L 1024 --variant split_kv=0
 
-For each shape, ikbo_fa.attention and FA4 varlen (when flash-attn-4 is installed) run eagerly
+For each shape, ikbo_fa.attention (and ``ikbo SPEC`` under each ``--variant`` policy) and FA4
+varlen (when flash-attn-4 is installed) run eagerly
 with a device sync between calls, under torch.profiler; per provider it prints the median
 duration of every kernel and of the call's span (first kernel start to last kernel end, on the
 GPU). Launch gaps that CUDA graphs remove are in the span; host time is not. Writes JSON where
@@ -19,11 +20,13 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 import torch
+
 from perf import compare_fa4 as cf
+from perf.attention_providers import providers, variant
+from perf.attention_workload import make_inputs, make_problem
+from perf.providers import LIBS, needed
 
 
 def summarize(calls: list, kernels: list) -> dict:
@@ -64,60 +67,54 @@ def _timeline(fn, iters: int) -> dict:
     return summarize(calls, kernels)
 
 
-def parse_policy(pairs: list):
-    """``NAME=VALUE`` pairs -> the ikbo_fa.AttentionPolicy the ikbo provider runs with
-    (``perf.compare_fa4.parse_variant``), for A/B runs of the op's choices."""
-    try:
-        return cf.parse_variant(",".join(pairs))
-    except ValueError as e:
-        raise SystemExit(f"--set: {e}") from None
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=sorted(cf.PRESETS))
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m tools.attention_timeline", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(cf.PRESETS), help="its first part's shape (perf.compare_fa4)")
     ap.add_argument("--S-q", type=int, nargs="+", default=[1])
     ap.add_argument("--L", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--B", type=int, default=2048)
     ap.add_argument("--ratio", type=int, default=64)
     ap.add_argument("--H", type=int, default=2)
     ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--jagged", default=None)
+    ap.add_argument("--jagged", type=cf.length_arg, default=None, metavar="DIST")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="fields of ikbo_fa.AttentionPolicy for an A/B run, e.g. split_kv=0")
+    ap.add_argument("--variant", nargs="+", type=cf.variant_arg, default=[], metavar="SPEC",
+                    help="also trace ikbo under ikbo_fa.AttentionPolicy.parse(SPEC), e.g. split_kv=0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("attention_timeline needs a CUDA GPU")
-    flags = parse_policy(args.set).spec()
     if args.preset:
         pre = cf.PRESETS[args.preset]
-        args.S_q, args.L, args.B, args.ratio = pre["S_q"], pre["L"], pre["B"][0], pre["ratio"][0]
-        args.H, args.D, args.jagged = pre["H"][0], pre["D"][0], pre["jagged"][0]
-    cf.load_fa4()
-    cf.load_ikbo()
-    provs = {p.name: p for p in cf.providers()}
-    if flags:
-        provs["ikbo"] = cf.variant_provider(flags)
+        part = next(iter(pre.parts.values()))
+        args.S_q, args.L, args.B, args.ratio = part["S_q"], part["L"], part["B"][0], part["ratio"][0]
+        args.H, args.D, args.jagged = pre.H, pre.D, part["jagged"][0]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_timeline needs a CUDA GPU")
+    named = {p.name: p for p in providers()}
+    provs = [named["ikbo"], *(variant(spec, policy) for spec, policy in args.variant), named["fa4 varlen packed"]]
+    for note in LIBS.load(needed(provs)):
+        print(note)
     results = []
     for s_q in args.S_q:
         for L in args.L:
             rng = np.random.default_rng(0)
-            gen = torch.Generator(device=cf.DEVICE).manual_seed(0)
-            p = cf.make_problem(args.B, args.ratio, s_q, L, args.H, args.D, torch.bfloat16, "kv", "sorted", rng,
-                                jagged=args.jagged)
-            inp = cf.make_inputs(p, gen)
-            for name in ("ikbo", "fa4 varlen packed"):
-                prov = provs[name]
-                if cf._missing_library(prov):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            p = make_problem(args.B, args.ratio, s_q, L, args.H, args.D, torch.bfloat16, "kv", "sorted", rng,
+                             jagged=args.jagged)
+            inp = make_inputs(p, gen)
+            for prov in provs:
+                if LIBS.skip_note(prov):
                     continue
                 st = prov.setup(p, inp)
                 res = _timeline(lambda: prov.run(p, st, inp), args.iters)
-                res.update(provider=name, S_q=s_q, L=L, B=args.B, ratio=args.ratio, H=args.H, D=args.D,
-                           jagged=args.jagged, flags=flags)
+                res.update(provider=prov.name, S_q=s_q, L=L, B=args.B, ratio=args.ratio, H=args.H, D=args.D,
+                           jagged=args.jagged)
                 results.append(res)
-                print(f"S_q {s_q} L {L} B {args.B} H {args.H} D {args.D} {name}: span {res['span_us']:.1f} us")
+                print(f"S_q {s_q} L {L} B {args.B} H {args.H} D {args.D} {prov.name}: span {res['span_us']:.1f} us")
                 for k, v in sorted(res["kernels"].items(), key=lambda kv: kv[1]["starts_at_us"]):
                     print(f"    +{v['starts_at_us']:7.1f} us  {v['us']:7.1f} us  x{v['per_call']:.0f}  {k}")
     if args.out:

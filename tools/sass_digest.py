@@ -28,8 +28,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 
 def _cuobjdump() -> str:
     found = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
