@@ -37,8 +37,10 @@ class AttentionPolicy:
     split_by_cost: bool = False
     # KV broadcast over padded K/V: K/V blocks per CTA that the forward kernel prefetches into L2
     # while the work list runs (the first blocks its first tiles read; 0: none; at most
-    # MAX_PREFETCH_BLOCKS). Off until timed: docs/perf/2026-12-05-attention-l2-prefetch.md.
-    prefetch_blocks: int = 0
+    # MAX_PREFETCH_BLOCKS). 2: on the H100 (S_q sweep, B 2048, ratio 64, H 2, graph) 21.0 against
+    # 22.1 us at S_q 1, L 1024 and 100.0 against 101.1 at L 8192, within 1% at every other point
+    # of the sweep: docs/perf/2026-12-06-attention-h100-policies.md.
+    prefetch_blocks: int = 2
     # split_cost's costs, in key blocks of a busy SM: a tile's fixed part, the merge in the
     # cluster (split_pair) and the merge launch.
     tile_blocks: int = 1
