@@ -509,8 +509,8 @@ def test_a_policy_change_builds_a_new_plan(emulated, monkeypatch):
 
 def test_policy_parse_and_checks():
     assert AttentionPolicy.parse("") == DEFAULT_POLICY
-    p = AttentionPolicy.parse(" split_pair=0, prefetch_blocks=2,worklist_kernel=TRUE")
-    assert p == AttentionPolicy(split_pair=False, prefetch_blocks=2) and p.spec() == "split_pair=0,prefetch_blocks=2"
+    p = AttentionPolicy.parse(" split_pair=0, prefetch_blocks=4,worklist_kernel=TRUE")
+    assert p == AttentionPolicy(split_pair=False, prefetch_blocks=4) and p.spec() == "split_pair=0,prefetch_blocks=4"
     assert AttentionPolicy.parse(p.spec()) == p and DEFAULT_POLICY.spec() == ""
     with pytest.raises(ValueError, match="split_kv, split_min_keys"):  # lists the fields
         AttentionPolicy.parse("_SPLIT_PAIR=0")
