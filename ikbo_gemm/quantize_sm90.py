@@ -33,8 +33,10 @@ class QuantizeSm90:
          "same": row by row, as read; "transposed": through shared memory in 32 x 32 tiles,
          read along x's columns and written along the output's rows (x8[g, c, r]), both
          coalesced.
-    DRAM sees x once when a group fits in L2 (lce's e at the published shape: 872 x 256 bf16,
-    446 KB a group, 132 groups in flight, at most 59 MB).
+    Step 3 reads x again: from L2 while the groups in flight fit there (rows of linear's x: a
+    few KB each), from DRAM where they do not (lce's e at the published shape: 872 x 256 bf16,
+    446 KB a group, up to 8 CTAs an SM). Keeping a group in the shared memory of a cluster, its
+    amax reduced across it, would read such groups once; not done.
     """
 
     THREADS = 256

@@ -112,3 +112,15 @@ def test_in_a_compiled_model_with_dynamic_shapes():
         res = compiled(kw["x_cand"], kw["x_user"], kw["idx"], kw["x_cand_scale"], kw["x_user_scale"])
         exact = linear_fp8_f64(**kw, activation="silu") * 2
         assert float((res.double() - exact).norm() / exact.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("rules", [dict(cand_split=((128, 128), 2)), dict(cand_split=((64, 128), 4)),
+                                   dict(split_k=True, user_pairs=True), dict(wide_user=True)],
+                         ids=["split2", "split4", "small-grid", "wide-user"])
+def test_launch_rules_keep_the_result(rules):
+    """FP8 under the plan rules the op leaves off: K split over clusters (the partial sums added
+    before the scales), K-split user pairs, the wide user phase (up to 8 workspace slabs)."""
+    B, U, N, K = 256, 3, 256, 4096
+    kw = linear_fp8_problem(B, U, N, K, K, seed=11, device=DEVICE)
+    out = ikbo_gemm.linear(**kw, activation="relu", rules=ikbo_gemm.PlanRules(**rules))
+    assert_one_rounding(out, linear_fp8_f64(**kw, activation="relu"), BF16)

@@ -80,3 +80,16 @@ def test_fp8_call_compiles_whole_as_the_registered_op():
         assert torch.equal(layer(kw), ikbo_gemm.linear_reference(**kw, activation="silu", out_dtype=F16) * 2)
     assert counter.graphs and all("ikbo_gemm.linear" in str(g.graph) for g in counter.graphs)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("rules", [dict(cand_split=((128, 128), 2)), dict(cand_split=((64, 128), 4)),
+                                   dict(wide_user=True)], ids=["split2", "split4", "wide-user"])
+def test_fp8_plan_rules(rules, monkeypatch):
+    """Forced K splits count 128-element k-blocks (the emulation checks every CTA has one)."""
+    kernels = linear_emulation.install(monkeypatch)
+    kw = linear_fp8_problem(200, 2, 40, 1024, 1024)
+    out = ikbo_gemm.linear(**kw, rules=ikbo_gemm.PlanRules(**rules))
+    cand = kernels.launches[-1]["cfg"]
+    assert cand.dtype == FP8 and cand.split_k == rules.get("cand_split", (None, 1))[1]
+    exact = linear_fp8_f64(**kw)
+    assert ((out.double() - exact).abs() <= 2.0**-8 * exact.abs() + 1e-5).all()
