@@ -15,11 +15,12 @@ contiguous or not 16-byte aligned are copied.
 Grids of few tiles. Where the candidate tiles fill at most half the SMs, each CTA runs one
 tile and the phase takes one tile's time: the op then takes a smaller tile
 (``config.pick_cand_tile``). Where the candidate grid is one partial wave, the user phase runs
-on the SMs it leaves idle. ``PlanRules`` adds choices, all off: the tiles' K loop split over
-clusters of 2 or 4 CTAs that add their partial sums in shared memory
-(``config.pick_cand_split``), and the user phase as K-split pairs on the 2-CTA slots that
-candidate clusters leave (both slower on the whole, timed); the user phase in narrow tiles and
-up to 8 K slices wherever it may hold back candidate CTAs (``wide_user``, not timed yet).
+on the SMs it leaves idle. Where N >= 4096 the user phase runs in narrow tiles and up to 8 K
+slices wherever it may hold back candidate CTAs (``PlanRules.wide_user_min_n``; ``wide_user``
+at every N). ``PlanRules`` adds choices that are off: the tiles' K loop split over clusters of
+2 or 4 CTAs that add their partial sums in shared memory (``config.pick_cand_split``), and the
+user phase as K-split pairs on the 2-CTA slots that candidate clusters leave (both slower on
+the whole, timed).
 
 Memory: besides the output, each call allocates the fp32 workspace, 4 bytes per element of
 [U, N] with U rounded up to the user tile's rows (128 or 64) and N to the tile width, times
@@ -87,6 +88,10 @@ class PlanRules:
     split_k: bool = False  # candidate tiles that fill at most half the SMs: K over clusters (pick_cand_split)
     user_pairs: bool = False  # the user phase on the 2-CTA slots a partial candidate wave leaves, K-split pairs
     wide_user: bool = False  # the user phase in narrow tiles and up to 8 K slices, never on the spare SMs alone
+    # ... and so wherever N is at least this (None: only with wide_user). On the H100 (bf16, ratio
+    # 70, graph) N 4096 ran 0.88x to 1.02x the time without it over B 512 to 8192 and both K
+    # pairs, N 1024 and 256 up to 1.38x: docs/perf/2026-12-06-linear-h100-grid.md.
+    wide_user_min_n: Optional[int] = 4096
     cand_split: Optional[tuple] = None  # ((tile_m, tile_n), split_k) of the candidate phase
     cand_clusters: Optional[int] = None  # at most this many candidate clusters (each then walks more tiles)
     user_tile: Optional[tuple] = None  # (tile_m, tile_n) of the user phase (where wide_user does not pick)
@@ -103,6 +108,9 @@ class PlanRules:
         if self.cand_clusters is not None and (isinstance(self.cand_clusters, bool)
                                                or not isinstance(self.cand_clusters, int) or self.cand_clusters < 1):
             raise ValueError(f"PlanRules.cand_clusters must be a positive int, got {self.cand_clusters!r}")
+        if self.wide_user_min_n is not None and (isinstance(self.wide_user_min_n, bool)
+                                                 or not isinstance(self.wide_user_min_n, int) or self.wide_user_min_n < 1):
+            raise ValueError(f"PlanRules.wide_user_min_n must be a positive int or None, got {self.wide_user_min_n!r}")
         if self.user_tile is not None and self.user_tile not in LINEAR_TILES:
             raise ValueError(f"PlanRules.user_tile must be one of {LINEAR_TILES}, got {self.user_tile!r}")
 
@@ -251,7 +259,8 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
     # spare SMs' ones). wide_user: narrower tiles and up to 8 K slices, so that those start
     # sooner, and never the spare SMs' long user CTAs (whose K loops may outlast the candidates').
     ahead = base
-    if rules.wide_user:
+    wide_user = rules.wide_user or (rules.wide_user_min_n is not None and N >= rules.wide_user_min_n)
+    if wide_user:
         wide = _wide_user_tile(U, N)
         wide_tiles = _tiles(U, N, wide)
         wide_splits = _user_splits(wide_tiles, kb_user, sms, WIDE_USER_SLICES)
@@ -267,7 +276,7 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
     cand_clusters = min(clusters(cluster), m_groups * -(-N // tile_cand[1]))
     cand_grid = dict(cluster=cluster, grid_cand=cand_clusters * cluster)
     cand_work = tile_cand[0] * tile_cand[1] * K_cand
-    if rules.wide_user or cand_tiles > cand_clusters * cluster or cand_clusters * cluster >= sms:
+    if wide_user or cand_tiles > cand_clusters * cluster or cand_clusters * cluster >= sms:
         return _Grids(**ahead, **cand_grid)  # wide_user, or no SM left idle by a partial wave
     spare = _spare_user_grid(user_tiles, tile_user[0] * tile_user[1] * K_user, cand_work,
                              sms - cand_clusters * cluster)

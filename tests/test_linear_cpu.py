@@ -286,10 +286,23 @@ def test_wide_user_phase_plan():
         assert g.grid_user <= 132 and g.split_user == 1
 
 
+def test_wide_user_phase_by_size():
+    """The op's rules take the wide user phase from N 4096 on (wide_user_min_n), as wide_user does
+    everywhere; None keeps it to wide_user."""
+    plain = dict(split_k=False, user_pairs=False)
+    for B, U, N in ((512, 7, 4096), (2048, 29, 8192), (8192, 117, 4096)):
+        assert _grids(B, U, N, 4096, 4096, **plain) == _grids(B, U, N, 4096, 4096, wide_user=True, **plain)
+    g = _grids(512, 7, 4096, 4096, 4096, wide_user_min_n=None, **plain)
+    assert (g.tile_user, g.grid_user) == ((64, 256), 64) and _grids(512, 7, 4096, 4096, 4096, **plain).grid_user == 128
+    for B, U, N in ((512, 7, 1024), (2048, 29, 1024), (2048, 29, 4095)):
+        assert _grids(B, U, N, 4096, 4096, **plain) == _grids(B, U, N, 4096, 4096, wide_user_min_n=None, **plain)
+
+
 @pytest.mark.parametrize("rules, error, match", [
     (dict(cand_split=((128, 100), 2)), ValueError, "PlanRules.cand_split must be"),
     (dict(cand_split=((128, 128), 3)), ValueError, "PlanRules.cand_split must be"),
     (dict(cand_clusters=0), ValueError, "PlanRules.cand_clusters must be a positive int"),
+    (dict(wide_user_min_n=0), ValueError, "PlanRules.wide_user_min_n must be a positive int or None"),
     (dict(user_tile=(32, 128)), ValueError, "PlanRules.user_tile must be one of"),
     (dict(split_k=1), TypeError, "PlanRules.split_k must be a bool"),
 ])
