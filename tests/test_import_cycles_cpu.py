@@ -97,8 +97,7 @@ def test_the_cycle_search_finds_a_circle_closed_inside_a_function(tmp_path):
 @pytest.mark.parametrize("package", [
     "cute_kernels",
     "ikbo_gemm",
-    pytest.param("ikbo_fa", marks=pytest.mark.xfail(
-        strict=False, reason="ikbo_fa's config <-> fwd_sm90 circle is being taken apart separately")),
+    "ikbo_fa",
 ])
 def test_no_import_cycle(package):
     graph = _graph()
