@@ -116,7 +116,8 @@ def _gpu_graph(softmax: str, D: int = 64):
     def bmm(a, b, a_dims: str, b_dims: str):
         a3, b3 = (f.op(aten.reshape.default, f.op(aten.expand.default, x, [sym[c] for c in "BH" + dims]),
                        [bh] + [sym[c] for c in dims]) for x, dims in ((a, a_dims), (b, b_dims)))
-        return f.op(aten.reshape.default, f.op(aten.bmm.default, a3, b3), [sym[c] for c in "BH" + a_dims[0] + b_dims[1]])
+        out = [sym[c] for c in "BH" + a_dims[0] + b_dims[1]]
+        return f.op(aten.reshape.default, f.op(aten.bmm.default, a3, b3), out)
 
     kt = f.op(aten.permute.default, f.op(aten.index.Tensor, k, [idx]), [0, 1, 3, 2])
     scores = bmm(q, kt, "SD", "DL")
