@@ -152,6 +152,14 @@ def number(ctx: Context, n, guards: list) -> Optional[float]:
     if n.op == "call_function" and n.target in (math.sqrt, torch.sym_sqrt):
         x = number(ctx, n.args[0], guards)
         return None if x is None or x < 0 else math.sqrt(x)
+    if n.op == "call_function" and n.target in (torch.sym_float, operator.neg):  # symbolic scalars
+        x = number(ctx, n.args[0], guards)
+        return None if x is None else (x if n.target is torch.sym_float else -x)
+    if n.op == "call_function" and n.target in (operator.mul, operator.truediv):
+        a, b = (number(ctx, y, guards) for y in n.args[:2])
+        if a is None or b is None or (n.target is operator.truediv and b == 0):
+            return None
+        return a * b if n.target is operator.mul else a / b
     v = n.meta.get("val")
     if isinstance(v, torch.SymInt):
         return number(ctx, v, guards)

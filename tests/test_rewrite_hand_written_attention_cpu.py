@@ -100,6 +100,7 @@ def _gpu_graph(softmax: str, D: int = 64):
 
     - "stable": (x * s - amax(x * s)) / (s * c), s the sign of c = sqrt(d) (older torch; newer
       torch where the scale is known safe);
+    - "symfloat": that form with c a symbolic float (s a number);
     - "preserved": that form where the scores are finite, else x / c - amax(x / c) (torch 2.13);
     - "other_dim": the stable form normalized over another dim (not a softmax over the keys)."""
 
@@ -121,15 +122,19 @@ def _gpu_graph(softmax: str, D: int = 64):
 
     kt = f.op(aten.permute.default, f.op(aten.index.Tensor, k, [idx]), [0, 1, 3, 2])
     scores = bmm(q, kt, "SD", "DL")
-    d = f.op(aten.scalar_tensor.default, sym["D"], val=f.empty((), f32))
-    c = f.op(prims.convert_element_type.default, f.op(aten.sqrt.default, f.op(
-        prims.convert_element_type.default, d, torch.float64)), f32)
     x = f.op(prims.convert_element_type.default, scores, f32)
-    one = f.op(aten.scalar_tensor.default, 1, val=f.empty((), f32))
-    sign = f.op(aten.where.self, f.op(aten.ge.Scalar, c, 0), one, f.op(aten.neg.default, one))
+    if softmax == "symfloat":  # the scale a symbolic float, its sign a number
+        c = f.op(torch.sym_sqrt, f.op(torch.sym_float, sym["D"]))
+        sign, sign_c = 1, f.op(operator.mul, 1, c)
+    else:
+        d = f.op(aten.scalar_tensor.default, sym["D"], val=f.empty((), f32))
+        c = f.op(prims.convert_element_type.default, f.op(aten.sqrt.default, f.op(
+            prims.convert_element_type.default, d, torch.float64)), f32)
+        one = f.op(aten.scalar_tensor.default, 1, val=f.empty((), f32))
+        sign = f.op(aten.where.self, f.op(aten.ge.Scalar, c, 0), one, f.op(aten.neg.default, one))
+        sign_c = f.op(aten.mul.Tensor, sign, c)
     xs = f.op(aten.mul.Tensor, x, sign)
-    y = f.op(aten.div.Tensor, f.op(aten.sub.Tensor, xs, f.op(aten.amax.default, xs, [-1], True)),
-             f.op(aten.mul.Tensor, sign, c))
+    y = f.op(aten.div.Tensor, f.op(aten.sub.Tensor, xs, f.op(aten.amax.default, xs, [-1], True)), sign_c)
     if softmax == "preserved":
         scaled = f.op(prims.convert_element_type.default, f.op(aten.div.Tensor, scores, c), f32)
         original = f.op(aten.sub.Tensor, scaled, f.op(aten.amax.default, scaled, [-1], True))
@@ -144,7 +149,7 @@ def _gpu_graph(softmax: str, D: int = 64):
     return f, f.module(out)
 
 
-@pytest.mark.parametrize("softmax", ["stable", "preserved"])
+@pytest.mark.parametrize("softmax", ["stable", "symfloat", "preserved"])
 def test_hand_written_attention_in_the_gpu_graph_under_dynamic_shapes(softmax):
     from ikbo_rewrite.passes import run
 
