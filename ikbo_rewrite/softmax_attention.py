@@ -10,7 +10,11 @@ exported graph keeps them all as written. This reads the rest, in both graphs:
   dynamic shapes compute from the head dim's symbol: guarded where the graph is compiled);
 - a key-padding mask as ``masked_fill(drop, fill)``, ``where`` with a fill, or an added float
   bias; ``masks.prefix_lengths`` then decides whether it is a prefix mask;
-- the softmax over the keys as the op or its decomposition (in fp32 between casts).
+- the softmax over the keys as the op or its decomposition (in fp32 between casts), the
+  scale moved inside it as Inductor's joint-graph pass writes it (with or without the
+  ``where`` that keeps non-finite scores exact).
+
+A contraction of a softmax it cannot read is left with a reason naming it.
 
 What comes out is an :class:`~ikbo_rewrite.attention.Sdpa` over new nodes (k untransposed,
 gathered anew where the graph gathers k^T); unused, they are dead code.
