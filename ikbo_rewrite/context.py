@@ -15,7 +15,7 @@ from .report import Report
 class HoistStep:
     """Row-wise work moved before a broadcast: ``originals[i]`` is now ``gathers[i]``."""
 
-    kind: str  # "matmul", "reduction" (both pay alone), "pointwise", "view", "norm", "cat"
+    kind: str  # "matmul", "reduction" (both pay alone), "pointwise", "view", "pad", "norm", "cat"
     originals: list
     gathers: list
     inputs: list = dataclasses.field(default_factory=list)  # the gathers it read

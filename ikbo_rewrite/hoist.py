@@ -2,13 +2,13 @@
 
 ``f(src[idx]) == f(src)[idx]`` whenever row b of ``f``'s output depends only on row b of
 its input: pointwise ops (their other operands free of the batch, or gathered by the same
-index), views that keep dim 0, reductions and normalizations over other dims, a linear on
-the gathered tensor alone (also on [B, L, E] rows merged into [B * L, E] and split back), a
-concat of gathers by one index. Each step leaves the original nodes in the graph, so a step
-that does not pay is undone at the end (see :func:`undo_unpaid`): a matmul or a reduction
-pays by itself; pointwise work and views pay only where what they lead to pays or an IKBO
-op absorbs the gather after them. Otherwise Inductor's fusion of the gather into them is as
-good.
+index), views that keep dim 0, a constant padding of the other dims, reductions and
+normalizations over other dims, a linear on the gathered tensor alone (also on [B, L, E]
+rows merged into [B * L, E] and split back), a concat of gathers by one index. Each step
+leaves the original nodes in the graph, so a step that does not pay is undone at the end
+(see :func:`undo_unpaid`): a matmul or a reduction pays by itself; pointwise work, views and
+pads pay only where what they lead to pays or an IKBO op absorbs the gather after them.
+Otherwise Inductor's fusion of the gather into them is as good.
 """
 from __future__ import annotations
 
@@ -96,6 +96,8 @@ def _plan(ctx: Context, n: Node, bc: Broadcast) -> Optional[_Plan]:
         return _Plan("view", *_sub(args, kwargs, swaps))
     if is_op(n, aten.flatten) and norm_dim(args[1] if len(args) > 1 else 0, rank) >= 1:
         return _Plan("view", *_sub(args, kwargs, swaps))
+    if is_op(n, aten.constant_pad_nd, aten.pad) and _pads_rows_alone(n, rank):
+        return _Plan("pad", *_sub(args, kwargs, swaps))
     if is_op(n, *RESHAPES, aten.expand) and out is not None and same(out.shape[0], shape(g)[0]):
         sizes = list(args[1])
         if is_op(n, aten.expand):
@@ -135,6 +137,17 @@ def _plan(ctx: Context, n: Node, bc: Broadcast) -> Optional[_Plan]:
             swaps = {p.node: p.source for p in parts}
             return _Plan("cat", *_sub(args, kwargs, swaps))
     return None
+
+
+def _pads_rows_alone(n: Node, rank: int) -> bool:
+    """A constant padding (``constant_pad_nd``, ``pad`` of mode "constant") that leaves dim 0 as
+    it is: each row is padded by itself (pad_mm's K columns on the GPU). ``pad`` lists pairs
+    from the last dim back."""
+    pad = n.args[1]
+    mode = "constant"
+    if is_op(n, aten.pad):  # constant_pad_nd's third arg is the value
+        mode = n.args[2] if len(n.args) > 2 else n.kwargs.get("mode", "constant")
+    return mode == "constant" and (len(pad) <= 2 * (rank - 1) or all(p == 0 for p in pad[2 * (rank - 1):]))
 
 
 def _free_of_batch(args, n: Node) -> bool:

@@ -10,7 +10,11 @@ exported graph keeps them all as written. This reads the rest, in both graphs:
   dynamic shapes compute from the head dim's symbol: guarded where the graph is compiled);
 - a key-padding mask as ``masked_fill(drop, fill)``, ``where`` with a fill, or an added float
   bias; ``masks.prefix_lengths`` then decides whether it is a prefix mask;
-- the softmax over the keys as the op or its decomposition (in fp32 between casts).
+- the softmax over the keys as the op or its decomposition (in fp32 between casts), the
+  scale moved inside it as Inductor's joint-graph pass writes it (with or without the
+  ``where`` that keeps non-finite scores exact).
+
+A contraction of a softmax it cannot read is left with a reason naming it.
 
 What comes out is an :class:`~ikbo_rewrite.attention.Sdpa` over new nodes (k untransposed,
 gathered anew where the graph gathers k^T); unused, they are dead code.
@@ -18,6 +22,7 @@ gathered anew where the graph gathers k^T); unused, they are dead code.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -29,6 +34,7 @@ from .fx_utils import RESHAPES, SAME, Builder, aten, example_value, is_op, ndim,
 
 _CASTS = (torch.ops.prims.convert_element_type, aten._to_copy)
 _SOFTMAX = (aten.softmax, aten._softmax, aten._safe_softmax)
+_COMPARE = {aten.ge: operator.ge, aten.gt: operator.gt, aten.le: operator.le, aten.lt: operator.lt}
 
 
 def _strip(n, targets):
@@ -68,8 +74,9 @@ def _contraction(n) -> Optional[tuple]:
     return tuple(parts)
 
 
-def _softmax_input(p) -> Optional[Node]:
-    """x for p = softmax(x, -1) (the op or its decomposition), cast back to x's dtype or not."""
+def _softmax_input(ctx: Context, p, hw: "_Scores") -> Optional[Node]:
+    """x for p = softmax(x, -1) (the op or its decomposition), cast back to x's dtype or not;
+    a scale Inductor moved inside the softmax multiplies ``hw.scale``."""
     p = _strip(p, _CASTS)
     if is_op(p, *_SOFTMAX) and norm_dim(p.args[1], ndim(p)) == ndim(p) - 1:
         return p.args[0]
@@ -77,15 +84,30 @@ def _softmax_input(p) -> Optional[Node]:
         return None
     e, total = p.args
     sub = e.args[0]
+    scale, stable = 1.0, False
     if is_op(sub, aten.where) and is_op(sub.args[2], aten.sub):
-        # Inductor's softmax with the scale moved inside: where(cond, the same values
-        # computed another way, x - amax(x)); the second is the definition.
+        # Inductor's softmax with the scale moved inside, kept exact for non-finite scores:
+        # where(finite, the stable form below, x - amax(x)); the second is the definition.
         sub = sub.args[2]
+    elif is_op(sub, aten.mul, aten.div) and is_op(sub.args[0], aten.sub):
+        # The stable form alone (older torch, and a scale known safe):
+        # (x * s - amax(x * s)) / (s * c), s the sign of c, is softmax's input x / c.
+        c = number(ctx, sub.args[1], hw.guards)
+        if c is None or c == 0:
+            return None
+        scale, sub, stable = (c if is_op(sub, aten.mul) else 1.0 / c), sub.args[0], True
     if not (total.args[0] is e and is_op(sub, aten.sub) and is_op(sub.args[1], aten.amax)):
         return None
     x = sub.args[0]
     if sub.args[1].args[0] is not x or [norm_dim(d, ndim(x)) for d in total.args[1]] != [ndim(x) - 1]:
         return None
+    if stable and is_op(x, aten.mul) and len(_tensor_args(x)) == 1:  # x * s
+        t = _tensor_args(x)[0]
+        s = number(ctx, x.args[1] if t is x.args[0] else x.args[0], hw.guards)
+        if s is None or s == 0:
+            return None
+        scale, x = scale * s, t
+    hw.scale *= scale
     return _strip(x, _CASTS)
 
 
@@ -115,9 +137,33 @@ def number(ctx: Context, n, guards: list) -> Optional[float]:
     if is_op(n, aten.sqrt):
         x = number(ctx, n.args[0], guards)
         return None if x is None or x < 0 else math.sqrt(x)
+    if is_op(n, aten.neg):
+        x = number(ctx, n.args[0], guards)
+        return None if x is None else -x
+    if is_op(n, aten.mul, aten.div):
+        a, b = (number(ctx, y, guards) for y in n.args[:2])
+        if a is None or b is None or (is_op(n, aten.div) and b == 0):
+            return None
+        return a * b if is_op(n, aten.mul) else a / b
+    if is_op(n, aten.ge, aten.gt, aten.le, aten.lt):  # a truth as 1.0 or 0.0
+        a, b = (number(ctx, y, guards) for y in n.args[:2])
+        if a is None or b is None:
+            return None
+        return float(_COMPARE[n.target.overloadpacket](a, b))
+    if is_op(n, aten.where):  # the sign Inductor takes of a scale: where(c >= 0, 1, -1)
+        cond = number(ctx, n.args[0], guards)
+        return None if cond is None else number(ctx, n.args[1] if cond else n.args[2], guards)
     if n.op == "call_function" and n.target in (math.sqrt, torch.sym_sqrt):
         x = number(ctx, n.args[0], guards)
         return None if x is None or x < 0 else math.sqrt(x)
+    if n.op == "call_function" and n.target in (torch.sym_float, operator.neg):  # symbolic scalars
+        x = number(ctx, n.args[0], guards)
+        return None if x is None else (x if n.target is torch.sym_float else -x)
+    if n.op == "call_function" and n.target in (operator.mul, operator.truediv):
+        a, b = (number(ctx, y, guards) for y in n.args[:2])
+        if a is None or b is None or (n.target is operator.truediv and b == 0):
+            return None
+        return a * b if n.target is operator.mul else a / b
     v = n.meta.get("val")
     if isinstance(v, torch.SymInt):
         return number(ctx, v, guards)
@@ -205,6 +251,27 @@ def _untransposed(n) -> Optional[Node]:
     return None
 
 
+def _looks_like_softmax(p) -> bool:
+    """p is a softmax over the last dim by its last step (the op, or exp(..) / sum(exp(..)))."""
+    p = _strip(p, _CASTS)
+    return is_op(p, *_SOFTMAX) or (is_op(p, aten.div) and is_op(p.args[0], aten.exp) and is_op(p.args[1], aten.sum))
+
+
+def _gathers_behind(ctx: Context, n: Node, limit: int = 256) -> list:
+    """The broadcasts among the nodes ``n`` is computed from (the nearest ``limit`` of them)."""
+    seen, work, out = {n}, [n], []
+    while work and len(seen) < limit:
+        for a in work.pop(0).all_input_nodes:
+            if a in seen:
+                continue
+            seen.add(a)
+            if ctx.broadcast(a) is not None:
+                out.append(a)
+            else:
+                work.append(a)
+    return out
+
+
 def read(ctx: Context, n: Node):
     """(Sdpa, gathers, why) for a node computing softmax(QK^T)V [B, H, S_q, D], or (None, [], "")
     when ``n`` is no such contraction; ``why`` says why one seen cannot be read."""
@@ -214,14 +281,17 @@ def read(ctx: Context, n: Node):
     if found is None:
         return None, [], ""
     p, v = found
-    x = _softmax_input(_noop_expand(p))
-    if x is None:
-        return None, [], ""
     hw = _Scores()
-    qk, why = _scores(ctx, x, hw)
+    x = _softmax_input(ctx, _noop_expand(p), hw)
     name = f"hand-written softmax(q k^T) v at {n.name}"
+    if x is None:
+        if not _looks_like_softmax(_noop_expand(p)):
+            return None, [], ""
+        why = "the softmax over the keys is spelled in a way the pass cannot read"
+        return None, _gathers_behind(ctx, n), f"{name}: {why}"
+    qk, why = _scores(ctx, x, hw)
     if qk is None:
-        return None, [], f"{name}: {why}"
+        return None, _gathers_behind(ctx, n), f"{name}: {why}"
     q, kt = qk
     gathers = [g for g in (q, kt, v) if ctx.broadcast(g) is not None]
     if not gathers:

@@ -86,6 +86,12 @@ class FakeCudaGraph:
         with self.mode:
             return torch.empty([self.size(s) for s in shape], dtype=dtype, device="cuda")
 
+    def symbol(self, name: str, value: int) -> Node:
+        """A size as the graph's input (Inductor passes each symbol the graph reads as one)."""
+        n = self.graph.placeholder(f"sym_{name}")
+        n.meta["val"] = self.size((name, value))
+        return n
+
     def input(self, name: str, shape, dtype) -> Node:
         n = self.graph.placeholder(name)
         n.meta["val"] = self.empty(shape, dtype)
