@@ -139,11 +139,12 @@ def tile_cost(tile_n: int, tile_w: int, m: int, n: int, load_bound_cost: float =
 
 
 def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: int,
-                load_bound_cost: float = LOAD_BOUND_COST) -> LceConfig:
+                load_bound_cost: float = LOAD_BOUND_COST, out_dtype: Optional[torch.dtype] = None) -> LceConfig:
     """The tile of least ``tile_cost`` (ties: the wider, then the taller); a cluster as wide
     as the tile's column slices of N allow (up to 4) and, with more than one batch, deep in
     batches: 128-column tiles fill 4 or 8 CTAs (each w tile then feeds all of them), 64-column
-    tiles go two batches deep when 4 slices wide."""
+    tiles go two batches deep when 4 slices wide. FP8 operands tile as 16-bit ones (a k-block
+    holds the same bytes); ``out_dtype`` is their output's."""
     tile_n, tile_w = min(TILES, key=lambda t: (tile_cost(*t, m, n, load_bound_cost), -t[0], -t[1]))
     column_tiles = -(-n // tile_n)
     cn = max(c for c in (1, 2, 4) if c <= column_tiles)
@@ -153,7 +154,7 @@ def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: i
         cb = min(4, 8 // cn)
     else:
         cb = 2 if cn == 4 else 1
-    return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n)
+    return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n, out_dtype)
 
 
 # ---------------------------------------------------------------------------------- linear
