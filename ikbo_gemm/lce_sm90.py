@@ -228,6 +228,19 @@ class LceSm90:
     Candidates whose idx is outside [0, U) never read past the workspace: their
     output is NaN.
 
+    FP8 (``cfg.dtype`` float8_e4m3fn): the same kernel with 8-bit wgmma (instruction K 32), which
+    reads both operands K-major: e is taken as [B, N, K] (the A tile's TMA box and shared-memory
+    layout K-major), k-blocks of 128 elements (128 bytes, as the 16-bit ones: the same stages and
+    128-byte swizzle), and the fp32 scales of LceEpilogue (one per row of w, one per batch entry of
+    e). A product's scale differs between the user and the candidate term, so the candidate main
+    loop starts from zero instead of from the user tile: the user epilogue stores its tile already
+    scaled, ``sw_u[m] * se_u[u] * sum``, and the candidate epilogue computes ``sw_c[m] * se_c[b] *
+    sum + ws[idx[b]]`` per staged sub-tile, reading its user tile there (its flag was waited for,
+    as above, before the previous tile's epilogue), then rounds once to ``cfg.out_dtype``. Starting
+    from the user tile divided by the candidate scale would keep the 16-bit overlap of those loads
+    with the main loop, but a zero or tiny scale would turn it into inf or NaN; the epilogue add is
+    exact in that respect and its loads are a few KB per tile.
+
     Arguments (cute_kernels.arguments): the host passes LceOperands, LceEpilogue and LceLaunch;
     the kernel hands each phase's loads to the producer (PhaseLoads) and the epilogue's tensors
     to the consumers (LceStores), with the launch's tile range (TileRange).
