@@ -687,18 +687,24 @@ class LceSm90:
                 self.load_user_chunks(acc, mWs, tile, tidx, list(range(cute.size(acc) // 4)))
 
     @cute.jit
-    def scale_of(self, coords, w_scale, e_scale, tile: LceTile, i: int) -> Float32:
-        """FP8: accumulator value i's scale, its w row's times its batch entry's (indices past the
-        scales take the last one's: those values are never stored)."""
+    def batch_scale(self, e_scale, tile: LceTile) -> Float32:
+        """FP8: the scale of the tile's batch entry of e (batches past e take the last one's:
+        their values are never stored)."""
+        return Float32(e_scale[cutlass.min(tile.batch, cute.size(e_scale) - 1)])
+
+    @cute.jit
+    def scale_of(self, coords, w_scale, batch_scale: Float32, tile: LceTile, i: int) -> Float32:
+        """FP8: accumulator value i's scale, its w row's times its batch entry's (rows past w take
+        the last one's: never stored)."""
         row = cutlass.min(tile.w * self.tile_w + coords[i][1], cute.size(w_scale) - 1)
-        batch = cutlass.min(tile.batch, cute.size(e_scale) - 1)
-        return Float32(w_scale[row]) * Float32(e_scale[batch])
+        return Float32(w_scale[row]) * batch_scale
 
     @cute.jit
     def scale_tile(self, acc, coords, w_scale, e_scale, tile: LceTile):
         """FP8, user tile: each fp32 sum times its scale before the workspace store."""
+        se = self.batch_scale(e_scale, tile)
         for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = acc[i] * self.scale_of(coords, w_scale, e_scale, tile, i)
+            acc[i] = acc[i] * self.scale_of(coords, w_scale, se, tile, i)
 
     @cute.jit
     def load_user_chunks(self, acc, mWs, tile, tidx, chunks):
@@ -717,7 +723,10 @@ class LceSm90:
         FP8: each value is the scaled sum plus ``own``, this tile's user tile (and poison)."""
         gOut = cute.local_tile(stores.out, (self.tile_n, self.tile_w), (tile.n, tile.w, tile.batch))
         per_sub = cute.size(tRS_rD)
-        user = cute.make_rmem_tensor(cute.make_layout((4, per_sub // 4)), Float32) if const_expr(self.fp8) else None
+        user, se = None, None
+        if const_expr(self.fp8):
+            user = cute.make_rmem_tensor(cute.make_layout((4, per_sub // 4)), Float32)
+            se = self.batch_scale(stores.e_cand_scale, tile)
         # acc holds each atom's fragment whole (tile_w / 2 values), its rows (the wgmma N
         # side) outermost, 4 values per 8 rows.
         for s in cutlass.range_constexpr(self.epi_subtiles):
@@ -725,7 +734,7 @@ class LceSm90:
             if const_expr(self.fp8):
                 for v in cutlass.range_constexpr(per_sub):
                     i = self.epi_acc[s] + v
-                    scale = self.scale_of(coords, stores.w_cand_scale, stores.e_cand_scale, tile, i)
+                    scale = self.scale_of(coords, stores.w_cand_scale, se, tile, i)
                     tRS_rD[v] = acc[i] * scale + own.poison
                 if own.load:
                     ws, _ = self.fragment_view(acc, stores.workspace, own.index, tidx)
