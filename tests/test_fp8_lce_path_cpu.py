@@ -17,7 +17,7 @@ BF16, F16 = torch.bfloat16, torch.float16
 
 DIMS = {  # B, U, M, N, K_user, K_cand
     "pad": (150, 5, 40, 24, 196, 36),  # K not a multiple of 16, N not one of 8
-    "published": (1024, 15, 433, 256, 120, 88),  # the published shape's M, N and ratio (K cut short)
+    "ratio 70": (210, 3, 100, 72, 40, 24),
     "one": (1, 1, 1, 1, 1, 1),
 }
 
@@ -39,7 +39,7 @@ def test_fp8_call_through_the_kernel_path(dims, per_tensor, out_dtype, schedule,
 
 
 def test_fp8_spare_sm_split_slices_e_cand_scale(monkeypatch):
-    """The published shape's 8-CTA clusters leave SMs to a second launch of the first candidates:
+    """The published shape (K cut short): its 8-CTA clusters leave SMs to a second launch of the first candidates:
     each launch gets its own candidates' scales (the emulation checks their count)."""
     kernels = lce_emulation.install(monkeypatch)
     kw = lce_fp8_problem(1024, 15, 433, 256, 40, 24, seed=5)
