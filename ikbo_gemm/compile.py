@@ -24,8 +24,13 @@ def compile_config(cfg, *, keep_ptx: bool = False, ptxas_report: bool = False) -
 def compile_lce_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: bool = False) -> CompiledKernel:
     """Compile one LCE configuration for sm_90a (no GPU needed) -> CompiledKernel."""
     dt = cutlass_dtype(cfg.dtype)
+    fp8 = cfg.dtype == FP8
     kernel = LceSm90(cfg)
-    operand = dict(divisibility=8, align=16)
+    operand = dict(divisibility=16 if fp8 else 8, align=16)  # 16-byte row pitches
+
+    def scale():  # FP8: one per row of w or batch entry of e (sizes of their own)
+        return fake_tensor(cutlass.Float32, (None,), align=4) if fp8 else None
+
     args = (
         LceOperands(
             w_cand=fake_tensor(dt, (1, None, None), **operand),
@@ -35,9 +40,10 @@ def compile_lce_config(cfg: LceConfig, *, keep_ptx: bool = False, ptxas_report: 
             idx=fake_tensor(cutlass_dtype(cfg.idx_dtype), (None,), align=cfg.idx_dtype.itemsize),
         ),
         LceEpilogue(
-            out=fake_tensor(dt, (None, None, None), **operand),
+            out=fake_tensor(cutlass_dtype(cfg.out_dtype or cfg.dtype), (None, None, None), divisibility=8, align=16),
             workspace=fake_tensor(cutlass.Float32, (None, cfg.tile_n * cfg.tile_w), divisibility=512, align=16),
             flags=fake_tensor(cutlass.Int32, (None,), align=4),
+            w_cand_scale=scale(), w_user_scale=scale(), e_cand_scale=scale(), e_user_scale=scale(),
         ),
         LceLaunch(tile_begin=cutlass.Int32(0), tile_end=cutlass.Int32(1), grid_size=cutlass.Int32(1),
                   wait_prior=cutlass.Int32(1), cooperative=cutlass.Int32(1)),

@@ -19,10 +19,16 @@ class LceConfig:
     cluster_n: int  # CTAs on neighbouring column slices sharing each w tile (TMA multicast)
     cluster_b: int  # ... and on neighbouring batches
     tile_n: int = 64  # output columns per tile (one or two wgmma atoms of 64)
+    # FP8 operands (dtype float8_e4m3fn): the output's dtype, bf16 or fp16; 16-bit operands: None.
+    out_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self):
-        if self.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"LceConfig.dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
+        if self.dtype not in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+            raise ValueError(f"LceConfig.dtype must be torch.float16 or torch.bfloat16 (or torch.float8_e4m3fn "
+                             f"with an out_dtype), got {self.dtype}")
+        if (self.out_dtype in (torch.float16, torch.bfloat16)) != (self.dtype == torch.float8_e4m3fn):
+            raise ValueError(f"LceConfig.out_dtype must be torch.bfloat16 or torch.float16 with FP8 operands, "
+                             f"else None; got {self.out_dtype} with {self.dtype}")
         if self.idx_dtype not in (torch.int32, torch.int64):
             raise ValueError(f"LceConfig.idx_dtype must be torch.int32 or torch.int64, got {self.idx_dtype}")
         if self.tile_n not in (64, 128):
@@ -40,9 +46,15 @@ class LceConfig:
     def cluster(self) -> int:
         return self.cluster_n * self.cluster_b
 
+    @property
+    def tile_k(self) -> int:
+        """Elements of a k-block: 128 bytes of each operand row (FP8: 128, 16-bit: 64)."""
+        return 128 if self.dtype == torch.float8_e4m3fn else 64
+
     def __str__(self) -> str:
+        out = f"-out_{str(self.out_dtype)[6:]}" if self.out_dtype else ""
         return (f"{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-n{self.tile_n}-w{self.tile_w}"
-                f"-c{self.cluster_n}x{self.cluster_b}")
+                f"-c{self.cluster_n}x{self.cluster_b}{out}")
 
 
 def _ceil_div(a, b):
@@ -63,7 +75,7 @@ class LceGeometry:
     groups: object  # column groups: cluster_n column tiles each (over N, padded to 8)
     column_tiles: object  # groups * cluster_n
     user_tiles: object  # user-phase cluster tiles
-    k_blocks_user: object  # 64-deep k-blocks of the user GEMM
+    k_blocks_user: object  # k-blocks of the user GEMM (cfg.tile_k deep)
     k_blocks_cand: object  # ... of the candidate GEMM
     n_users: object  # U
     n_cands: object  # the launch's candidates
@@ -76,7 +88,7 @@ class LceGeometry:
         user_tiles = ceil_div(U, cfg.cluster_b) * w_tiles * groups
         return LceGeometry(
             w_tiles=w_tiles, groups=groups, column_tiles=groups * cfg.cluster_n, user_tiles=user_tiles,
-            k_blocks_user=ceil_div(K_user, 64), k_blocks_cand=ceil_div(K_cand, 64),
+            k_blocks_user=ceil_div(K_user, cfg.tile_k), k_blocks_cand=ceil_div(K_cand, cfg.tile_k),
             n_users=U, n_cands=B, cluster_b=cfg.cluster_b,
         )
 
@@ -105,6 +117,12 @@ SHIPPED_CONFIGS = [
     for idx_dtype in (torch.int32, torch.int64)
     for tile_n, tile_w in TILES
     for cn, cb in CLUSTERS[tile_n]
+] + [  # FP8 operands, bf16 out: the published shape's tile, and each tile family's smallest and largest
+    # accumulator (the others compile at first use); fp16 out at the published shape's
+    LceConfig(torch.float8_e4m3fn, torch.int32, tile_w, cn, cb, tile_n, out_dtype=out)
+    for tile_n, tile_w, cn, cb, out in (
+        (128, 152, 2, 4, torch.bfloat16), (128, 152, 2, 1, torch.bfloat16), (128, 192, 4, 2, torch.bfloat16),
+        (64, 128, 1, 1, torch.bfloat16), (64, 256, 4, 2, torch.bfloat16), (128, 152, 2, 4, torch.float16))
 ]
 
 # Each k-block a CTA's shared memory takes in (tile_n + tile_w) x 64 operand elements for
@@ -121,11 +139,12 @@ def tile_cost(tile_n: int, tile_w: int, m: int, n: int, load_bound_cost: float =
 
 
 def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: int,
-                load_bound_cost: float = LOAD_BOUND_COST) -> LceConfig:
+                load_bound_cost: float = LOAD_BOUND_COST, out_dtype: Optional[torch.dtype] = None) -> LceConfig:
     """The tile of least ``tile_cost`` (ties: the wider, then the taller); a cluster as wide
     as the tile's column slices of N allow (up to 4) and, with more than one batch, deep in
     batches: 128-column tiles fill 4 or 8 CTAs (each w tile then feeds all of them), 64-column
-    tiles go two batches deep when 4 slices wide."""
+    tiles go two batches deep when 4 slices wide. FP8 operands tile as 16-bit ones (a k-block
+    holds the same bytes); ``out_dtype`` is their output's."""
     tile_n, tile_w = min(TILES, key=lambda t: (tile_cost(*t, m, n, load_bound_cost), -t[0], -t[1]))
     column_tiles = -(-n // tile_n)
     cn = max(c for c in (1, 2, 4) if c <= column_tiles)
@@ -135,7 +154,7 @@ def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: i
         cb = min(4, 8 // cn)
     else:
         cb = 2 if cn == 4 else 1
-    return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n)
+    return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n, out_dtype)
 
 
 # ---------------------------------------------------------------------------------- linear

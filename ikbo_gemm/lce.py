@@ -52,10 +52,11 @@ from cute_kernels.checks import (
     validation_enabled,
 )
 
-from .checks import check_lce_inputs, check_schedule, fp8_call
+from .checks import FP8, check_lce_inputs, check_out_dtype, check_schedule
 from .compile import compile_lce_config
 from .config import CLUSTERS, LOAD_BOUND_COST, TILES, LceConfig, LceGeometry, pick_config
 from .lce_sm90 import LceEpilogue, LceLaunch, LceOperands
+from .linear import _scale_vector
 from .reference import lce_reference
 
 
@@ -81,12 +82,13 @@ class LcePolicy:
             raise ValueError(f"LcePolicy.tiling must be (tile_n, tile_w, cluster_n, cluster_b) of a shipped "
                              f"configuration (config.TILES, config.CLUSTERS), got {t!r}")
 
-    def config(self, dtype, idx_dtype, m: int, n: int, b: int) -> LceConfig:
-        """The configuration of a problem: the forced tiling, else pick_config's."""
+    def config(self, dtype, idx_dtype, m: int, n: int, b: int, out_dtype=None) -> LceConfig:
+        """The configuration of a problem (``out_dtype``: FP8's output): the forced tiling, else
+        pick_config's."""
         if self.tiling is None:
-            return pick_config(dtype, idx_dtype, m, n, b, self.load_bound_cost)
+            return pick_config(dtype, idx_dtype, m, n, b, self.load_bound_cost, out_dtype)
         tile_n, tile_w, cn, cb = self.tiling
-        return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n)
+        return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n, out_dtype)
 
 
 DEFAULT_POLICY = LcePolicy()
@@ -103,6 +105,8 @@ def _ceil(x: int, m: int) -> int:
 def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
     if t.shape[-1] == size:
         return tma_ready(t)
+    if t.dtype == FP8:  # no FP8 pad kernel: the bytes are padded
+        return torch.nn.functional.pad(t.view(torch.uint8), (0, size - t.shape[-1])).view(FP8)
     return torch.nn.functional.pad(t, (0, size - t.shape[-1]))
 
 
@@ -147,9 +151,10 @@ class _Plan:
     """Everything a call needs that depends only on shapes, dtypes and device."""
 
     out_shape: tuple
-    dtype: torch.dtype
+    dtype: torch.dtype  # the output's
+    fp8: bool  # FP8 operands: e K-major, K padded to 16 (TMA's 16-byte pitches), scales
     n8: int
-    k8_cand: int
+    k8_cand: int  # K padded to 16 bytes
     k8_user: int
     ws_shape: tuple
     n_flags: int
@@ -161,19 +166,24 @@ _plans = PlanCache()
 _INPUT_NAMES = ("w_cand", "w_user", "e_cand", "e_user", "idx")
 
 
-def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy: LcePolicy) -> _Plan | None:
+def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy: LcePolicy, scales: dict,
+          out_dtype) -> _Plan | None:
     """The launch plan for these shapes (None on CPU); inputs are fully checked once per signature."""
     # A plan holds compiled kernels: the key names where they come from (``_kernel``).
-    key = plan_key(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy, _kernel)
+    key = plan_key(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy, tuple(scales.values()), out_dtype,
+                   _kernel)
     plan = _plans.get(key, False)
     if plan is not False:
         return plan
-    B, U, M, N, K_cand, K_user = check_lce_inputs(w_cand, w_user, e_cand, e_user, idx, out, False)
+    B, U, M, N, K_cand, K_user = check_lce_inputs(w_cand, w_user, e_cand, e_user, idx, out, False,
+                                                  out_dtype=out_dtype, **scales)
     device = e_cand.device
+    fp8 = e_cand.dtype == FP8
+    result_dtype = check_out_dtype(out_dtype, e_cand.dtype)
     plan = None
     if on_gpu(e_cand):
         require_sm90(device, "lce")
-        cfg = policy.config(e_cand.dtype, idx.dtype, M, N, B)
+        cfg = policy.config(e_cand.dtype, idx.dtype, M, N, B, result_dtype if fp8 else None)
         n8 = _ceil(N, 8)
 
         def geometry(c: LceConfig, batch: int) -> LceGeometry:
@@ -209,12 +219,14 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy: LcePolicy)
                 launch(cfg, b_spare, B, ("user", "cand"), 1),
                 dataclasses.replace(second, grid=min(second.grid, spare)),
             )
+        k_align = 16 if fp8 else 8
         plan = _Plan(
             out_shape=(B, M, N),
-            dtype=e_cand.dtype,
+            dtype=result_dtype,
+            fp8=fp8,
             n8=n8,
-            k8_cand=_ceil(K_cand, 8),
-            k8_user=_ceil(K_user, 8),
+            k8_cand=_ceil(K_cand, k_align),
+            k8_user=_ceil(K_user, k_align),
             # fp32 user tiles, in the kernel's fragment order, and their ready flags.
             ws_shape=(geom.workspace_tiles(), cfg.tile_n * cfg.tile_w),
             n_flags=geom.workspace_tiles(),
@@ -240,8 +252,8 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     ``e_user_scale`` [U] (one per batch entry), or 0-d for one per tensor: ``out[b] =
     sw_c * se_c[b] * (w_cand8 @ e_cand8[b].T) + sw_u * se_u[idx[b]] * (w_user8 @
     e_user8[idx[b]].T)``, the scales applied to the fp32 sums, one rounding to ``out_dtype``
-    (bf16 by default, or fp16). The FP8 call runs :func:`lce_reference` on every device until
-    its kernel configurations ship.
+    (bf16 by default, or fp16). (K padded to 16 for TMA where it is not a multiple, a copy of
+    e; a 0-d scale is repeated per row: small copies.)
 
     ``out`` (optional): a contiguous [B, M, N] tensor of the output dtype, any
     alignment, sharing no memory with the inputs (ValueError otherwise); written as
@@ -281,38 +293,41 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     """
     scales = dict(w_cand_scale=w_cand_scale, w_user_scale=w_user_scale, e_cand_scale=e_cand_scale,
                   e_user_scale=e_user_scale)
-    if fp8_call((w_cand, w_user, e_cand, e_user), scales.values(), out_dtype):
-        return lce_reference(w_cand, w_user, e_cand, e_user, idx, out=out, validate=validate, schedule=schedule,
-                             out_dtype=out_dtype, **scales)
     if torch.compiler.is_compiling():
         if policy is not None and policy is not DEFAULT_POLICY:  # identity: nothing for the tracer to evaluate
             raise ValueError("lce: a policy other than DEFAULT_POLICY is for eager calls (the op torch.compile "
                              "traces takes the shipped plan)")
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
-        return into_out(out, torch.ops.ikbo_gemm.lce(w_cand, w_user, e_cand, e_user, idx, validate, schedule))
+        return into_out(out, torch.ops.ikbo_gemm.lce(w_cand, w_user, e_cand, e_user, idx, validate, schedule,
+                                                     *scales.values(), out_dtype))
     policy = policy_or_default("lce", "policy", policy, LcePolicy, DEFAULT_POLICY)
     check_schedule(schedule)
-    plan = _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy)
+    plan = _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy, scales, out_dtype)
     if out is not None:
         check_out_target("out", out, _INPUT_NAMES, (w_cand, w_user, e_cand, e_user, idx))
     if validation_enabled(validate):
         check_index_range("idx", idx, e_user.shape[0], "U", "the batch of e_user")
     if plan is None:
-        return lce_reference(w_cand, w_user, e_cand, e_user, idx, out=out, validate=False)
+        return lce_reference(w_cand, w_user, e_cand, e_user, idx, out=out, validate=False, out_dtype=out_dtype,
+                             **scales)
     with on_device(e_cand.device):
         return forward_only(
             "ikbo_gemm.lce",
             "ikbo_gemm.lce_reference",
-            lambda wc, wu, ec, eu, out: _run(plan, wc, wu, ec, eu, idx, out),
+            lambda wc, wu, ec, eu, out: _run(plan, wc, wu, ec, eu, idx, out, scales),
             (w_cand, w_user, e_cand, e_user),
             out,
         )
 
 
-def _lce_shape(w_cand, w_user, e_cand, e_user, idx, validate=None, schedule="fused"):
+def _lce_shape(w_cand, w_user, e_cand, e_user, idx, validate=None, schedule="fused", w_cand_scale=None,
+               w_user_scale=None, e_cand_scale=None, e_user_scale=None, out_dtype=None):
     check_schedule(schedule)
-    B, _, M, N, _, _ = check_lce_inputs(w_cand, w_user, e_cand, e_user, idx, None, False)
-    return e_cand.new_empty((B, M, N))
+    scales = dict(w_cand_scale=w_cand_scale, w_user_scale=w_user_scale, e_cand_scale=e_cand_scale,
+                  e_user_scale=e_user_scale)
+    B, _, M, N, _, _ = check_lce_inputs(w_cand, w_user, e_cand, e_user, idx, None, False, out_dtype=out_dtype,
+                                        **scales)
+    return e_cand.new_empty((B, M, N), dtype=check_out_dtype(out_dtype, e_cand.dtype))
 
 
 @library_op("ikbo_gemm::lce", "ikbo_gemm.lce", "ikbo_gemm.lce_reference", _lce_shape)
@@ -324,12 +339,19 @@ def _lce_op(
     idx: torch.Tensor,
     validate: Optional[bool] = None,
     schedule: str = "fused",
+    w_cand_scale: Optional[torch.Tensor] = None,
+    w_user_scale: Optional[torch.Tensor] = None,
+    e_cand_scale: Optional[torch.Tensor] = None,
+    e_user_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """``torch.ops.ikbo_gemm.lce``: what torch.compile traces a call of :func:`lce` as."""
-    return lce(w_cand, w_user, e_cand, e_user, idx, validate=validate, schedule=schedule)
+    return lce(w_cand, w_user, e_cand, e_user, idx, validate=validate, schedule=schedule,
+               w_cand_scale=w_cand_scale, w_user_scale=w_user_scale, e_cand_scale=e_cand_scale,
+               e_user_scale=e_user_scale, out_dtype=out_dtype)
 
 
-def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
+def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out, scales: dict) -> torch.Tensor:
     """Launch the plan's kernels (on checked inputs) and return ``out``."""
     device = e_cand.device
     if not plan.launches:  # no candidates: an empty result
@@ -337,34 +359,41 @@ def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out) -> torch.Tensor:
     n8 = plan.n8
     w_c = _pad_last(w_cand, plan.k8_cand).unsqueeze(0)
     w_u = _pad_last(w_user, plan.k8_user).unsqueeze(0)
-    e_c = _pad_last(e_cand, n8)
-    e_u = _pad_last(e_user, n8)
+    # 16-bit e [B, K, N] pads N; FP8 e [B, N, K] pads K (its N tail is read as zeros).
+    e_c = _pad_last(e_cand, plan.k8_cand if plan.fp8 else n8)
+    e_u = _pad_last(e_user, plan.k8_user if plan.fp8 else n8)
     idx_k = idx if idx.is_contiguous() else idx.contiguous()
     if out is None:
         out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
     target = store_target(out, (*plan.out_shape[:2], n8))
     workspace = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
     flags = torch.zeros(plan.n_flags, dtype=torch.int32, device=device)
-    args = (LceOperands(w_c, w_u, e_c, e_u, idx_k), LceEpilogue(target, workspace, flags))
-    inputs = (w_cand, w_user, e_cand, e_user, idx)
+    vectors = {}
+    if plan.fp8:  # one fp32 scale per row of w and batch entry of e (a 0-d scale repeated)
+        B, M, _ = plan.out_shape
+        rows = dict(w_cand_scale=M, w_user_scale=M, e_cand_scale=B, e_user_scale=e_user.shape[0])
+        vectors = {name: _scale_vector(scales[name], rows[name]) for name in rows}
+    args = (LceOperands(w_c, w_u, e_c, e_u, idx_k), LceEpilogue(target, workspace, flags, **vectors))
+    call = ((w_cand, w_user, e_cand, e_user, idx), plan.policy, scales, plan.dtype)
     launches = plan.launches
     too_few = _context_too_small(launches, device)
     if too_few:
-        launches = _two_launch(inputs, plan.policy, too_few)
+        launches = _two_launch(call, too_few)
     refused = _launch_all(launches, args)
     if refused:
         # The fused grid was refused before anything ran (the flags are still zero): the
         # launches that wait on nothing within their grid give the same result.
-        _launch_all(_two_launch(inputs, plan.policy, refused), args)
+        _launch_all(_two_launch(call, refused), args)
     return copy_back(out, target)
 
 
 _warned_fallback = False
 
 
-def _two_launch(inputs, policy: LcePolicy, why: str) -> tuple:
+def _two_launch(call, why: str) -> tuple:
     """The launches of schedule "two_launch" (the same tile, workspace and flags as "fused"),
-    run where the fused grid cannot be resident whole; warns once per process."""
+    run where the fused grid cannot be resident whole; warns once per process. ``call``:
+    (inputs, policy, scales, output dtype) of the call."""
     global _warned_fallback
     if not _warned_fallback:
         _warned_fallback = True
@@ -374,7 +403,8 @@ def _two_launch(inputs, policy: LcePolicy, why: str) -> tuple:
             RuntimeWarning,
             stacklevel=2,
         )
-    return _plan(*inputs, None, "two_launch", policy).launches
+    inputs, policy, scales, out_dtype = call
+    return _plan(*inputs, None, "two_launch", policy, scales, out_dtype).launches
 
 
 def _context_too_small(launches, device) -> str:
@@ -401,7 +431,8 @@ def _launch_all(launches, args) -> str:
         part = slice(*launch.batches)
         calls.append((launch, (
             operands._replace(e_cand=operands.e_cand[part], idx=operands.idx[part]),
-            epilogue._replace(out=epilogue.out[part]),
+            epilogue._replace(out=epilogue.out[part], e_cand_scale=None if epilogue.e_cand_scale is None
+                              else epilogue.e_cand_scale[part]),
             LceLaunch(*launch.tiles, launch.grid, launch.wait_prior, launch.cooperative),
         )))
     for launch, call_args in calls:

@@ -1,17 +1,21 @@
 """The IKBO linear-compression kernel for Hopper (sm_90a): one persistent launch.
 
     out[b] = w_cand @ e_cand[b] + (w_user @ e_user)[idx[b]]
+
+With FP8 operands (``LceConfig.dtype`` float8_e4m3fn; e K-major, [B, N, K]) each product is
+scaled in fp32 first, ``sw[m] * se[b] * (w8 @ e8[b]^T)``, and the output is ``cfg.out_dtype``.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
+import torch
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
@@ -42,18 +46,23 @@ class LceOperands(NamedTuple):
 
     w_cand: cute.Tensor  # [1, M, K_cand_pad]
     w_user: cute.Tensor  # [1, M, K_user_pad]
-    e_cand: cute.Tensor  # [B, K_cand, N]
-    e_user: cute.Tensor  # [U, K_user, N]
+    e_cand: cute.Tensor  # [B, K_cand, N]; FP8: [B, N, K_cand_pad] (K-major)
+    e_user: cute.Tensor  # [U, K_user, N]; FP8: [U, N, K_user_pad]
     idx: cute.Tensor  # [B]
 
 
 @kernel_arguments
 class LceEpilogue(NamedTuple):
-    """Where the results go (host -> kernel): the output, the fp32 user tiles and their flags."""
+    """Where the results go (host -> kernel): the output, the fp32 user tiles and their flags;
+    FP8: the fp32 scales (one per row of w, one per batch entry of e)."""
 
     out: cute.Tensor  # [B, M, N]
     workspace: cute.Tensor  # [U_pad * column tiles * w tiles, tile_n * tile_w] fp32
     flags: cute.Tensor  # [U * w_tiles * n_tiles] int32, zeroed
+    w_cand_scale: Optional[cute.Tensor] = None  # FP8: [M]
+    w_user_scale: Optional[cute.Tensor] = None  # FP8: [M]
+    e_cand_scale: Optional[cute.Tensor] = None  # FP8: [B]
+    e_user_scale: Optional[cute.Tensor] = None  # FP8: [U]
 
 
 @kernel_arguments
@@ -86,6 +95,10 @@ class LceStores(NamedTuple):
     workspace: cute.Tensor  # user tiles, (4 values, chunk, thread, tile)
     idx: cute.Tensor
     flags: cute.Tensor
+    w_cand_scale: Optional[cute.Tensor]  # FP8 only (LceEpilogue's)
+    w_user_scale: Optional[cute.Tensor]
+    e_cand_scale: Optional[cute.Tensor]
+    e_user_scale: Optional[cute.Tensor]
 
 
 class LceSmemLayouts(NamedTuple):
@@ -215,13 +228,26 @@ class LceSm90:
     Candidates whose idx is outside [0, U) never read past the workspace: their
     output is NaN.
 
+    FP8 (``cfg.dtype`` float8_e4m3fn): the same kernel with 8-bit wgmma (instruction K 32), which
+    reads both operands K-major: e is taken as [B, N, K] (the A tile's TMA box and shared-memory
+    layout K-major), k-blocks of 128 elements (128 bytes, as the 16-bit ones: the same stages and
+    128-byte swizzle), and the fp32 scales of LceEpilogue (one per row of w, one per batch entry of
+    e). A product's scale differs between the user and the candidate term, so the candidate main
+    loop starts from zero instead of from the user tile: the user epilogue stores its tile already
+    scaled, ``sw_u[m] * se_u[u] * sum``, and the candidate epilogue computes ``sw_c[m] * se_c[b] *
+    sum + ws[idx[b]]`` per staged sub-tile, reading its user tile there (its flag was waited for,
+    as above, before the previous tile's epilogue), then rounds once to ``cfg.out_dtype``. Starting
+    from the user tile divided by the candidate scale would keep the 16-bit overlap of those loads
+    with the main loop, but a zero or tiny scale would turn it into inf or NaN; the epilogue add is
+    exact in that respect and its loads are a few KB per tile.
+
     Arguments (cute_kernels.arguments): the host passes LceOperands, LceEpilogue and LceLaunch;
     the kernel hands each phase's loads to the producer (PhaseLoads) and the epilogue's tensors
     to the consumers (LceStores), with the launch's tile range (TileRange).
     """
 
     ATOM_N = 64  # output columns of one wgmma (its M side)
-    TILE_K = 64
+    TILE_K = 64  # elements of a 16-bit k-block; FP8 k-blocks hold 128 (the same bytes, LceConfig.tile_k)
     EPI_W = 32  # output rows per staged epilogue sub-tile
     EPI_STAGES = 2
     REGISTERS = RegisterSplit(producer=24, consumer=240)
@@ -234,6 +260,9 @@ class LceSm90:
     def __init__(self, cfg: LceConfig):
         self.cfg = cfg
         self.dtype = cutlass_dtype(cfg.dtype)
+        self.fp8 = cfg.dtype == torch.float8_e4m3fn
+        self.out_dtype = cutlass_dtype(cfg.out_dtype or cfg.dtype)
+        self.tile_k = cfg.tile_k
         self.idx_dtype = cutlass_dtype(cfg.idx_dtype)
         self.tile_w = tile_w = cfg.tile_w
         self.tile_n = tile_n = cfg.tile_n
@@ -241,7 +270,7 @@ class LceSm90:
         self.cluster_b = cfg.cluster_b
         self.cluster = cluster = cfg.cluster
         dtype = self.dtype
-        self.tile_mnk = (tile_n, tile_w, self.TILE_K)  # GEMM view: M = out columns, N = out rows
+        self.tile_mnk = (tile_n, tile_w, self.tile_k)  # GEMM view: M = out columns, N = out rows
         # A cluster loads each w tile in 32-row chunks (the last one holds the remaining
         # w_last rows), CTA r taking chunks r, r + cluster, ..., each multicast.
         self.w_chunk = tile_w if cluster == 1 else 32
@@ -273,8 +302,8 @@ class LceSm90:
         self.out_last_atom = any(self.epi_skip)  # the last sub-tiles store with a TMA atom of their own
 
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
-        self.stage_bytes = (tile_n + tile_w) * self.TILE_K * dtype.width // 8
-        epi_bytes = 2 * self.EPI_STAGES * self.ATOM_N * self.EPI_W * dtype.width // 8
+        self.stage_bytes = (tile_n + tile_w) * self.tile_k * dtype.width // 8
+        epi_bytes = 2 * self.EPI_STAGES * self.ATOM_N * self.EPI_W * self.out_dtype.width // 8
         # As many stages as fit beside the staging buffers and the barriers (1024 bytes: the
         # operands are 1024-byte aligned); 128 x 152 tiles take 6, filling the 227 KB exactly.
         self.ab_stages = min(12, (smem - epi_bytes - 1024) // self.stage_bytes)
@@ -294,8 +323,9 @@ class LceSm90:
         # tile stride is the tensor's own 64-bit one: the workspace can pass 2^31 floats.
         e_cand, e_user, w_cand, w_user = operands.e_cand, operands.e_user, operands.w_cand, operands.w_user
         workspace = epilogue.workspace
-        a_cand = cute.make_tensor(e_cand.iterator, cute.select(e_cand.layout, mode=[2, 1, 0]))
-        a_user = cute.make_tensor(e_user.iterator, cute.select(e_user.layout, mode=[2, 1, 0]))
+        e_modes = [1, 2, 0] if const_expr(self.fp8) else [2, 1, 0]  # FP8 e: [B, N, K], K-major
+        a_cand = cute.make_tensor(e_cand.iterator, cute.select(e_cand.layout, mode=e_modes))
+        a_user = cute.make_tensor(e_user.iterator, cute.select(e_user.layout, mode=e_modes))
         b_cand = cute.make_tensor(w_cand.iterator, cute.select(w_cand.layout, mode=[1, 2, 0]))
         b_user = cute.make_tensor(w_user.iterator, cute.select(w_user.layout, mode=[1, 2, 0]))
         c_out = cute.make_tensor(epilogue.out.iterator, cute.select(epilogue.out.layout, mode=[2, 1, 0]))
@@ -311,18 +341,20 @@ class LceSm90:
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
-            cute.nvgpu.OperandMajorMode.MN,
+            cute.nvgpu.OperandMajorMode.K if const_expr(self.fp8) else cute.nvgpu.OperandMajorMode.MN,
             cute.nvgpu.OperandMajorMode.K,
             Float32,
             (1, 1, 1),
             tiler_mn=(self.ATOM_N, self.tile_w),
         )
-        a_smem = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
+        a_major = LayoutEnum.ROW_MAJOR if const_expr(self.fp8) else LayoutEnum.COL_MAJOR
+        a_smem = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, self.dtype, self.ab_stages)
         b_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
-        epi_smem = sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.COL_MAJOR, self.epi_tile, 2 * self.EPI_STAGES)
+        epi_smem = sm90_utils.make_smem_layout_epi(self.out_dtype, LayoutEnum.COL_MAJOR, self.epi_tile,
+                                                   2 * self.EPI_STAGES)
 
         a_one = cute.select(a_smem, mode=[0, 1])
-        a_box = (self.tile_n, self.TILE_K)
+        a_box = (self.tile_n, self.tile_k)
         a_load = cpasync.CopyBulkTensorTileG2SOp()
         b_load = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster > 1) else a_load
         tma_a_cand, ta_cand = cpasync.make_tiled_tma_atom(a_load, a_cand, a_one, a_box)
@@ -333,10 +365,10 @@ class LceSm90:
         heights = (self.w_chunk, self.w_last) if self.w_last_atom else (self.w_chunk,)
         for b in (b_user, b_cand):
             for rows in heights:
-                tile = (self.tile_n, rows, self.TILE_K)
+                tile = (self.tile_n, rows, self.tile_k)
                 chunk = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, self.dtype, 1)
                 chunk = cute.select(chunk, mode=[0, 1])
-                b_atoms.append(cpasync.make_tiled_tma_atom(b_load, b, chunk, (rows, self.TILE_K)))
+                b_atoms.append(cpasync.make_tiled_tma_atom(b_load, b, chunk, (rows, self.tile_k)))
             if const_expr(not self.w_last_atom):
                 b_atoms.append(b_atoms[-1])
         (tma_b_user, tb_user), (tma_b_user_last, _), (tma_b_cand, tb_cand), (tma_b_cand_last, _) = b_atoms
@@ -347,7 +379,7 @@ class LceSm90:
         tma_out_last = tma_out
         if const_expr(self.out_last_atom):
             last_box = (self.ATOM_N, self.EPI_W - self.epi_skip[self.subs_per_atom - 1])
-            last_smem = sm90_utils.make_smem_layout_epi(self.dtype, LayoutEnum.COL_MAJOR, last_box, 1)
+            last_smem = sm90_utils.make_smem_layout_epi(self.out_dtype, LayoutEnum.COL_MAJOR, last_box, 1)
             tma_out_last, _ = cpasync.make_tiled_tma_atom(store, c_out, cute.select(last_smem, mode=[0, 1]), last_box)
 
         @cute.struct
@@ -355,14 +387,15 @@ class LceSm90:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(a_smem)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(epi_smem)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
 
         self.shared_storage = SharedStorage
 
         self.kernel(
             PhaseLoads(tma_a_user, ta_user, tma_b_user, tma_b_user_last, tb_user),
             PhaseLoads(tma_a_cand, ta_cand, tma_b_cand, tma_b_cand_last, tb_cand),
-            LceStores(tma_out, tma_out_last, t_out, c_ws, operands.idx, epilogue.flags),
+            LceStores(tma_out, tma_out_last, t_out, c_ws, operands.idx, epilogue.flags, epilogue.w_cand_scale,
+                      epilogue.w_user_scale, epilogue.e_cand_scale, epilogue.e_user_scale),
             LceSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
             TileRange(launch.tile_begin, launch.tile_end, launch.wait_prior),
         ).launch(
@@ -451,7 +484,7 @@ class LceSm90:
     @cute.jit
     def producer(self, ab_pipeline, sA, sB, geom, cluster_layout, rank, user: PhaseLoads, cand: PhaseLoads,
                  tiles: TileRange):
-        a_box = (self.tile_n, self.TILE_K)
+        a_box = (self.tile_n, self.tile_k)
         sA_ = cute.group_modes(sA, 0, 2)
         one = cute.make_layout(1)
         # A: this CTA's own e slice. B: this CTA's share of the w rows, multicast (load_w).
@@ -501,7 +534,7 @@ class LceSm90:
     @cute.jit
     def load_w_chunk(self, atom, rows: cutlass.Constexpr, mB, sB, w, r, k, stage, bar, mcast):
         """Rows [r, r + rows) of w tile (w, k) into the stage, multicast in a cluster."""
-        box = (rows, self.TILE_K)
+        box = (rows, self.tile_k)
         g = cute.local_tile(cute.domain_offset((w * self.tile_w + r, 0, 0), mB), box, (0, k, 0))
         s = cute.local_tile(cute.domain_offset((r, 0, 0), sB), box, (0, 0, stage))
         tBs, tBg = cpasync.tma_partition(
@@ -526,16 +559,19 @@ class LceSm90:
 
         # Register -> shared staging of the output (transposing stmatrix), per-consumer buffers.
         r2s = cute.make_tiled_copy_S(
-            sm90_utils.get_smem_store_op(LayoutEnum.COL_MAJOR, self.dtype, Float32),
+            sm90_utils.get_smem_store_op(LayoutEnum.COL_MAJOR, self.out_dtype, Float32),
             cute.make_tiled_copy_C_atom(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.dtype), tiled_mma
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.out_dtype), tiled_mma
             ),
         )
         thr_r2s = r2s.get_slice(tidx)
         tRS_sC = thr_r2s.partition_D(sC)
         rD_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
         tRS_rD = cute.make_rmem_tensor(rD_shape, Float32)
-        tRS_rOut = cute.make_rmem_tensor(rD_shape, self.dtype)
+        tRS_rOut = cute.make_rmem_tensor(rD_shape, self.out_dtype)
+        # FP8: each accumulator value's (output column, output row) within the tile (its scales).
+        coords = thr_mma.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_w))) if const_expr(
+            self.fp8) else None
 
         tile_end = tiles.end
         walk = strided_tiles(tiles.begin, cluster=self.cluster, lanes=2, lane=consumer_idx)
@@ -557,15 +593,22 @@ class LceSm90:
         self.load_user_tile(acc, stores.workspace, ws_tile, do_load, consumer_idx, tidx)
         while t < tile_end:
             tile = self.decode(t, rank, geom)
-            # A bad index adds NaN; this also waits for the user-tile loads.
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                acc[i] = acc[i] + poison
+            own = UserTileSource(ws_tile, poison, do_load)  # FP8: the epilogue adds it
+            zero_init = tile.is_user
+            if const_expr(self.fp8):
+                zero_init = True  # the sum is scaled before the user tile is added (in the epilogue)
+            else:
+                # A bad index adds NaN; this also waits for the user-tile loads.
+                for i in cutlass.range(cute.size(acc), unroll_full=True):
+                    acc[i] = acc[i] + poison
             self.ping_pong.wait(consumer_idx)
-            state = pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_blocks, tile.is_user,
+            state = pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_blocks, zero_init,
                                       self.ping_pong, consumer_idx)
             t_next = t + stride
             tile_next = self.decode(t_next, rank, geom)
             if tile.is_user:
+                if const_expr(self.fp8):
+                    self.scale_tile(acc, coords, stores.w_user_scale, stores.e_user_scale, tile)
                 self.store_user_tile(acc, stores, tile, geom, consumer_idx, tidx)
             # Thread 0 waits for the next tile's user tile (after a user tile is stored: it may
             # be that one); a warpgroup barrier then orders every thread's loads after the wait.
@@ -577,7 +620,7 @@ class LceSm90:
                 # The epilogue's first barrier orders the loads; each sub-tile frees registers for them.
                 self.store_output_tile(
                     acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, stores,
-                    tile, epi_count, consumer_idx, warp_in_wg, ws_tile, do_load, tidx,
+                    tile, epi_count, consumer_idx, warp_in_wg, ws_tile, do_load, tidx, coords, own,
                 )
                 epi_count += self.epi_subtiles
             # Skip the other consumer's next tile in the ring.
@@ -639,8 +682,29 @@ class LceSm90:
         """With ``do_load``, the whole of user tile ``tile`` into acc, after a warpgroup barrier
         (which orders the loads after thread 0's wait for its flag)."""
         self.epi_sync(consumer_idx)
-        if do_load:
-            self.load_user_chunks(acc, mWs, tile, tidx, list(range(cute.size(acc) // 4)))
+        if const_expr(not self.fp8):  # FP8: the epilogue reads it
+            if do_load:
+                self.load_user_chunks(acc, mWs, tile, tidx, list(range(cute.size(acc) // 4)))
+
+    @cute.jit
+    def batch_scale(self, e_scale, tile: LceTile) -> Float32:
+        """FP8: the scale of the tile's batch entry of e (batches past e take the last one's:
+        their values are never stored)."""
+        return Float32(e_scale[cutlass.min(tile.batch, cute.size(e_scale) - 1)])
+
+    @cute.jit
+    def scale_of(self, coords, w_scale, batch_scale: Float32, tile: LceTile, i: int) -> Float32:
+        """FP8: accumulator value i's scale, its w row's times its batch entry's (rows past w take
+        the last one's: never stored)."""
+        row = cutlass.min(tile.w * self.tile_w + coords[i][1], cute.size(w_scale) - 1)
+        return Float32(w_scale[row]) * batch_scale
+
+    @cute.jit
+    def scale_tile(self, acc, coords, w_scale, e_scale, tile: LceTile):
+        """FP8, user tile: each fp32 sum times its scale before the workspace store."""
+        se = self.batch_scale(e_scale, tile)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = acc[i] * self.scale_of(coords, w_scale, se, tile, i)
 
     @cute.jit
     def load_user_chunks(self, acc, mWs, tile, tidx, chunks):
@@ -652,25 +716,43 @@ class LceSm90:
     @cute.jit
     def store_output_tile(
         self, acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, stores: LceStores,
-        tile: LceTile, epi_count, consumer_idx, warp_in_wg, next_tile, do_load, tidx,
+        tile: LceTile, epi_count, consumer_idx, warp_in_wg, next_tile, do_load, tidx, coords, own: UserTileSource,
     ):
         """Round once, stage 64 x EPI_W sub-tiles in shared memory, TMA-store them. With
-        ``do_load`` the accumulator chunks a sub-tile frees take the next tile's user tile."""
+        ``do_load`` the accumulator chunks a sub-tile frees take the next tile's user tile.
+        FP8: each value is the scaled sum plus ``own``, this tile's user tile (and poison)."""
         gOut = cute.local_tile(stores.out, (self.tile_n, self.tile_w), (tile.n, tile.w, tile.batch))
         per_sub = cute.size(tRS_rD)
+        user, se = None, None
+        if const_expr(self.fp8):
+            user = cute.make_rmem_tensor(cute.make_layout((4, per_sub // 4)), Float32)
+            se = self.batch_scale(stores.e_cand_scale, tile)
         # acc holds each atom's fragment whole (tile_w / 2 values), its rows (the wgmma N
         # side) outermost, 4 values per 8 rows.
         for s in cutlass.range_constexpr(self.epi_subtiles):
             h, row = s // self.subs_per_atom, self.epi_rows[s]
-            for v in cutlass.range_constexpr(per_sub):
-                tRS_rD[v] = acc[self.epi_acc[s] + v]
-            tRS_rOut.store(tRS_rD.load().to(self.dtype))
+            if const_expr(self.fp8):
+                for v in cutlass.range_constexpr(per_sub):
+                    i = self.epi_acc[s] + v
+                    scale = self.scale_of(coords, stores.w_cand_scale, se, tile, i)
+                    tRS_rD[v] = acc[i] * scale + own.poison
+                if own.load:
+                    ws, _ = self.fragment_view(acc, stores.workspace, own.index, tidx)
+                    for c in cutlass.range_constexpr(per_sub // 4):
+                        cute.autovec_copy(ws[(None, self.epi_acc[s] // 4 + c)], user[(None, c)])
+                    for v in cutlass.range_constexpr(per_sub):
+                        tRS_rD[v] = tRS_rD[v] + user[v]
+            else:
+                for v in cutlass.range_constexpr(per_sub):
+                    tRS_rD[v] = acc[self.epi_acc[s] + v]
+            tRS_rOut.store(tRS_rD.load().to(self.out_dtype))
             buf = consumer_idx * self.EPI_STAGES + (epi_count + s) % self.EPI_STAGES
             cute.copy(r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
             cute.arch.fence_proxy("async.shared", space="cta")
             self.epi_sync(consumer_idx)
-            if do_load:
-                self.load_user_chunks(acc, stores.workspace, next_tile, tidx, self.epi_freed[s])
+            if const_expr(not self.fp8):  # FP8: each tile's epilogue reads its own user tile
+                if do_load:
+                    self.load_user_chunks(acc, stores.workspace, next_tile, tidx, self.epi_freed[s])
             if warp_in_wg == 0:
                 # Rows [row + skip, row + EPI_W) of the atom's 64 columns h: those no earlier
                 # sub-tile stored (the full sub-tile's atom, or the last one's).

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ikbo_gemm
+import lce_emulation
 from fp8_inputs import assert_one_rounding, lce_fp8_f64, lce_fp8_problem
 from ikbo_gemm.quantize import quantize_fp8_reference
 
@@ -24,6 +25,16 @@ CASES = [  # B, U, M, N, K_user, K_cand, per_tensor, out_dtype, schedule
 ]
 
 
+@pytest.fixture
+def kernel_only(monkeypatch):
+    """The op's kernel path: a call that falls back to the reference fails."""
+    def refused(*args, **kwargs):
+        raise AssertionError("lce ran lce_reference on an sm_90 GPU")
+
+    monkeypatch.setattr(lce_emulation.lce_mod, "lce_reference", refused)
+
+
+@pytest.mark.usefixtures("kernel_only")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c))
 def test_matches_the_dequantized_formula(case):
     B, U, M, N, K_user, K_cand, per_tensor, out_dtype, schedule = case
@@ -33,6 +44,23 @@ def test_matches_the_dequantized_formula(case):
     assert_one_rounding(out, lce_fp8_f64(**kw), out_dtype)
 
 
+FP8_TILINGS = sorted({(c.tile_n, c.tile_w, c.cluster_n, c.cluster_b) for c in ikbo_gemm.SHIPPED_CONFIGS
+                      if isinstance(c, ikbo_gemm.LceConfig) and c.dtype == torch.float8_e4m3fn})
+
+
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("tiling", FP8_TILINGS, ids=lambda t: "n{}-w{}-c{}x{}".format(*t))
+def test_each_shipped_fp8_tiling(tiling):
+    """Every shipped FP8 tile and cluster, on sizes that are not multiples of it (rows of w past
+    M, columns past N, candidates past a cluster's batch depth, K past a 128-element k-block)."""
+    B, U, M, N, K_user, K_cand = 301, 7, 433, 200, 300, 150
+    kw = lce_fp8_problem(B, U, M, N, K_user, K_cand, seed=sum(tiling), device=DEVICE)
+    out = torch.full((B, M, N), float("nan"), dtype=BF16, device=DEVICE)
+    ikbo_gemm.lce(**kw, out=out, validate=False, policy=ikbo_gemm.LcePolicy(tiling=tiling))
+    assert_one_rounding(out, lce_fp8_f64(**kw), BF16)
+
+
+@pytest.mark.usefixtures("kernel_only")
 def test_nan_and_out_of_range_stay_in_their_candidates():
     B, U, M, N, K = 200, 5, 64, 32, 64
     kw = lce_fp8_problem(B, U, M, N, K, K, seed=3, device=DEVICE)
@@ -46,6 +74,7 @@ def test_nan_and_out_of_range_stay_in_their_candidates():
     assert out[bad].isnan().all() and not out[~bad].isnan().any()
 
 
+@pytest.mark.usefixtures("kernel_only")
 def test_cuda_graph_replays_new_inputs():
     B, U, M, N, K = 256, 4, 128, 64, 256
     kw = lce_fp8_problem(B, U, M, N, K, K, seed=1, device=DEVICE)
