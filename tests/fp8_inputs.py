@@ -97,3 +97,41 @@ def lce_fp8_f64(w_cand, w_user, e_cand, e_user, idx, *, w_cand_scale, w_user_sca
     e = torch.cat([_deq64(e_user, e_user_scale)[idx.long()], _deq64(e_cand, e_cand_scale)], dim=2)
     w = torch.cat([_deq64(w_user, w_user_scale), _deq64(w_cand, w_cand_scale)], dim=1)
     return torch.matmul(w, e.transpose(1, 2))
+
+
+# Hopper's 8-bit wgmma adds its products into an accumulator that keeps fewer mantissa bits than
+# fp32 (about 14), and the FP8 kernels do not promote partial sums to fp32 registers. Their
+# bound per element: one rounding of the output, plus 2^-13 of the sum of the |products| that
+# entered it (times 1.2, the steepest of the activations), plus the fp32 slack of
+# assert_one_rounding. An empirical bound, not a proof: it holds the accumulator to its
+# documented width and still catches any wrong product or missing term.
+FP8_ACCUMULATION = 2.0**-13
+
+
+def assert_fp8_kernel_rounding(out: torch.Tensor, exact: torch.Tensor, abs_terms: torch.Tensor, dtype: torch.dtype,
+                               slack: float = 1e-4) -> None:
+    """``out`` of ``dtype``, NaN-free, within one rounding of the float64 ``exact`` plus the FP8
+    accumulator's error on ``abs_terms`` (the sum of |products| of each element)."""
+    assert out.dtype == dtype and out.shape == exact.shape and not out.isnan().any()
+    bound = (UNIT_ROUNDOFF[dtype] * exact.abs() + 1.2 * FP8_ACCUMULATION * abs_terms
+             + slack * exact.abs().max().clamp_min(1.0))
+    bad = (out.double() - exact).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} elements off, the worst by {float((out.double() - exact).abs().max())}"
+
+
+def _abs_operands(kw: dict, names) -> dict:
+    return {n: (kw[n].double().abs() if n in names else kw[n]) for n in kw}
+
+
+def linear_fp8_abs_terms(x_cand, x_user, idx, w_cand, w_user, bias=None, **scales) -> torch.Tensor:
+    """The sum of |products| behind each output of the FP8 layer (no bias, no activation)."""
+    kw = _abs_operands(dict(x_cand=x_cand, x_user=x_user, w_cand=w_cand, w_user=w_user, **scales),
+                       ("x_cand", "x_user", "w_cand", "w_user", *scales))
+    return linear_fp8_f64(idx=idx, **kw)
+
+
+def lce_fp8_abs_terms(w_cand, w_user, e_cand, e_user, idx, **scales) -> torch.Tensor:
+    """The sum of |products| behind each output of the FP8 lce."""
+    kw = _abs_operands(dict(w_cand=w_cand, w_user=w_user, e_cand=e_cand, e_user=e_user, **scales),
+                       ("w_cand", "w_user", "e_cand", "e_user", *scales))
+    return lce_fp8_f64(idx=idx, **kw)

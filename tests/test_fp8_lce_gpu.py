@@ -7,7 +7,7 @@ import torch
 
 import ikbo_gemm
 import lce_emulation
-from fp8_inputs import assert_one_rounding, lce_fp8_f64, lce_fp8_problem
+from fp8_inputs import assert_fp8_kernel_rounding, lce_fp8_abs_terms, lce_fp8_f64, lce_fp8_problem
 from ikbo_gemm.quantize import quantize_fp8_reference
 
 pytestmark = pytest.mark.gpu
@@ -41,7 +41,7 @@ def test_matches_the_dequantized_formula(case):
     kw = lce_fp8_problem(B, U, M, N, K_user, K_cand, seed=B + N, device=DEVICE, per_tensor=per_tensor)
     out = torch.full((B, M, N), float("nan"), dtype=out_dtype, device=DEVICE)  # poisoned
     assert ikbo_gemm.lce(**kw, out=out, out_dtype=out_dtype, schedule=schedule, validate=False) is out
-    assert_one_rounding(out, lce_fp8_f64(**kw), out_dtype)
+    assert_fp8_kernel_rounding(out, lce_fp8_f64(**kw), lce_fp8_abs_terms(**kw), out_dtype)
 
 
 FP8_TILINGS = sorted({(c.tile_n, c.tile_w, c.cluster_n, c.cluster_b) for c in ikbo_gemm.SHIPPED_CONFIGS
@@ -57,7 +57,7 @@ def test_each_shipped_fp8_tiling(tiling):
     kw = lce_fp8_problem(B, U, M, N, K_user, K_cand, seed=sum(tiling), device=DEVICE)
     out = torch.full((B, M, N), float("nan"), dtype=BF16, device=DEVICE)
     ikbo_gemm.lce(**kw, out=out, validate=False, policy=ikbo_gemm.LcePolicy(tiling=tiling))
-    assert_one_rounding(out, lce_fp8_f64(**kw), BF16)
+    assert_fp8_kernel_rounding(out, lce_fp8_f64(**kw), lce_fp8_abs_terms(**kw), BF16)
 
 
 @pytest.mark.usefixtures("kernel_only")
@@ -68,10 +68,12 @@ def test_nan_and_out_of_range_stay_in_their_candidates():
     idx[[4, 50]] = torch.tensor([U, -3], dtype=idx.dtype, device=DEVICE)
     kw["idx"] = idx
     kw["e_user"] = kw["e_user"].clone()
-    kw["e_user"][1, 0, 0] = float("nan")  # user 1: every candidate of it
+    kw["e_user"][1, 3, 0] = float("nan")  # e [U, N, K]: column 3 of every candidate of user 1
     out = ikbo_gemm.lce(**kw, validate=False)
-    bad = (idx == 1) | (idx < 0) | (idx >= U)
-    assert out[bad].isnan().all() and not out[~bad].isnan().any()
+    lost, poisoned = (idx < 0) | (idx >= U), idx == 1
+    assert out[lost].isnan().all() and out[poisoned][:, :, 3].isnan().all()
+    assert not out[poisoned][:, :, torch.arange(N, device=DEVICE) != 3].isnan().any()
+    assert not out[~(lost | poisoned)].isnan().any()
 
 
 @pytest.mark.usefixtures("kernel_only")
@@ -88,7 +90,7 @@ def test_cuda_graph_replays_new_inputs():
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert_one_rounding(out, lce_fp8_f64(**kw), BF16)
+    assert_fp8_kernel_rounding(out, lce_fp8_f64(**kw), lce_fp8_abs_terms(**kw), BF16)
 
 
 def test_in_a_compiled_model_with_dynamic_shapes():

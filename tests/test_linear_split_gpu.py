@@ -29,10 +29,12 @@ def run(args, activation, rules):
     out = torch.full((B, N), float("nan"), dtype=args["x_cand"].dtype, device=DEVICE)
     assert ikbo_gemm.linear(**args, activation=activation, out=out, rules=rules) is out
     plan = linear_mod._plan(args["x_cand"], args["x_user"], args["idx"], args["w_cand"], args["w_user"],
-                            args["bias"], activation, out, rules)  # the plan the call made, from the cache
+                            args["bias"], activation, out, rules, dict.fromkeys(FP8_SCALES),
+                            None)  # the plan the call made, from the cache
     return out, plan
 
 
+FP8_SCALES = ("x_cand_scale", "x_user_scale", "w_cand_scale", "w_user_scale")  # none: 16-bit operands
 SPLIT_CONFIGS = [(tile, s) for tile in LINEAR_SPLIT_TILES for s in LINEAR_SPLITS if (tile[1] // 16) % s == 0]
 
 
