@@ -7,7 +7,7 @@ import torch
 
 import ikbo_gemm
 import lce_emulation
-from fp8_inputs import assert_fp8_kernel_rounding, lce_fp8_abs_terms, lce_fp8_f64, lce_fp8_problem
+from fp8_inputs import assert_fp8_kernel_rounding, lce_fp8_accumulation, lce_fp8_f64, lce_fp8_problem
 from ikbo_gemm.quantize import quantize_fp8_reference
 
 pytestmark = pytest.mark.gpu
@@ -41,7 +41,7 @@ def test_matches_the_dequantized_formula(case):
     kw = lce_fp8_problem(B, U, M, N, K_user, K_cand, seed=B + N, device=DEVICE, per_tensor=per_tensor)
     out = torch.full((B, M, N), float("nan"), dtype=out_dtype, device=DEVICE)  # poisoned
     assert ikbo_gemm.lce(**kw, out=out, out_dtype=out_dtype, schedule=schedule, validate=False) is out
-    assert_fp8_kernel_rounding(out, lce_fp8_f64(**kw), lce_fp8_abs_terms(**kw), out_dtype)
+    assert_fp8_kernel_rounding(out, lce_fp8_f64(**kw), lce_fp8_accumulation(**kw), out_dtype)
 
 
 FP8_TILINGS = sorted({(c.tile_n, c.tile_w, c.cluster_n, c.cluster_b) for c in ikbo_gemm.SHIPPED_CONFIGS
@@ -57,7 +57,7 @@ def test_each_shipped_fp8_tiling(tiling):
     kw = lce_fp8_problem(B, U, M, N, K_user, K_cand, seed=sum(tiling), device=DEVICE)
     out = torch.full((B, M, N), float("nan"), dtype=BF16, device=DEVICE)
     ikbo_gemm.lce(**kw, out=out, validate=False, policy=ikbo_gemm.LcePolicy(tiling=tiling))
-    assert_fp8_kernel_rounding(out, lce_fp8_f64(**kw), lce_fp8_abs_terms(**kw), BF16)
+    assert_fp8_kernel_rounding(out, lce_fp8_f64(**kw), lce_fp8_accumulation(**kw), BF16)
 
 
 @pytest.mark.usefixtures("kernel_only")
@@ -90,7 +90,7 @@ def test_cuda_graph_replays_new_inputs():
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert_fp8_kernel_rounding(out, lce_fp8_f64(**kw), lce_fp8_abs_terms(**kw), BF16)
+    assert_fp8_kernel_rounding(out, lce_fp8_f64(**kw), lce_fp8_accumulation(**kw), BF16)
 
 
 def test_in_a_compiled_model_with_dynamic_shapes():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ikbo_gemm
-from fp8_inputs import assert_fp8_kernel_rounding, linear_fp8_abs_terms, linear_fp8_f64, linear_fp8_problem
+from fp8_inputs import assert_fp8_kernel_rounding, linear_fp8_accumulation, linear_fp8_f64, linear_fp8_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +36,7 @@ def test_matches_the_dequantized_layer(case):
     res = ikbo_gemm.linear(**kw, activation=activation, out=out, out_dtype=out_dtype, validate=False)
     assert res is out
     exact = linear_fp8_f64(**kw, activation=activation)
-    assert_fp8_kernel_rounding(out, exact, linear_fp8_abs_terms(**kw), out_dtype)
+    assert_fp8_kernel_rounding(out, exact, linear_fp8_accumulation(**kw), out_dtype)
 
 
 @pytest.mark.xfail(strict=True, reason="the FP8 kernels accumulate in the 8-bit wgmma's accumulator, without "
@@ -93,7 +93,7 @@ def test_cuda_graph_replays_new_inputs():
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert_fp8_kernel_rounding(out, linear_fp8_f64(**kw, activation="relu"), linear_fp8_abs_terms(**kw),
+    assert_fp8_kernel_rounding(out, linear_fp8_f64(**kw, activation="relu"), linear_fp8_accumulation(**kw),
                                BF16)
 
 
@@ -127,5 +127,5 @@ def test_launch_rules_keep_the_result(rules):
     B, U, N, K = 256, 3, 256, 4096
     kw = linear_fp8_problem(B, U, N, K, K, seed=11, device=DEVICE)
     out = ikbo_gemm.linear(**kw, activation="relu", rules=ikbo_gemm.PlanRules(**rules))
-    assert_fp8_kernel_rounding(out, linear_fp8_f64(**kw, activation="relu"), linear_fp8_abs_terms(**kw),
+    assert_fp8_kernel_rounding(out, linear_fp8_f64(**kw, activation="relu"), linear_fp8_accumulation(**kw),
                                BF16)
