@@ -39,7 +39,7 @@ class AttentionPolicy:
     # while the work list runs (the first blocks its first tiles read; 0: none; at most
     # MAX_PREFETCH_BLOCKS). 2: on the H100 (S_q sweep, B 2048, ratio 64, H 2, graph) 21.0 against
     # 22.1 us at S_q 1, L 1024 and 100.0 against 101.1 at L 8192, within 1% at every other point
-    # of the sweep: docs/perf/2026-12-06-attention-h100-policies.md.
+    # of the sweep: docs/perf/2026-12-06-attention-h100-presets.md.
     prefetch_blocks: int = 2
     # split_cost's costs, in key blocks of a busy SM: a tile's fixed part, the merge in the
     # cluster (split_pair) and the merge launch.
