@@ -44,7 +44,7 @@ def test_fp8_plan_counts_k_blocks_of_128(monkeypatch):
 
 
 def test_fp8_shipped_configurations():
-    fp8 = [c for c in ikbo_gemm.SHIPPED_CONFIGS if getattr(c, "dtype", None) == FP8]
+    fp8 = [c for c in ikbo_gemm.SHIPPED_CONFIGS if isinstance(c, ikbo_gemm.LinearConfig) and c.dtype == FP8]
     assert {c.phase for c in fp8} == {"user", "cand"} and {c.out_dtype for c in fp8} == {BF16, F16}
     assert all(str(c).endswith(f"-out_{str(c.out_dtype)[6:]}") for c in fp8)
     with pytest.raises(ValueError, match="out_dtype"):
