@@ -64,3 +64,13 @@ def bundle_items(bundle, prefix: str = ""):
             yield from bundle_items(value, f"{prefix}{name}.")
         else:
             yield f"{prefix}{name}", value
+
+
+class GemmSmemLayouts(typing.NamedTuple):
+    """A GEMM kernel's MMA and the shared-memory layouts it partitions (compile-time values,
+    passed from the kernel's ``__call__`` to its ``@cute.kernel``)."""
+
+    tiled_mma: cute.TiledMma
+    a: cute.ComposedLayout
+    b: cute.ComposedLayout
+    epi: cute.ComposedLayout

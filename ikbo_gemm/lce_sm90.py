@@ -21,7 +21,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_kernels.arguments import kernel_arguments
+from cute_kernels.arguments import GemmSmemLayouts, kernel_arguments
 from cute_kernels.interop import cutlass_dtype
 from cute_kernels.mainloop import pingpong_mainloop
 from cute_kernels.scheduler import strided_tiles
@@ -100,14 +100,6 @@ class LceStores(NamedTuple):
     e_cand_scale: Optional[cute.Tensor]
     e_user_scale: Optional[cute.Tensor]
 
-
-class LceSmemLayouts(NamedTuple):
-    """The MMA and the shared-memory layouts the kernel partitions (compile-time values)."""
-
-    tiled_mma: cute.TiledMma
-    a: cute.ComposedLayout
-    b: cute.ComposedLayout
-    epi: cute.ComposedLayout
 
 
 class TileRange(NamedTuple):
@@ -396,7 +388,7 @@ class LceSm90:
             PhaseLoads(tma_a_cand, ta_cand, tma_b_cand, tma_b_cand_last, tb_cand),
             LceStores(tma_out, tma_out_last, t_out, c_ws, operands.idx, epilogue.flags, epilogue.w_cand_scale,
                       epilogue.w_user_scale, epilogue.e_cand_scale, epilogue.e_user_scale),
-            LceSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
+            GemmSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
             TileRange(launch.tile_begin, launch.tile_end, launch.wait_prior),
         ).launch(
             grid=[launch.grid_size, 1, 1],
@@ -410,7 +402,7 @@ class LceSm90:
 
     # ---------------------------------------------------------------- device
     @cute.kernel
-    def kernel(self, user: PhaseLoads, cand: PhaseLoads, stores: LceStores, layouts: LceSmemLayouts,
+    def kernel(self, user: PhaseLoads, cand: PhaseLoads, stores: LceStores, layouts: GemmSmemLayouts,
                tiles: TileRange):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:

@@ -23,7 +23,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.accumulator import acc_mn_view
-from cute_kernels.arguments import kernel_arguments
+from cute_kernels.arguments import GemmSmemLayouts, kernel_arguments
 from cute_kernels.cluster_reduce import ClusterReduce, ExchangeMemory
 from cute_kernels.interop import cutlass_dtype
 from cute_kernels.mainloop import pingpong_mainloop
@@ -99,14 +99,6 @@ class LinearStores(NamedTuple):
     b_scale: Optional[cute.Tensor]
     ws_scale: Optional[cute.Tensor]
 
-
-class LinearSmemLayouts(NamedTuple):
-    """The MMA and the shared-memory layouts the kernel partitions (compile-time values)."""
-
-    tiled_mma: cute.TiledMma
-    a: cute.ComposedLayout
-    b: cute.ComposedLayout
-    epi: cute.ComposedLayout
 
 
 class LinearBarrier(Barrier):
@@ -309,7 +301,7 @@ class LinearSm90:
             LinearLoads(tma_a, tA, tma_b, tB),
             LinearStores(tma_out, c_out, epilogue.ws, operands.idx, epilogue.bias, launch.n_users, launch.n_splits,
                          epilogue.a_scale, epilogue.b_scale, epilogue.ws_scale),
-            LinearSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
+            GemmSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
         ).launch(
             grid=[launch.grid_size, 1, 1], block=[self.THREADS, 1, 1], cluster=[self.launch_cluster, 1, 1],
             min_blocks_per_mp=1, stream=stream, use_pdl=True)
@@ -329,7 +321,7 @@ class LinearSm90:
 
     # ---------------------------------------------------------------- device
     @cute.kernel
-    def kernel(self, loads: LinearLoads, stores: LinearStores, layouts: LinearSmemLayouts):
+    def kernel(self, loads: LinearLoads, stores: LinearStores, layouts: GemmSmemLayouts):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             cpasync.prefetch_descriptor(loads.a_atom)
