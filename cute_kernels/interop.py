@@ -62,6 +62,21 @@ def tma_ready(t: torch.Tensor, strides_ok: Optional[bool] = None) -> torch.Tenso
     return dense_unit_strides(t)
 
 
+def k_major_operand(t: torch.Tensor, k_pad: int) -> torch.Tensor:
+    """A GEMM operand ``t`` [..., K], K its contiguous reduction dim, as TMA takes it. TMA reads
+    past K's extent as zeros, so only the pitches must be 16-byte multiples: ``t`` itself where
+    they are (a view into rows padded to 16 bytes, as ``quantize_fp8`` returns, included),
+    else a contiguous copy zero-padded to ``k_pad``."""
+    elt = t.element_size()
+    if t.stride(-1) == 1 and all(s * elt % 16 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0:
+        return t
+    if t.shape[-1] == k_pad:
+        return tma_ready(t)
+    if t.dtype.itemsize == 1:  # no 8-bit pad kernel: the bytes are padded
+        return torch.nn.functional.pad(t.view(torch.uint8), (0, k_pad - t.shape[-1])).view(t.dtype)
+    return torch.nn.functional.pad(t, (0, k_pad - t.shape[-1]))
+
+
 def dense_unit_strides(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a view of the same elements whose size-1 dims have the strides a dense layout
     gives them. torch calls a tensor contiguous whatever its size-1 dims' strides are (movedim

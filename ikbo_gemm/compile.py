@@ -75,8 +75,7 @@ def compile_linear_config(cfg: LinearConfig, *, keep_ptx: bool = False, ptxas_re
             # FP8: the bias in fp32 (the op converts it, whatever its dtype).
             bias=fake_tensor(cutlass.Float32 if fp8 else dt, (None,), align=2) if cfg.has_bias else None,
             a_scale=scale(),
-            b_scale=scale() if cfg.phase == "cand" else None,
-            ws_scale=scale() if cfg.phase == "cand" else None,
+            b_scale=scale(),
         ),
         LinearLaunch(*(cutlass.Int32(1) for _ in LinearLaunch._fields)),
         fake_stream(),

@@ -226,27 +226,30 @@ class LinearConfig:
 LINEAR_TILES = ((128, 128), (128, 192), (128, 64), (64, 256), (64, 128))
 
 
-def pick_linear_tile(rows: int, n: int) -> tuple[int, int]:
-    """The (tile_m, tile_n) of least executed (padded) output, weighted when load-bound (as
-    ``tile_cost``); ties: the larger tile."""
-    return min(LINEAR_TILES, key=lambda t: (tile_cost(t[0], t[1], n, rows), -t[0] * t[1]))
+def pick_linear_tile(rows: int, n: int, tiles: tuple = LINEAR_TILES) -> tuple[int, int]:
+    """The (tile_m, tile_n) of ``tiles`` of least executed (padded) output, weighted when
+    load-bound (as ``tile_cost``); ties: the larger tile."""
+    return min(tiles, key=lambda t: (tile_cost(t[0], t[1], n, rows), -t[0] * t[1]))
 
 
-def pick_cand_tile(rows: int, n: int, sms: int) -> tuple[int, int]:
+def pick_cand_tile(rows: int, n: int, sms: int, tiles: tuple = LINEAR_TILES) -> tuple[int, int]:
     """The candidate phase's tile: ``pick_linear_tile``'s, unless its tiles fill at most half the
     SMs. Each CTA then runs one tile, so the phase takes one tile's time: the tile of least work
     (weighted when load-bound; ties: the wider, wgmma's N) among those that still leave half
     the SMs to the user phase (``linear._spare_user_grid``)."""
-    best = pick_linear_tile(rows, n)
+    best = pick_linear_tile(rows, n, tiles)
     count = lambda t: -(-rows // t[0]) * -(-n // t[1])
     if 2 * count(best) > sms:
         return best
-    return min((t for t in LINEAR_TILES if 2 * count(t) <= sms), key=lambda t: (tile_cost(*t, t[1], t[0]), -t[1]))
+    return min((t for t in tiles if 2 * count(t) <= sms), key=lambda t: (tile_cost(*t, t[1], t[0]), -t[1]))
 
 
 # Tiles a K split (LinearConfig.split_k) takes: an accumulator of at most 128 fp32 registers a
 # thread leaves room for the exchange (the 128 x 192 tile spills with it).
 LINEAR_SPLIT_TILES = tuple(t for t in LINEAR_TILES if t[0] * t[1] <= 128 * 128)
+# The FP8 candidate phase's tiles: at most 128 accumulator values and 32 columns a thread, so that
+# the scales of its columns fit beside them (wider ones spill in the epilogue).
+LINEAR_FP8_CAND_TILES = ((128, 128), (128, 64), (64, 128))
 LINEAR_SPLITS = (2, 4)
 # k-blocks each CTA of a split tile runs at least.
 MIN_SPLIT_K_BLOCKS = 8
@@ -307,7 +310,7 @@ LINEAR_SHIPPED_CONFIGS = [
     LinearConfig(FP8, torch.int32, tm, tn, "user", out_dtype=torch.bfloat16) for tm, tn in LINEAR_TILES
 ] + [
     LinearConfig(FP8, torch.int32, tm, tn, "cand", act, bias, cluster, out_dtype=torch.bfloat16)
-    for tm, tn in LINEAR_TILES for cluster in (1, 2) for act, bias in ((None, False), ("relu", True))
+    for tm, tn in LINEAR_FP8_CAND_TILES for cluster in (1, 2) for act, bias in ((None, False), ("relu", True))
 ] + [
     LinearConfig(FP8, torch.int32, 128, 128, "cand", None, False, cluster, out_dtype=torch.float16) for cluster in (1, 2)
 ]

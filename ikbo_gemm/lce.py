@@ -9,7 +9,8 @@ Alignment. TMA needs 16-byte row pitches, so inside the op:
   - N not a multiple of 8 pads e_cand, e_user and the output along N (a copy
     of each, then one copy of the result into ``out``): a slow path;
   - non-contiguous inputs, or inputs not 16-byte aligned, are copied to
-    contiguous ones.
+    contiguous ones; FP8 operands are taken as they are wherever their rows
+    start 16 bytes apart (quantize_fp8's e), else copied into padded rows.
 The output is always a contiguous [B, M, N] tensor.
 
 Memory: besides the output, each call allocates the fp32 user tiles, 4 bytes per
@@ -32,6 +33,7 @@ from cute_kernels import (
     copy_back,
     forward_only,
     into_out,
+    k_major_operand,
     kernel_cache,
     library_op,
     max_active_clusters,
@@ -105,8 +107,6 @@ def _ceil(x: int, m: int) -> int:
 def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
     if t.shape[-1] == size:
         return tma_ready(t)
-    if t.dtype == FP8:  # no FP8 pad kernel: the bytes are padded
-        return torch.nn.functional.pad(t.view(torch.uint8), (0, size - t.shape[-1])).view(FP8)
     return torch.nn.functional.pad(t, (0, size - t.shape[-1]))
 
 
@@ -252,8 +252,9 @@ def lce(w_cand, w_user, e_cand, e_user, idx, *, out=None, validate=None, schedul
     ``e_user_scale`` [U] (one per batch entry), or 0-d for one per tensor: ``out[b] =
     sw_c * se_c[b] * (w_cand8 @ e_cand8[b].T) + sw_u * se_u[idx[b]] * (w_user8 @
     e_user8[idx[b]].T)``, the scales applied to the fp32 sums, one rounding to ``out_dtype``
-    (bf16 by default, or fp16). (K padded to 16 for TMA where it is not a multiple, a copy of
-    e; a 0-d scale is repeated per row: small copies.)
+    (bf16 by default, or fp16). (TMA needs rows 16 bytes apart: ``quantize_fp8``'s e8 has
+    them whatever K; a contiguous e or w whose K is not a multiple of 16 is copied into padded
+    rows. A 0-d scale is repeated per row: small copies.)
 
     ``out`` (optional): a contiguous [B, M, N] tensor of the output dtype, any
     alignment, sharing no memory with the inputs (ValueError otherwise); written as
@@ -357,11 +358,11 @@ def _run(plan: _Plan, w_cand, w_user, e_cand, e_user, idx, out, scales: dict) ->
     if not plan.launches:  # no candidates: an empty result
         return out if out is not None else torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
     n8 = plan.n8
-    w_c = _pad_last(w_cand, plan.k8_cand).unsqueeze(0)
-    w_u = _pad_last(w_user, plan.k8_user).unsqueeze(0)
-    # 16-bit e [B, K, N] pads N; FP8 e [B, N, K] pads K (its N tail is read as zeros).
-    e_c = _pad_last(e_cand, plan.k8_cand if plan.fp8 else n8)
-    e_u = _pad_last(e_user, plan.k8_user if plan.fp8 else n8)
+    w_c = k_major_operand(w_cand, plan.k8_cand).unsqueeze(0)
+    w_u = k_major_operand(w_user, plan.k8_user).unsqueeze(0)
+    # 16-bit e [B, K, N] pads N; FP8 e [B, N, K] is K-major (its N tail is read as zeros).
+    e_c = k_major_operand(e_cand, plan.k8_cand) if plan.fp8 else _pad_last(e_cand, n8)
+    e_u = k_major_operand(e_user, plan.k8_user) if plan.fp8 else _pad_last(e_user, n8)
     idx_k = idx if idx.is_contiguous() else idx.contiguous()
     if out is None:
         out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)

@@ -7,10 +7,10 @@ The user GEMM runs once per user into an fp32 workspace [U, N]; the candidate GE
 adds each row's user result, the bias and the activation in fp32 and rounds once (LinearSm90:
 two launches of one kernel class on the current stream, the second overlapping the first).
 
-Alignment. TMA needs 16-byte row pitches, so inside the op a K that is not a multiple of 8
-pads x and w along K (a copy of each: for x_cand a slow path), an N that is not a multiple of
-8 stores into a padded buffer that is then copied into the output, and inputs that are not
-contiguous or not 16-byte aligned are copied.
+Alignment. TMA needs 16-byte row pitches: x and w are taken as they are wherever their rows
+start 16 bytes apart (TMA reads zeros past K), else copied into rows padded along K (a copy of
+each: for x_cand a slow path); an N that is not a multiple of 8 stores into a padded buffer
+that is then copied into the output, and inputs not 16-byte aligned are copied.
 
 Grids of few tiles. Where the candidate tiles fill at most half the SMs, each CTA runs one
 tile and the phase takes one tile's time: the op then takes a smaller tile
@@ -40,6 +40,7 @@ from cute_kernels import (
     copy_back,
     forward_only,
     into_out,
+    k_major_operand,
     kernel_cache,
     library_op,
     on_device,
@@ -48,13 +49,13 @@ from cute_kernels import (
     require_sm90,
     sm_count,
     store_target,
-    tma_ready,
 )
 from cute_kernels.checks import check_index_range, check_out_target, policy_or_default, validation_enabled
 
 from .checks import FP8, check_linear_inputs, check_out_dtype
 from .compile import compile_linear_config
 from .config import (
+    LINEAR_FP8_CAND_TILES,
     LINEAR_TILES,
     LinearConfig,
     linear_configs,
@@ -194,7 +195,7 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: Pla
         require_sm90(device, "linear")
     if on_gpu(x_cand) and B > 0:
         grids = _grids(B, U, N, k_plan_cand, k_plan_user, sm_count(device),
-                       lambda size: max_active_clusters(device, size), rules)
+                       lambda size: max_active_clusters(device, size), rules, fp8)
         out_dtype = check_out_dtype(out_dtype, x_cand.dtype)
         user_cfg, cand_cfg = linear_configs(x_cand.dtype, idx.dtype, grids.tile_user, grids.tile_cand, activation,
                                             bias is not None, grids.cluster, grids.split_cand, grids.split_user,
@@ -234,15 +235,18 @@ class _Grids:
     grid_cand: int
 
 
-def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules) -> _Grids:
-    """Both phases' grids. ``clusters(size)``: clusters of that many CTAs resident at once."""
-    g = _chosen_grids(B, U, N, K_cand, K_user, sms, clusters, rules)
+def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,
+           fp8: bool = False) -> _Grids:
+    """Both phases' grids. ``clusters(size)``: clusters of that many CTAs resident at once. FP8:
+    the candidate tiles of LINEAR_FP8_CAND_TILES."""
+    g = _chosen_grids(B, U, N, K_cand, K_user, sms, clusters, rules, LINEAR_FP8_CAND_TILES if fp8 else LINEAR_TILES)
     if rules.cand_clusters is not None:
         g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster))
     return g
 
 
-def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules) -> _Grids:
+def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,
+                  cand_tile_set: tuple) -> _Grids:
     kb_cand, kb_user = -(-K_cand // 64), -(-K_user // 64)
     tile_user = rules.user_tile or pick_linear_tile(U, N)
     if rules.cand_split is not None:
@@ -250,7 +254,7 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
     elif rules.split_k:
         tile_cand, split_cand = pick_cand_split(B, N, kb_cand, sms, clusters)
     else:
-        tile_cand, split_cand = pick_cand_tile(B, N, sms), 1
+        tile_cand, split_cand = pick_cand_tile(B, N, sms, cand_tile_set), 1
     cand_tiles, user_tiles = _tiles(B, N, tile_cand), _tiles(U, N, tile_user)
     splits = _user_splits(user_tiles, kb_user, sms)
     base = dict(tile_user=tile_user, tile_cand=tile_cand, split_cand=split_cand, split_user=1, splits=splits,
@@ -346,8 +350,8 @@ def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, o
     ``x_cand_scale`` [B], ``x_user_scale`` [U], ``w_cand_scale`` [N], ``w_user_scale`` [N], or
     0-d for one per tensor: ``out[b] = act(sxc[b] swc * (xc8[b] @ wc8.T) + sxu[idx[b]] swu *
     (xu8[idx[b]] @ wu8.T) + bias)``, the scales applied to the fp32 sums, one rounding to
-    ``out_dtype`` (bf16 by default, or fp16); bias bf16, fp16 or fp32. (K padded to 16 for
-    TMA where it is not a multiple; a 0-d scale is repeated per row, a bias converted to fp32:
+    ``out_dtype`` (bf16 by default, or fp16); bias bf16, fp16 or fp32. (Rows whose pitch is
+    not a multiple of 16 bytes are copied into padded ones for TMA; a 0-d scale is repeated per row, a bias converted to fp32:
     small copies.)
 
     ``out`` (optional): a contiguous [B, N] tensor of the output dtype, any alignment, sharing
@@ -403,15 +407,6 @@ def linear_with_rules(*args, rules: Optional[PlanRules] = None, **kwargs):
     return linear(*args, rules=rules, **kwargs)
 
 
-def _pad_k(t: torch.Tensor, k8: int) -> torch.Tensor:
-    """``t`` [rows, K] as TMA takes it: K padded with zeros to ``k8``, contiguous and aligned."""
-    if t.shape[1] != k8:
-        if t.dtype == FP8:  # no FP8 pad kernel: the bytes are padded
-            return torch.nn.functional.pad(t.view(torch.uint8), (0, k8 - t.shape[1])).view(FP8)
-        return torch.nn.functional.pad(t, (0, k8 - t.shape[1]))
-    return tma_ready(t)
-
-
 def _scale_vector(scale: torch.Tensor, rows: int) -> torch.Tensor:
     """An FP8 scale as the kernel reads it: one fp32 per row (a 0-d scale repeated), contiguous."""
     return scale.expand(rows).contiguous() if scale.dim() == 0 else scale.contiguous()
@@ -420,16 +415,15 @@ def _scale_vector(scale: torch.Tensor, rows: int) -> torch.Tensor:
 def _run(plan: _Plan, x_cand, x_user, idx, w_cand, w_user, bias, out, scales: dict) -> torch.Tensor:
     """Launch the user phase, then the candidate phase (on checked inputs); return ``out``."""
     device = x_cand.device
-    xc, wc = _pad_k(x_cand, plan.k8_cand), _pad_k(w_cand, plan.k8_cand)
-    xu, wu = _pad_k(x_user, plan.k8_user), _pad_k(w_user, plan.k8_user)
+    xc, wc = k_major_operand(x_cand, plan.k8_cand), k_major_operand(w_cand, plan.k8_cand)
+    xu, wu = k_major_operand(x_user, plan.k8_user), k_major_operand(w_user, plan.k8_user)
     idx_k = idx if idx.is_contiguous() else idx.contiguous()
     bias_k = None if bias is None else (bias if bias.is_contiguous() else bias.contiguous())
     user_scales, cand_scales = (), ()
-    if plan.fp8:  # one scale per row of each operand (w_user's the candidate phase applies); the bias in fp32
+    if plan.fp8:  # one scale per row of each operand; the bias in fp32
         N = plan.out_shape[1]
-        user_scales = (_scale_vector(scales["x_user_scale"], xu.shape[0]),)
-        cand_scales = (_scale_vector(scales["x_cand_scale"], xc.shape[0]), _scale_vector(scales["w_cand_scale"], N),
-                       _scale_vector(scales["w_user_scale"], N))
+        user_scales = (_scale_vector(scales["x_user_scale"], xu.shape[0]), _scale_vector(scales["w_user_scale"], N))
+        cand_scales = (_scale_vector(scales["x_cand_scale"], xc.shape[0]), _scale_vector(scales["w_cand_scale"], N))
         bias_k = None if bias_k is None else bias_k.float()
     if out is None:
         out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=device)

@@ -63,8 +63,7 @@ class LinearEpilogue(NamedTuple):
     ws: cute.Tensor  # [n_splits, U_pad, N_pad] fp32 user results (the user phase writes them)
     bias: Optional[cute.Tensor]  # [N] (candidate phase with bias only; FP8: fp32)
     a_scale: Optional[cute.Tensor] = None  # FP8: [rows] fp32, a's row scales
-    b_scale: Optional[cute.Tensor] = None  # FP8, candidate phase: [N] fp32, b's row scales (the output's columns)
-    ws_scale: Optional[cute.Tensor] = None  # FP8, candidate phase: [N] fp32, w_user's scales (ws's columns)
+    b_scale: Optional[cute.Tensor] = None  # FP8: [N] fp32, b's row scales (the result's columns)
 
 
 @kernel_arguments
@@ -97,7 +96,6 @@ class LinearStores(NamedTuple):
     n_splits: Int32
     a_scale: Optional[cute.Tensor]  # FP8 only
     b_scale: Optional[cute.Tensor]
-    ws_scale: Optional[cute.Tensor]
 
 
 
@@ -207,12 +205,11 @@ class LinearSm90:
     FP8 (``cfg.dtype`` float8_e4m3fn): the same kernel with 8-bit wgmma (instruction K 32, both
     operands K-major, as 8-bit wgmma requires and x, w are), k-blocks of 128 elements (128
     bytes, as the 16-bit ones: the same stages, 128-byte swizzle), and fp32 scales
-    (LinearEpilogue): the user phase multiplies its sums by x_user's row scales (a_scale) before
-    the workspace stores; the candidate phase, per staged sub-tile, multiplies its sums by
-    x_cand's row and w_cand's column scales (a_scale, b_scale) and the workspace slabs' sum by
-    w_user's column scales (ws_scale), then adds the bias and applies the activation, rounding
-    once to ``cfg.out_dtype``. Column scales are read where a column is stored: all of a tile's
-    at once would spill.
+    (LinearEpilogue: a's row and b's row scales, the result's rows and columns). Each phase
+    multiplies its fp32 sums by their row's and column's scales in place, as soon as its main
+    loop ends: the workspace holds scaled user results, and the candidate epilogue then adds
+    the slabs, the bias and the activation exactly as the 16-bit one does, rounding once to
+    ``cfg.out_dtype``. A thread loads each of its rows' and columns' scales once per tile.
 
     Arguments (cute_kernels.arguments): the host passes LinearOperands, LinearEpilogue and
     LinearLaunch; the kernel hands the loads to the producer (LinearLoads) and the epilogue's
@@ -300,7 +297,7 @@ class LinearSm90:
         self.kernel(
             LinearLoads(tma_a, tA, tma_b, tB),
             LinearStores(tma_out, c_out, epilogue.ws, operands.idx, epilogue.bias, launch.n_users, launch.n_splits,
-                         epilogue.a_scale, epilogue.b_scale, epilogue.ws_scale),
+                         epilogue.a_scale, epilogue.b_scale),
             GemmSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
         ).launch(
             grid=[launch.grid_size, 1, 1], block=[self.THREADS, 1, 1], cluster=[self.launch_cluster, 1, 1],
@@ -475,9 +472,9 @@ class LinearSm90:
             if const_expr(self.split > 1):
                 self.reduce.exchange(acc_mn_view(acc), exchange, rank, tile_i,
                                      t + walk.stride < work.size(), tidx, int(LinearBarrier.EPILOGUE))
+            if const_expr(self.fp8):
+                self.apply_scales(acc, coords, stores, tile, n_rows, n_cols)
             if const_expr(self.cfg.phase == "user"):
-                if const_expr(self.fp8):
-                    self.apply_row_scales(acc, coords, stores, tile, n_rows)
                 self.store_user_tile(acc, coords, stores.out, tile, rank)
             else:
                 self.store_output_tile(acc, coords, tiled_mma, sC, stores, tile, n_rows, n_cols, epi_count,
@@ -494,21 +491,17 @@ class LinearSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def row_scales(self, coords, stores: LinearStores, tile: LinearTile, rows: int, n_rows: Int32) -> list:
-        """FP8: a's scale of each accumulator row of this thread (rows past a take the last one's:
-        never stored)."""
-        return [Float32(stores.a_scale[cutlass.min(tile.m * self.tile_m + coords[m, 0][0], n_rows - 1)])
-                for m in range(rows)]
-
-    @cute.jit
-    def apply_row_scales(self, acc, coords, stores: LinearStores, tile: LinearTile, n_rows: Int32):
-        """FP8, user phase: each fp32 sum times its row's scale (the candidate epilogue applies
-        the columns')."""
+    def apply_scales(self, acc, coords, stores: LinearStores, tile: LinearTile, n_rows: Int32, n_cols: Int32):
+        """FP8: each fp32 sum times its row's scale (a's) and its column's (b's), each loaded once
+        (rows and columns past a and b take the last one's: never stored)."""
         acc_mn = acc_mn_view(acc)
-        row_scales = self.row_scales(coords, stores, tile, cute.size(acc_mn, mode=[0]), n_rows)
-        for m in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                acc_mn[m, c] = acc_mn[m, c] * row_scales[m]
+        rows, cols = cute.size(acc_mn, mode=[0]), cute.size(acc_mn, mode=[1])
+        row_scales = [Float32(stores.a_scale[cutlass.min(tile.m * self.tile_m + coords[m, 0][0], n_rows - 1)])
+                      for m in range(rows)]
+        for c in cutlass.range_constexpr(cols):
+            col_scale = Float32(stores.b_scale[cutlass.min(tile.n * self.tile_n + coords[0, c][1], n_cols - 1)])
+            for m in cutlass.range_constexpr(rows):
+                acc_mn[m, c] = acc_mn[m, c] * row_scales[m] * col_scale
 
     def owns(self, s: int, rank):
         """Whether this CTA runs the epilogue of sub-tile ``s`` (a compile-time index): always, but
@@ -552,17 +545,12 @@ class LinearSm90:
             poison.append(Float32(0.0) if valid else Float32(math.nan))
 
         # The user rows, slab by slab in a fixed order (the same bits whoever ran which slice).
-        # FP8: per sub-tile below, after the scales.
         per_sub = cute.size(acc_mn, mode=[1]) // self.epi_subtiles  # columns of a sub-tile
-        row_scales = []
-        if const_expr(self.fp8):
-            row_scales = self.row_scales(coords, stores, tile, rows, n_rows)
-        else:
-            for sp in cutlass.range(stores.n_splits, unroll=1):
-                for m in cutlass.range_constexpr(rows):
-                    for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                        if self.owns(c // per_sub, rank):
-                            acc_mn[m, c] = acc_mn[m, c] + stores.ws[sp, users[m], col0 + coords[m, c][1]]
+        for sp in cutlass.range(stores.n_splits, unroll=1):
+            for m in cutlass.range_constexpr(rows):
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    if self.owns(c // per_sub, rank):
+                        acc_mn[m, c] = acc_mn[m, c] + stores.ws[sp, users[m], col0 + coords[m, c][1]]
 
         sub = cute.make_rmem_tensor(self.sub_mma(tiled_mma).get_slice(tidx).partition_shape_C(self.epi_tile), Float32)
         sub_mn = acc_mn_view(sub)
@@ -580,15 +568,7 @@ class LinearSm90:
                 for m in cutlass.range_constexpr(rows):
                     for c in cutlass.range_constexpr(per_sub):
                         col = col0 + coords[m, s * per_sub + c][1]
-                        v = acc_mn[m, s * per_sub + c]
-                        if const_expr(self.fp8):
-                            last = cutlass.min(col, n_cols - 1)  # columns past N are never stored
-                            user = Float32(0.0)
-                            for sp in cutlass.range(stores.n_splits, unroll=1):
-                                user = user + stores.ws[sp, users[m], col]
-                            v = v * (row_scales[m] * Float32(stores.b_scale[last])) + user * Float32(
-                                stores.ws_scale[last])
-                        v = v + poison[m]
+                        v = acc_mn[m, s * per_sub + c] + poison[m]
                         if const_expr(self.cfg.has_bias):
                             v = v + Float32(stores.bias[cutlass.min(col, n_cols - 1)])
                         sub_mn[m, c] = self.activation(v)

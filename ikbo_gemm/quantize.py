@@ -8,10 +8,12 @@ elements above e4m3's subnormal range times the scale). The floor keeps a row of
 values below it) at a finite, nonzero scale: its x8 is 0 or small, never NaN. A row holding
 NaN or inf gets a non-finite scale, and dequantizes to NaN.
 
-Layouts: ``"same"`` keeps x's shape; ``"transposed"`` swaps the last two dimensions (a
-contiguous result), which is how the FP8 lce takes e: e [B, K, N] -> e8 [B, N, K], K-major,
-since 8-bit wgmma reads both operands K-major. Transposing while quantizing costs nothing
-beyond the pass the quantization makes anyway.
+Layouts: ``"same"`` keeps x's shape (a contiguous result); ``"transposed"`` swaps the last two
+dimensions, which is how the FP8 lce takes e: e [B, K, N] -> e8 [B, N, K], K-major, since 8-bit
+wgmma reads both operands K-major. Transposing while quantizing costs nothing beyond the pass
+the quantization makes anyway. The transposed result's rows start 16 bytes apart (a view of
+rows padded to a multiple of 16 elements where K is not one), the pitch TMA needs: the op takes
+it as it is, where a contiguous e8 of such a K would cost a padded copy per call.
 """
 from __future__ import annotations
 
@@ -73,8 +75,8 @@ def quantize_fp8(x: torch.Tensor, dim: Union[int, tuple, None] = -1, layout: str
       - linear: x_cand [B, K], x_user [U, K], w [N, K]: ``dim=-1`` (one per row);
       - lce: w [M, K]: ``dim=-1``; e [B, K, N]: ``dim=(1, 2), layout="transposed"`` (one per
         batch entry, e8 [B, N, K]).
-    ``layout``: "same" (x8 shaped as x) or "transposed" (the last two dimensions swapped).
-    x8 is contiguous either way.
+    ``layout``: "same" (x8 shaped as x, contiguous) or "transposed" (the last two dimensions
+    swapped; each row 16-byte pitched: contiguous where x.shape[-2] is a multiple of 16).
 
     On an sm_90 GPU, scales over trailing dimensions (rows: ``dim=-1``; lce's e: ``dim=(1, 2)``,
     either layout but "transposed" rows) run one kernel (``quantize_sm90``; no host
@@ -87,7 +89,8 @@ def quantize_fp8(x: torch.Tensor, dim: Union[int, tuple, None] = -1, layout: str
         return quantize_fp8_reference(x, dims, layout)
     require_sm90(x.device, "quantize_fp8")
     G, R, C = groups
-    x8 = torch.empty((G, C, R) if layout == "transposed" else (G, R, C), dtype=FP8, device=x.device)
+    x8 = _pitched_empty((G, C, R), x.device) if layout == "transposed" else torch.empty((G, R, C), dtype=FP8,
+                                                                                       device=x.device)
     scale = torch.empty(G, dtype=torch.float32, device=x.device)
     if G:
         with on_device(x.device):
@@ -96,6 +99,12 @@ def quantize_fp8(x: torch.Tensor, dim: Union[int, tuple, None] = -1, layout: str
     if layout == "transposed":
         shape[-2:] = shape[-1], shape[-2]
     return x8.view(shape), scale.view([n for d, n in enumerate(x.shape) if d not in dims])
+
+
+def _pitched_empty(shape, device) -> torch.Tensor:
+    """An FP8 tensor of ``shape`` whose rows start 16 bytes apart (a view of padded rows)."""
+    pitch = -(-shape[-1] // 16) * 16
+    return torch.empty((*shape[:-1], pitch), dtype=FP8, device=device)[..., : shape[-1]]
 
 
 def _groups(x: torch.Tensor, dims: tuple, layout: str):
@@ -120,5 +129,5 @@ def quantize_fp8_reference(x: torch.Tensor, dim: Union[int, tuple, None] = -1, l
     scale = xf.abs().amax(dim=dims, keepdim=True).clamp_min(AMAX_FLOOR) / FP8_MAX  # NaN stays NaN
     x8 = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     if layout == "transposed":
-        x8 = x8.transpose(-1, -2)
-    return x8.contiguous(), scale.squeeze(dims)
+        x8 = _pitched_empty(x8.transpose(-1, -2).shape, x.device).copy_(x8.transpose(-1, -2))
+    return x8.contiguous() if layout == "same" else x8, scale.squeeze(dims)

@@ -38,7 +38,8 @@ its [B, M, N] view:
                                torch.compile fp8 decomposition: the same compiled
   fp8 scaled_mm floor          the candidate _scaled_mm alone; "..., per-tensor": with one scale
                                per operand (its own quantization), the faster form at M 433
-  ikbo fp8                     ikbo_gemm.lce on the FP8 operands (e [B, N, K])
+  ikbo fp8                     ikbo_gemm.lce on the FP8 operands (e [B, N, K], rows 16 bytes
+                               apart as quantize_fp8 returns them)
   ikbo fp8 + quantize          the same with quantize_fp8(e, dim=(1, 2), layout="transposed") of
                                e_cand and e_user [B, K, N] in the call
 The FP8 operands are quantized once, untimed (but by the providers that say so); _scaled_mm's
@@ -65,7 +66,7 @@ from typing import Callable, Optional
 import torch
 
 from perf import gemm_bench, harness
-from perf.fp8_peers import FP8, dequantize, pad16, quantize_rows, scaled_mm
+from perf.fp8_peers import FP8, dequantize, pad16, quantize_rows, rows_16_apart, scaled_mm
 from perf.gemm_bench import GemmProvider as Provider, w_cat
 from perf.harness import make_idx, user_counts
 from perf.providers import LIBS, select
@@ -143,7 +144,7 @@ class Fp8Operands:
     def of(w_cand, w_user, e_cand, e_user) -> "Fp8Operands":
         (wc, swc), (wu, swu) = quantize_rows(w_cand), quantize_rows(w_user)
         (ec, sec), (eu, seu) = (quantize_rows(e.transpose(1, 2), dim=(1, 2)) for e in (e_cand, e_user))
-        ec, eu = ec.contiguous(), eu.contiguous()
+        ec, eu = rows_16_apart(ec), rows_16_apart(eu)  # as quantize_fp8 returns them (lce reads them as they are)
         n16 = -(-ec.shape[1] // 16) * 16
         wc_pt, swc_pt = quantize_rows(pad16(w_cand), dim=(0, 1))
         ec_pt, sec_pt = quantize_rows(pad16(pad16(e_cand.transpose(1, 2).contiguous()), 1), dim=(0, 1, 2))

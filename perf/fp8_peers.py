@@ -33,6 +33,13 @@ def dequantize(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x8.float() * scale.reshape(scale.shape + (1,) * (x8.dim() - scale.dim()))
 
 
+def rows_16_apart(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its rows (last dimension) 16 elements apart, a view of padded rows: the layout
+    ikbo_gemm.quantize_fp8(layout="transposed") returns."""
+    pitch = -(-t.shape[-1] // 16) * 16
+    return torch.empty((*t.shape[:-1], pitch), dtype=t.dtype, device=t.device)[..., : t.shape[-1]].copy_(t)
+
+
 def pad16(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``t`` with dimension ``dim`` padded with zeros to a multiple of 16 (itself if it is one)."""
     size = t.shape[dim]

@@ -22,6 +22,19 @@ def _per_tensor(t8, scale, per_tensor: bool):
     return quantize_fp8(t8.float() * scale.reshape(scale.shape + (1,) * (t8.dim() - scale.dim())), dim=None)
 
 
+def assert_fp8_layout(x8: torch.Tensor, layout: str):
+    """quantize_fp8's result layout: "same" contiguous; "transposed" rows 16 bytes apart (rows
+    padded to 16 elements), dense otherwise."""
+    if layout == "same":
+        assert x8.is_contiguous(), x8.stride()
+        return
+    pitch = -(-x8.shape[-1] // 16) * 16
+    dense = [1, pitch]
+    for n in reversed(x8.shape[1:-1]):
+        dense.append(dense[-1] * n)
+    assert x8.dim() < 2 or tuple(x8.stride()) == tuple(reversed(dense[: x8.dim()])) or x8.numel() == 0, x8.stride()
+
+
 def idx_of(B, U, g, device="cpu", idx_dtype=torch.int32):
     """About B / U candidates per user (each user one at least where B >= U), shuffled."""
     idx = (torch.arange(B, device=device) * U // max(B, 1))[torch.randperm(B, generator=g, device=device)]

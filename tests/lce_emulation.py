@@ -42,15 +42,17 @@ class EmulatedLaunches:
             raise RuntimeError("cudaErrorCooperativeLaunchTooLarge")
         U, M, n8 = e_u.shape[0], w_c.shape[1], target.shape[2]
         k_align = 16 if fp8 else 8  # 16-byte row pitches
-        assert w_c.shape[0] == w_u.shape[0] == 1 and w_c.shape[2] % k_align == 0 and w_u.shape[2] % k_align == 0
+        assert w_c.shape[0] == w_u.shape[0] == 1
         assert n8 % 8 == 0 and target.dtype == (cfg.out_dtype or cfg.dtype)
         for t in (w_c, w_u, e_c, e_u):
             assert t.dtype == cfg.dtype
         for t in (w_c, w_u, e_c, e_u, target):  # what the TMA descriptors need, size-1 dims included
-            assert t.is_contiguous() and t.data_ptr() % 16 == 0
+            assert t.data_ptr() % 16 == 0 and (t.is_contiguous() or (fp8 and t.dim() == 3 and t is not target))
             assert t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]), t.stride()
-        if fp8:  # e K-major [B, N, K_pad], K padded as w; one fp32 scale per row of w and batch entry of e
-            assert e_c.shape[1] == e_u.shape[1] <= n8 and e_c.shape[2] == w_c.shape[2] and e_u.shape[2] == w_u.shape[2]
+        if fp8:  # e K-major [B, N, K] (rows 16-byte pitched; TMA reads zeros past K, so w may be padded
+            # further); one fp32 scale per row of w and batch entry of e
+            assert e_c.shape[1] == e_u.shape[1] <= n8
+            assert all(-(-e.shape[2] // k_align) == -(-w.shape[2] // k_align) for e, w in ((e_c, w_c), (e_u, w_u)))
             sw_c, sw_u, se_c, se_u = scales
             for t, n in ((sw_c, M), (sw_u, M), (se_c, idx.shape[0]), (se_u, U)):
                 assert t.dtype == torch.float32 and t.shape == (n,) and t.is_contiguous()
@@ -60,10 +62,12 @@ class EmulatedLaunches:
         assert workspace.shape == (flags.shape[0], cfg.tile_n * cfg.tile_w)
         user_tiles = -(-U // cfg.cluster_b) * -(-M // cfg.tile_w) * -(-n8 // (cfg.tile_n * cfg.cluster_n))
         self.launches.append(dict(cfg=cfg, cands=idx.shape[0], tiles=(tile_begin, tile_end), wait_prior=wait_prior,
-                                  cooperative=cooperative, target=target.data_ptr(), flags=flags.shape[0]))
+                                  cooperative=cooperative, target=target.data_ptr(), flags=flags.shape[0],
+                                  e_cand=e_c.data_ptr()))
         if tile_end > user_tiles and fp8:  # the scaled sums; N past e's rows is zeros
-            acc = (w_c[0].float() @ e_c.float().transpose(1, 2)) * sw_c[:, None] * se_c[:, None, None]
-            user = (w_u[0].float() @ e_u.float().transpose(1, 2)) * sw_u[:, None] * se_u[:, None, None]
+            kc, ku = min(e_c.shape[2], w_c.shape[2]), min(e_u.shape[2], w_u.shape[2])  # past that: zeros
+            acc = (w_c[0, :, :kc].float() @ e_c[..., :kc].float().transpose(1, 2)) * sw_c[:, None] * se_c[:, None, None]
+            user = (w_u[0, :, :ku].float() @ e_u[..., :ku].float().transpose(1, 2)) * sw_u[:, None] * se_u[:, None, None]
             acc, user = (torch.nn.functional.pad(t, (0, n8 - t.shape[2])) for t in (acc, user))
         elif tile_end > user_tiles:
             acc = w_c[0, :, : e_c.shape[1]].float() @ e_c.float()  # the K tail past e's rows is padding

@@ -34,21 +34,23 @@ class EmulatedLaunches:
     def launch(self, cfg, operands: LinearOperands, epilogue: LinearEpilogue, launch: LinearLaunch):
         assert isinstance(operands, LinearOperands) and isinstance(epilogue, LinearEpilogue)
         assert isinstance(launch, LinearLaunch)
-        (a, b, idx), (out, ws, bias, a_scale, b_scale, ws_scale), (n_users, n_splits, grid) = operands, epilogue, launch
+        (a, b, idx), (out, ws, bias, a_scale, b_scale), (n_users, n_splits, grid) = operands, epilogue, launch
         for hook in self.hooks:
             hook(f"linear-{cfg.phase}")
         fp8 = cfg.dtype == torch.float8_e4m3fn
         tile_k = 2 * TILE_K if fp8 else TILE_K  # FP8 k-blocks: 128 elements
         tma = (a, b) if cfg.phase == "user" else (a, b, out)
-        for t in tma:  # what the TMA descriptors need, size-1 dims included
+        for t in tma:  # what the TMA descriptors need, size-1 dims included (a and b: rows 16-byte pitched)
             assert t.dtype == (cfg.out_dtype or cfg.dtype if t is out else cfg.dtype)
-            assert t.is_contiguous() and t.data_ptr() % 16 == 0
+            assert t.data_ptr() % 16 == 0 and (t.is_contiguous() or t is not out)
             assert t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]), t.stride()
-        assert a.shape[1] == b.shape[1] and a.shape[1] * a.element_size() % 16 == 0  # K padded alike
-        # FP8: a's row scales; the candidate phase also b's and w_user's (ws's columns); the bias in fp32
-        assert (a_scale is not None) == fp8
-        assert (b_scale is not None) == (ws_scale is not None) == (fp8 and cfg.phase == "cand")
-        for scale, rows in ((a_scale, a.shape[0]), (b_scale, b.shape[0]), (ws_scale, b.shape[0])):
+        k_align = 16 // a.element_size()  # TMA reads zeros past K: one operand may be padded further
+        assert -(-a.shape[1] // k_align) == -(-b.shape[1] // k_align)
+        K = min(a.shape[1], b.shape[1])
+        a, b = a[:, :K], b[:, :K]
+        # FP8: a's and b's row scales (the result's rows and columns); the bias in fp32
+        assert (a_scale is not None) == (b_scale is not None) == fp8
+        for scale, rows in ((a_scale, a.shape[0]), (b_scale, b.shape[0])):
             assert scale is None or (scale.dtype == torch.float32 and scale.is_contiguous() and scale.shape == (rows,))
         assert not fp8 or bias is None or bias.dtype == torch.float32
         assert ws.dtype == torch.float32 and ws.is_contiguous() and ws.data_ptr() % 16 == 0
@@ -69,18 +71,15 @@ class EmulatedLaunches:
             assert (n_splits - 1) * per_split < k_blocks  # every slice has a k-block
             for s in range(n_splits):
                 k = slice(s * per_split * tile_k, (s + 1) * per_split * tile_k)
-                ws[s, :n_users, :N] = self.scaled(a[:, k].float() @ b[:, k].float().T, a_scale)
+                ws[s, :n_users, :N] = self.scaled(a[:, k].float() @ b[:, k].float().T, a_scale, b_scale)
             return
         assert n_splits == ws.shape[0] and out.shape == (a.shape[0], -(-N // 8) * 8)
         assert bias is None or (bias.is_contiguous() and bias.shape == (N,))
         valid = (idx >= 0) & (idx < n_users)  # in idx's own width: an int64 must not wrap
         users = torch.where(valid, idx, torch.zeros_like(idx)).long()
         acc = self.scaled(a.float() @ b.float().T, a_scale, b_scale)
-        user = torch.zeros_like(acc) if fp8 else acc  # FP8: the slabs' sum, then w_user's scales
         for s in range(n_splits):  # the slabs in order
-            user += ws[s, :, :N].index_select(0, users)
-        if fp8:
-            acc += self.scaled(user, None, ws_scale)
+            acc += ws[s, :, :N].index_select(0, users)
         if bias is not None:
             acc += bias.float()
         acc = apply_activation(acc, cfg.activation)

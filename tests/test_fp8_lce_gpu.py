@@ -7,7 +7,7 @@ import torch
 
 import ikbo_gemm
 import lce_emulation
-from fp8_inputs import assert_fp8_kernel_rounding, lce_fp8_accumulation, lce_fp8_f64, lce_fp8_problem
+from fp8_inputs import assert_fp8_kernel_rounding, assert_fp8_layout, lce_fp8_accumulation, lce_fp8_f64, lce_fp8_problem
 from ikbo_gemm.quantize import quantize_fp8_reference
 
 pytestmark = pytest.mark.gpu
@@ -124,7 +124,8 @@ def test_quantize_matches_its_reference(shape, dim, layout, dtype):
     x.view(-1)[0] = 0  # a zero among the values
     x8, scale = ikbo_gemm.quantize_fp8(x, dim=dim, layout=layout)
     r8, rscale = quantize_fp8_reference(x, dim=dim, layout=layout)
-    assert x8.is_contiguous() and x8.shape == r8.shape and scale.shape == rscale.shape
+    assert x8.shape == r8.shape and scale.shape == rscale.shape and x8.stride() == r8.stride()
+    assert_fp8_layout(x8, layout)
     torch.testing.assert_close(scale, rscale, rtol=1e-6, atol=0)
     # one e4m3 step at most where the scale's last bit moved the product across a rounding boundary
     diff = (x8.float() - r8.float()).abs()

@@ -1,6 +1,6 @@
 """The GPU path of ikbo_gemm.lce with FP8 operands on CPU tensors (its host side as on an H200,
-the kernel emulated: tests/lce_emulation.py): the FP8 configurations it picks, e K-major with K
-padded to 16 bytes, one fp32 scale per row of w and batch entry of e (0-d ones repeated, e_cand's
+the kernel emulated: tests/lce_emulation.py): the FP8 configurations it picks, e K-major with
+rows 16 bytes apart, one fp32 scale per row of w and batch entry of e (0-d ones repeated, e_cand's
 sliced per launch), the output dtype, both schedules and the spare-SM split."""
 from __future__ import annotations
 
@@ -36,6 +36,23 @@ def test_fp8_call_through_the_kernel_path(dims, per_tensor, out_dtype, schedule,
     assert kernels.launches and all(launch["cfg"].dtype == FP8 and launch["cfg"].out_dtype == out_dtype
                                     for launch in kernels.launches)
     assert_one_rounding(out, lce_fp8_f64(**kw), out_dtype)
+
+
+@pytest.mark.parametrize("e_layout", ["pitched", "contiguous"])
+def test_fp8_e_with_k_not_a_multiple_of_16(e_layout, monkeypatch):
+    """quantize_fp8's e (rows 16 bytes apart) reaches the kernel as it is; a contiguous e of such
+    a K is copied into padded rows. Both give the same result."""
+    kernels = lce_emulation.install(monkeypatch)
+    dims = (40, 3, 24, 16, 24, 36)  # K 24 and 36
+    kw = lce_fp8_problem(*dims, seed=7)
+    assert kw["e_cand"].stride(1) == 48 and not kw["e_cand"].is_contiguous()
+    if e_layout == "contiguous":
+        kw["e_cand"], kw["e_user"] = kw["e_cand"].contiguous(), kw["e_user"].contiguous()
+    out = torch.full((40, 24, 16), float("nan"), dtype=BF16)
+    ikbo_gemm.lce(**kw, out=out)
+    copied = {launch["e_cand"] != kw["e_cand"].data_ptr() for launch in kernels.launches}
+    assert copied == {e_layout == "contiguous"}
+    assert_one_rounding(out, lce_fp8_f64(**kw), BF16)
 
 
 def test_fp8_spare_sm_split_slices_e_cand_scale(monkeypatch):

@@ -1,6 +1,6 @@
 """The GPU path of ikbo_gemm.linear with FP8 operands on CPU tensors (its host side as on an
-H200, the kernels emulated: tests/linear_emulation.py): the configurations it picks, K padded to
-16 bytes, the scales one per row (0-d ones repeated), the bias in fp32, the output dtype."""
+H200, the kernels emulated: tests/linear_emulation.py): the configurations it picks, rows 16 bytes
+apart, the scales one per row (0-d ones repeated), the bias in fp32, the output dtype."""
 from __future__ import annotations
 
 import pytest
@@ -41,6 +41,22 @@ def test_fp8_plan_counts_k_blocks_of_128(monkeypatch):
     ikbo_gemm.linear(**kw)
     user = kernels.launches[0]
     assert user["splits"] > 1 and -(-4096 // 128) >= 2 * user["splits"]
+
+
+@pytest.mark.parametrize("B, N", [(8192, 192), (8192, 256), (4096, 960), (300, 4096), (64, 256), (8192, 4096)])
+def test_fp8_candidate_tiles_leave_room_for_the_column_scales(B, N, monkeypatch):
+    """Tiles that 16-bit calls of these shapes take (128 x 192, 64 x 256) would spill the FP8
+    epilogue's column scales: FP8 picks among LINEAR_FP8_CAND_TILES, and ships only those."""
+    from ikbo_gemm.config import LINEAR_FP8_CAND_TILES, pick_cand_tile
+    kernels = linear_emulation.install(monkeypatch)
+    ikbo_gemm.linear(**linear_fp8_problem(B, 3, N, 16, 32))
+    cand = kernels.launches[1]["cfg"]
+    assert (cand.tile_m, cand.tile_n) in LINEAR_FP8_CAND_TILES
+    assert cand.tile_n <= 128 and cand.tile_m * cand.tile_n <= 128 * 128
+    fp8_cand = {(c.tile_m, c.tile_n) for c in ikbo_gemm.SHIPPED_CONFIGS
+                if isinstance(c, ikbo_gemm.LinearConfig) and c.dtype == FP8 and c.phase == "cand"}
+    assert fp8_cand == set(LINEAR_FP8_CAND_TILES)
+    assert any(pick_cand_tile(b, n, 132) not in LINEAR_FP8_CAND_TILES for b, n in ((8192, 192), (8192, 256)))
 
 
 def test_fp8_shipped_configurations():

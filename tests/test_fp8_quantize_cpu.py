@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fp8_inputs import assert_fp8_layout
 from ikbo_gemm import quantize_fp8
 from ikbo_gemm.quantize import AMAX_FLOOR, FP8_MAX, quantize_fp8_reference
 
@@ -30,7 +31,8 @@ def test_round_trip(shape, dim, layout, scale_shape, dtype):
     x = (torch.randn(shape, generator=g) * torch.rand(shape[:1] + (1,) * (len(shape) - 1), generator=g)
          .mul(20).sub(10).exp2()).to(dtype)
     x8, scale = quantize_fp8(x, dim=dim, layout=layout)
-    assert x8.dtype == FP8 and scale.dtype == torch.float32 and x8.is_contiguous()
+    assert x8.dtype == FP8 and scale.dtype == torch.float32
+    assert_fp8_layout(x8, layout)
     assert tuple(scale.shape) == scale_shape
     if layout == "transposed":
         x8 = x8.transpose(-1, -2)
@@ -100,7 +102,8 @@ def test_bad_arguments(x, kw, err, match):
 def _emulated_kernel(dtype, transposed):
     """QuantizeSm90's contract on CPU tensors: x [G, R, C] -> x8, scale [G] (the reference's formula)."""
     def run(x, x8, scale):
-        assert x.dtype == dtype and x.dim() == 3 and x.is_contiguous() and x8.is_contiguous()
+        assert x.dtype == dtype and x.dim() == 3 and x.is_contiguous()
+        assert_fp8_layout(x8, "transposed" if transposed else "same")
         q, s = quantize_fp8_reference(x, dim=(1, 2), layout="transposed" if transposed else "same")
         x8.copy_(q)
         scale.copy_(s)
@@ -131,7 +134,8 @@ def test_gpu_path_host_side(shape, dim, layout, kernel, monkeypatch):
     x = torch.randn(shape, dtype=torch.bfloat16)
     x8, scale = quantize_fp8(x, dim=dim, layout=layout)
     r8, rscale = quantize_fp8_reference(x, dim=dim, layout=layout)
-    assert x8.shape == r8.shape and scale.shape == rscale.shape and x8.is_contiguous()
+    assert x8.shape == r8.shape and scale.shape == rscale.shape and x8.stride() == r8.stride()
+    assert_fp8_layout(x8, layout)
     assert torch.equal(x8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(scale, rscale)
     assert launched == ([layout == "transposed"] if kernel and shape[0] else [])
 

@@ -103,4 +103,4 @@ def test_the_gemm_kernels_take_marked_bundles():
     for bundle in (LceOperands, LceEpilogue, LceLaunch, LinearOperands, LinearEpilogue, LinearLaunch):
         assert bundle.__kernel_arguments__
     assert LceLaunch._fields == ("tile_begin", "tile_end", "grid_size", "wait_prior", "cooperative")
-    assert LinearEpilogue._fields == ("out", "ws", "bias", "a_scale", "b_scale", "ws_scale")  # the scales: FP8 only
+    assert LinearEpilogue._fields == ("out", "ws", "bias", "a_scale", "b_scale")  # the scales: FP8 only
