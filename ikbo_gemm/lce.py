@@ -152,9 +152,9 @@ class _Plan:
 
     out_shape: tuple
     dtype: torch.dtype  # the output's
-    fp8: bool  # FP8 operands: e K-major, K padded to 16 (TMA's 16-byte pitches), scales
+    fp8: bool  # FP8 operands: e K-major (rows 16 bytes apart for TMA), fp32 scales
     n8: int
-    k8_cand: int  # K padded to 16 bytes
+    k8_cand: int  # K padded to 16 bytes (where an operand is copied into padded rows)
     k8_user: int
     ws_shape: tuple
     n_flags: int
