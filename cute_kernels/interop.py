@@ -67,14 +67,28 @@ def k_major_operand(t: torch.Tensor, k_pad: int) -> torch.Tensor:
     past K's extent as zeros, so only the pitches must be 16-byte multiples: ``t`` itself where
     they are (a view into rows padded to 16 bytes, as ``quantize_fp8`` returns, included),
     else a contiguous copy zero-padded to ``k_pad``."""
-    elt = t.element_size()
-    if t.stride(-1) == 1 and all(s * elt % 16 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0:
+    if _rows_16_bytes_apart(t) and t.data_ptr() % 16 == 0:
         return t
     if t.shape[-1] == k_pad:
         return tma_ready(t)
     if t.dtype.itemsize == 1:  # no 8-bit pad kernel: the bytes are padded
         return torch.nn.functional.pad(t.view(torch.uint8), (0, k_pad - t.shape[-1])).view(t.dtype)
     return torch.nn.functional.pad(t, (0, k_pad - t.shape[-1]))
+
+
+def _rows_16_bytes_apart(t: torch.Tensor) -> bool:
+    """Unit stride last, and every other stride a positive multiple of 16 bytes that steps past
+    the dims inside it (a TMA descriptor takes no overlapping or repeated rows: an expanded
+    tensor's zero strides are copied)."""
+    if t.stride(-1) != 1:
+        return False
+    inner = t.shape[-1]  # elements the dims inside d span
+    for d in range(t.dim() - 2, -1, -1):
+        s = t.stride(d)
+        if s * t.element_size() % 16 or s < max(inner, 1):
+            return False
+        inner = s * t.shape[d]
+    return True
 
 
 def dense_unit_strides(t: torch.Tensor) -> torch.Tensor:

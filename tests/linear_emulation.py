@@ -62,7 +62,8 @@ class EmulatedLaunches:
             k_blocks = -(-a.shape[1] // tile_k)
             assert (cfg.split_k - 1) * -(-k_blocks // cfg.split_k) < k_blocks
             assert cfg.phase == "cand" or n_splits == 1
-        self.launches.append(dict(cfg=cfg, rows=a.shape[0], splits=n_splits, grid=grid, target=out.data_ptr()))
+        self.launches.append(dict(cfg=cfg, rows=a.shape[0], splits=n_splits, grid=grid, target=out.data_ptr(),
+                                  a=a.data_ptr()))
         N = b.shape[0]
         if cfg.phase == "user":
             assert out is ws and a.shape[0] == n_users

@@ -59,6 +59,23 @@ def test_fp8_candidate_tiles_leave_room_for_the_column_scales(B, N, monkeypatch)
     assert any(pick_cand_tile(b, n, 132) not in LINEAR_FP8_CAND_TILES for b, n in ((8192, 192), (8192, 256)))
 
 
+def test_operands_are_read_in_place_where_their_rows_are_16_bytes_apart(monkeypatch):
+    """x_cand as a view into wider rows (pitch 48, K 36) reaches the kernel as it is; an
+    expanded x_user (zero row stride: TMA takes no repeated rows) is copied. Same results."""
+    kernels = linear_emulation.install(monkeypatch)
+    kw = linear_fp8_problem(40, 3, 24, 20, 36)
+    wide = torch.zeros(40, 48, dtype=torch.uint8)
+    wide[:, :36] = kw["x_cand"].view(torch.uint8)
+    kw["x_cand"] = wide.view(FP8)[:, :36]
+    kw["x_user"] = kw["x_user"][:1].expand(3, 20)
+    kw["x_user_scale"] = kw["x_user_scale"][:1].expand(3)
+    out = ikbo_gemm.linear(**kw)
+    user, cand = kernels.launches
+    assert cand["a"] == kw["x_cand"].data_ptr() and user["a"] != kw["x_user"].data_ptr()
+    bound = 2.0**-8 * linear_fp8_f64(**kw).abs() + 1e-5
+    assert ((out.double() - linear_fp8_f64(**kw)).abs() <= bound).all()
+
+
 def test_fp8_shipped_configurations():
     fp8 = [c for c in ikbo_gemm.SHIPPED_CONFIGS if isinstance(c, ikbo_gemm.LinearConfig) and c.dtype == FP8]
     assert {c.phase for c in fp8} == {"user", "cand"} and {c.out_dtype for c in fp8} == {BF16, F16}
