@@ -1,7 +1,7 @@
 """The SASS of kernel configurations, compiled for sm_90a (no GPU needed), for comparing builds.
 
-    python tools/sass_digest.py write DIR [--ops lce linear attention worklist merge] [--all]
-    python tools/sass_digest.py compare DIR_BEFORE DIR_AFTER [--params]
+    python -m tools.sass_digest write DIR [--ops lce linear attention worklist merge] [--all]
+    python -m tools.sass_digest compare DIR_BEFORE DIR_AFTER [--params]
 
 ``write`` compiles each configuration, disassembles its cubin with cuobjdump (a CUDA toolkit's,
 or that of the ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` wheels; ``$CUOBJDUMP``
