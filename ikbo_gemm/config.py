@@ -258,19 +258,20 @@ MIN_SPLIT_K_BLOCKS = 8
 EXCHANGE_K_BLOCKS = 4
 
 
-def pick_cand_split(rows: int, n: int, k_blocks: int, sms: int, clusters) -> tuple[tuple[int, int], int]:
+def pick_cand_split(rows: int, n: int, k_blocks: int, sms: int, clusters,
+                    tiles: tuple = LINEAR_TILES) -> tuple[tuple[int, int], int]:
     """The candidate phase's (tile, K split). As ``pick_linear_tile`` while its tiles fill more than
     half the SMs. Otherwise each CTA runs one tile and the phase takes one CTA's time: among
     ``pick_cand_tile``'s tile unsplit and the split tiles whose tiles x s CTAs are one wave of
     s-CTA clusters (``clusters(s)``: resident at once) with at least MIN_SPLIT_K_BLOCKS k-blocks
     each, the least work per CTA (weighted when load-bound, the exchange counted; ties: fewer
-    CTAs)."""
-    best = pick_linear_tile(rows, n)
+    CTAs). ``tiles``: the tiles to choose from (split ones: those of LINEAR_SPLIT_TILES among them)."""
+    best = pick_linear_tile(rows, n, tiles)
     count = lambda t: -(-rows // t[0]) * -(-n // t[1])
     if 2 * count(best) > sms:
         return best, 1
-    options = [(pick_cand_tile(rows, n, sms), 1)] + [
-        (t, s) for t in LINEAR_SPLIT_TILES for s in LINEAR_SPLITS
+    options = [(pick_cand_tile(rows, n, sms, tiles), 1)] + [
+        (t, s) for t in LINEAR_SPLIT_TILES if t in tiles for s in LINEAR_SPLITS
         if (t[1] // 16) % s == 0 and count(t) <= clusters(s) and k_blocks >= s * MIN_SPLIT_K_BLOCKS]
 
     def per_cta(option):

@@ -252,7 +252,7 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
     if rules.cand_split is not None:
         tile_cand, split_cand = rules.cand_split
     elif rules.split_k:
-        tile_cand, split_cand = pick_cand_split(B, N, kb_cand, sms, clusters)
+        tile_cand, split_cand = pick_cand_split(B, N, kb_cand, sms, clusters, cand_tile_set)
     else:
         tile_cand, split_cand = pick_cand_tile(B, N, sms, cand_tile_set), 1
     cand_tiles, user_tiles = _tiles(B, N, tile_cand), _tiles(U, N, tile_user)
@@ -351,8 +351,8 @@ def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, o
     0-d for one per tensor: ``out[b] = act(sxc[b] swc * (xc8[b] @ wc8.T) + sxu[idx[b]] swu *
     (xu8[idx[b]] @ wu8.T) + bias)``, the scales applied to the fp32 sums, one rounding to
     ``out_dtype`` (bf16 by default, or fp16); bias bf16, fp16 or fp32. (Rows whose pitch is
-    not a multiple of 16 bytes are copied into padded ones for TMA; a 0-d scale is repeated per row, a bias converted to fp32:
-    small copies.)
+    not a multiple of 16 bytes are copied into padded ones for TMA; a 0-d scale is repeated
+    per row, a bias converted to fp32: small copies.)
 
     ``out`` (optional): a contiguous [B, N] tensor of the output dtype, any alignment, sharing
     no memory with the inputs (ValueError otherwise); written as torch writes in place.

@@ -43,13 +43,15 @@ def test_fp8_plan_counts_k_blocks_of_128(monkeypatch):
     assert user["splits"] > 1 and -(-4096 // 128) >= 2 * user["splits"]
 
 
+@pytest.mark.parametrize("split_k", [False, True])
 @pytest.mark.parametrize("B, N", [(8192, 192), (8192, 256), (4096, 960), (300, 4096), (64, 256), (8192, 4096)])
-def test_fp8_candidate_tiles_leave_room_for_the_column_scales(B, N, monkeypatch):
+def test_fp8_candidate_tiles_leave_room_for_the_column_scales(B, N, split_k, monkeypatch):
     """Tiles that 16-bit calls of these shapes take (128 x 192, 64 x 256) would spill the FP8
     epilogue's column scales: FP8 picks among LINEAR_FP8_CAND_TILES, and ships only those."""
     from ikbo_gemm.config import LINEAR_FP8_CAND_TILES, pick_cand_tile
     kernels = linear_emulation.install(monkeypatch)
-    ikbo_gemm.linear(**linear_fp8_problem(B, 3, N, 16, 32))
+    rules = ikbo_gemm.PlanRules(split_k=split_k)
+    ikbo_gemm.linear(**linear_fp8_problem(B, 3, N, 16, 32 * 1024 if split_k else 32), rules=rules)
     cand = kernels.launches[1]["cfg"]
     assert (cand.tile_m, cand.tile_n) in LINEAR_FP8_CAND_TILES
     assert cand.tile_n <= 128 and cand.tile_m * cand.tile_n <= 128 * 128
