@@ -550,6 +550,15 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: t
         lse.copy_(total)
 
 
+def problem_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms: int,
+                   policy: AttentionPolicy = DEFAULT_POLICY) -> tuple:
+    """``kv_splits`` of a KV-broadcast problem: ``batch`` candidates of ``users`` users, ``s_q``
+    queries each, rows of up to ``keys`` keys. Tiles per head lie between the dense count and its
+    bound (a partly filled tile per user): the plan takes their mean."""
+    tiles = (-(-batch * s_q // 128) + max_tiles_per_head(batch, users, s_q)) // 2
+    return kv_splits(tiles, heads, keys, sms, policy)
+
+
 def kv_splits(tiles: int, heads: int, keys: int, sms: int, policy: AttentionPolicy = DEFAULT_POLICY) -> tuple:
     """(splits, keys per split) for a KV-broadcast problem of about ``tiles`` tiles per head
     whose rows have up to ``keys`` keys: where the tiles fill at most half the SMs, each row's
@@ -626,10 +635,8 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
                          f"({p.total_kv}) with int32: each must stay below 2**31")
     n_splits, split_keys = 1, 0
     if p.direction == "kv" and (not p.jagged or max_kv_len is not None):
-        # Tiles per head lie between the dense count and its bound (a partly filled tile per user).
-        dense = -(-p.batch * p.s_q // 128)
-        tiles = (dense + max_tiles_per_head(p.batch, p.broadcast_batch, p.s_q)) // 2
-        n_splits, split_keys = kv_splits(tiles, p.heads, p.kv_len, sm_count(device), policy)
+        n_splits, split_keys = problem_splits(p.batch, p.broadcast_batch, p.s_q, p.heads, p.kv_len,
+                                              sm_count(device), policy)
     n_users = p.broadcast_batch
     use_worklist_kernel = (p.direction == "kv" and work_list is None and policy.worklist_kernel
                            and _worklist_fits(n_users))

@@ -150,8 +150,9 @@ class IkboAttentionFwdSm90:
     row's keys): CTA r stores the rows of consumer warpgroup r. After its main loop the other
     warpgroup sends its normalized O (in the dtype) and its rows' lse by ``st.async`` into the
     peer's sO rows of that warpgroup (which the peer never stores) and its lse buffer; the owner
-    merges them into its own O in fp32 and runs the epilogue. Rows past a tile's (warpgroup 1's
-    of a tile of at most 64 rows) are exchanged by neither. Barriers (one each per CTA):
+    rounds its own O to the dtype as well (so a row's result does not depend on which CTA owns
+    it), merges the two in fp32 and runs the epilogue. Rows past a tile's (warpgroup 1's of a
+    tile of at most 64 rows) are exchanged by neither. Barriers (one each per CTA):
 
         | barrier | arrives | completes when |
         | --- | --- | --- |
@@ -883,20 +884,31 @@ class IkboAttentionFwdSm90:
         pO = cute.make_rmem_tensor_like(st.acc_O, Float32)
         pO.store(rP.load().to(Float32))
         pO_mn = acc_mn_view(pO)
+        # This split's O rounded as the peer's was, and the sum below in split order: a row's
+        # result then does not depend on which CTA stores it (the work-list kernel may put a
+        # candidate in either warpgroup's rows from run to run).
+        own = cute.make_rmem_tensor_like(st.acc_O, self.dtype)
+        own.store(st.acc_O.load().to(self.dtype))
+        st.acc_O.store(own.load().to(Float32))
+        # The sum in split order (split 0's term first) whichever CTA this is, so that both
+        # owners evaluate the same expression on the same values (contracted to the same FMAs).
+        first = rank == 0  # this CTA runs split 0
         for m in cutlass.range_constexpr(2):
-            a = lse[m]
-            b = peer_lse[m]
-            top = cute.arch.fmax(a, b, nan=True)
+            l0 = lse[m] if first else peer_lse[m]
+            l1 = peer_lse[m] if first else lse[m]
+            top = cute.arch.fmax(l0, l1, nan=True)
             none = top == -Float32.inf  # neither split has a key: O stays 0
-            wa = Float32(0.0) if none else cute.math.exp2((a - top) * LOG2_E, fastmath=True)
-            wb = Float32(0.0) if none else cute.math.exp2((b - top) * LOG2_E, fastmath=True)
-            total = wa + wb
+            w0 = Float32(0.0) if none else cute.math.exp2((l0 - top) * LOG2_E, fastmath=True)
+            w1 = Float32(0.0) if none else cute.math.exp2((l1 - top) * LOG2_E, fastmath=True)
+            total = w0 + w1
             inv = Float32(0.0) if none else cute.arch.rcp_approx(total)
             lse[m] = top if none else top + cute.math.log2(total, fastmath=True) * LN_2
-            wa = wa * inv
-            wb = wb * inv
+            w0 = w0 * inv
+            w1 = w1 * inv
             for c in cutlass.range_constexpr(cute.size(st.acc_O_mn, mode=[1])):
-                st.acc_O_mn[m, c] = st.acc_O_mn[m, c] * wa + pO_mn[m, c] * wb
+                o0 = st.acc_O_mn[m, c] if first else pO_mn[m, c]
+                o1 = pO_mn[m, c] if first else st.acc_O_mn[m, c]
+                st.acc_O_mn[m, c] = o0 * w0 + o1 * w1
 
     @cute.jit
     def epilogue(self, st: ConsumerState, info: TileInfo, lse, tiled_mma_pv, tidx: Int32, tma: TmaOperands, mLSE,

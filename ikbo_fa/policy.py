@@ -30,22 +30,25 @@ class AttentionPolicy:
     # B 2048, ratio 64, H 2, CUDA graphs) 20.2 against 22.3 us at L 1024 and 30.0 against 30.9 at
     # L 2048, the same from L 4096 and over the S_q sweep: docs/perf/2026-12-05-attention-variants-timed.md.
     split_pair: bool = True
-    # Splits where split_cost says they pay, filling the grid's last round too (not only where the
-    # tiles leave half the SMs idle). Off: on the H200 (S_q sweep, graph) 12-13% faster at S_q 4
-    # and 8, L 8192, but 12% slower at S_q 2 and up to 3% at S_q 8 (L 1024) and 100:
-    # docs/perf/2026-12-05-attention-short-calls.md.
-    split_by_cost: bool = False
+    # The split count of least split_cost (filling the grid's last round too), not only splits where
+    # the tiles leave half the SMs idle. With the costs below, on the H100 (CUDA graphs, against the
+    # rule alone): long histories of few users (B 4096, U 8, H 4) 570 against 392 TFLOP/s padded and
+    # 309 against 248 with lognormal lengths; S_q 4 to 16 at L 8192 6-12% faster; the S_q sweep at
+    # L 1024 and the rest of it at L 8192 within 1%: docs/perf/2026-12-06-attention-split-by-cost.md.
+    split_by_cost: bool = True
     # KV broadcast over padded K/V: K/V blocks per CTA that the forward kernel prefetches into L2
     # while the work list runs (the first blocks its first tiles read; 0: none; at most
     # MAX_PREFETCH_BLOCKS). 2: on the H100 (S_q sweep, B 2048, ratio 64, H 2, graph) 21.0 against
     # 22.1 us at S_q 1, L 1024 and 100.0 against 101.1 at L 8192, within 1% at every other point
     # of the sweep: docs/perf/2026-12-06-attention-h100-presets.md.
     prefetch_blocks: int = 2
-    # split_cost's costs, in key blocks of a busy SM: a tile's fixed part, the merge in the
-    # cluster (split_pair) and the merge launch.
-    tile_blocks: int = 1
-    pair_merge_blocks: int = 1
-    merge_blocks: int = 2
+    # split_cost's costs, in key blocks (128 keys) of a busy SM: a tile's fixed part, the merge in
+    # the cluster (split_pair) and the merge launch. Fitted to the H100's timings of the split by
+    # cost against the rule alone (the same document); unit costs (1, 1, 2) split S_q 2 at L 8192
+    # four ways and lost 20% there.
+    tile_blocks: int = 2
+    pair_merge_blocks: int = 3
+    merge_blocks: int = 14
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -15,6 +15,9 @@ from ikbo_fa import DEFAULT_POLICY, AttentionPolicy
 from ikbo_fa.config import MAX_SPLITS
 from ikbo_fa.reference import attention_reference, naive_attention
 
+# The split rule alone (no split_by_cost): split only where the tiles leave half the SMs idle.
+RULE = AttentionPolicy(split_by_cost=False)
+
 
 def _problem(seed, *, direction, B, U, S_q, H, H_kv, D, L, dtype=torch.float32, packed=False,
              jagged=False, sort=False):
@@ -388,13 +391,14 @@ def test_gpu_path_jagged_without_keys(emulated):
 
 
 def test_kv_splits_fill_idle_sms_only():
-    assert attention_mod.kv_splits(32, 2, 8192, 132) == (2, 4096)  # S_q 1, ratio 64: 64 tiles
+    """The rule without split_by_cost: split only where the tiles leave half the SMs idle."""
+    assert attention_mod.kv_splits(32, 2, 8192, 132, RULE) == (2, 4096)  # S_q 1, ratio 64: 64 tiles
     assert DEFAULT_POLICY.split_min_keys == 512
-    assert attention_mod.kv_splits(4, 2, 1500, 132) == (2, 768)  # at least 512 keys a split
-    assert attention_mod.kv_splits(4, 2, 8192, 132) == (8, 1024)
-    assert attention_mod.kv_splits(2, 1, 1000 * 1000, 132) == (8, 125056)  # at most 8 splits
-    assert attention_mod.kv_splits(32, 2, 1000, 132) == (1, 0)  # too few keys
-    assert attention_mod.kv_splits(40, 2, 8192, 132) == (1, 0)  # more than half the SMs busy
+    assert attention_mod.kv_splits(4, 2, 1500, 132, RULE) == (2, 768)  # at least 512 keys a split
+    assert attention_mod.kv_splits(4, 2, 8192, 132, RULE) == (8, 1024)
+    assert attention_mod.kv_splits(2, 1, 1000 * 1000, 132, RULE) == (8, 125056)  # at most 8 splits
+    assert attention_mod.kv_splits(32, 2, 1000, 132, RULE) == (1, 0)  # too few keys
+    assert attention_mod.kv_splits(40, 2, 8192, 132, RULE) == (1, 0)  # more than half the SMs busy
 
 
 @pytest.mark.parametrize("blocks", [0, 2, 32])
@@ -419,19 +423,35 @@ def test_gpu_path_prefetches_only_over_padded_kv(emulated, blocks):
 
 def test_kv_splits_by_cost():
     """policy.split_by_cost: the split count of least split_cost (S_q 1, 4 and 64 at B 2048, ratio 64)."""
-    assert not DEFAULT_POLICY.split_by_cost
-    policy = AttentionPolicy(split_by_cost=True)
+    policy = AttentionPolicy(split_by_cost=True, tile_blocks=1, pair_merge_blocks=1, merge_blocks=2)  # unit costs
     cost = attention_mod.split_cost
     # 160 tiles, 64 key blocks: one split takes two rounds of 65 blocks, four splits five of 17
     assert cost(160, 8192, 132, 1, policy) == 2 * (64 + 1) and cost(160, 8192, 132, 4, policy) == 5 * (16 + 1) + 2
     assert cost(160, 1024, 132, 4, policy) == float("inf")  # splits of 256 keys
     # the cost constants are the policy's: a dearer merge launch, a dearer tile
-    assert cost(160, 8192, 132, 4, AttentionPolicy(merge_blocks=9)) == 5 * (16 + 1) + 9
+    assert cost(160, 8192, 132, 4, AttentionPolicy(tile_blocks=1, merge_blocks=9)) == 5 * (16 + 1) + 9
     assert cost(160, 8192, 132, 2, AttentionPolicy(tile_blocks=3, pair_merge_blocks=4)) == 3 * (32 + 3) + 4
     assert attention_mod.kv_splits(80, 2, 8192, 132, policy) == (4, 2048)
     assert attention_mod.kv_splits(32, 2, 1024, 132, policy) == (2, 512)  # the split pair, as without it
     assert attention_mod.kv_splits(1040, 2, 8192, 132, policy) == (1, 0)  # full rounds: no split
-    assert attention_mod.kv_splits(80, 2, 8192, 132, AttentionPolicy(split_by_cost=True, split_kv=False)) == (1, 0)
+    assert attention_mod.kv_splits(80, 2, 8192, 132, AttentionPolicy(split_kv=False)) == (1, 0)
+
+
+def test_default_split_costs():
+    """DEFAULT_POLICY splits by cost with the H100-fitted costs (B 2048, ratio 64, H 2 unless said):
+    as the half-idle rule at S_q 1 and 2 and at L 1024; at L 8192 S_q 4 four ways and S_q 8 and 16
+    in pairs; eight users of 16,384 keys (B 4096, H 4) eight ways; the published shape not at all."""
+    assert DEFAULT_POLICY.split_by_cost
+    rule = AttentionPolicy(split_by_cost=False)
+    splits = lambda batch, users, s_q, heads, keys, policy=DEFAULT_POLICY: attention_mod.problem_splits(
+        batch, users, s_q, heads, keys, 132, policy)[0]
+    for keys in (1024, 8192):
+        for s_q in (1, 2):
+            assert splits(2048, 32, s_q, 2, keys) == splits(2048, 32, s_q, 2, keys, rule)
+    assert [splits(2048, 32, s_q, 2, 1024) for s_q in (1, 2, 4, 8, 64)] == [2, 1, 1, 1, 1]
+    assert [splits(2048, 32, s_q, 2, 8192) for s_q in (4, 8, 16, 64)] == [4, 2, 2, 1]
+    assert splits(4096, 8, 1, 4, 16384) == 8 and splits(4096, 8, 1, 4, 16384, rule) == 1
+    assert all(splits(2048, 32, 64, 2, keys) == 1 for keys in (512, 1024, 2048))
 
 
 @pytest.mark.parametrize("n_splits", [2, 3])
@@ -465,7 +485,7 @@ def test_gpu_path_splits_keys_where_tiles_are_few(emulated, monkeypatch, lengths
     """B 256 at ratio 64, S_q 1, L 2048, with splits of at least 512 keys: 4 users, a few
     tiles, so each row's keys go over 4 CTAs; the merged result is the reference's, and
     without splitting the same."""
-    policy = AttentionPolicy(split_min_keys=512)
+    policy = AttentionPolicy(split_min_keys=512, split_by_cost=False)
     B, U, L = 256, 4, 2048
     q, kv, idx, lengths = _gpu_path_problem(41, "kv", B, U, S_q=1, L=L, jagged=lengths_kind == "jagged")
     kw = {}
@@ -492,7 +512,7 @@ def test_gpu_path_splits_keys_where_tiles_are_few(emulated, monkeypatch, lengths
 def test_a_policy_change_builds_a_new_plan(emulated, monkeypatch):
     """A policy reaches the compile key (split_pair: two splits in a cluster or through the
     workspace); another policy builds a new plan instead of reusing the old one."""
-    pair, no_pair = AttentionPolicy(split_min_keys=512), AttentionPolicy(split_min_keys=512, split_pair=False)
+    pair, no_pair = RULE, AttentionPolicy(split_by_cost=False, split_pair=False)
     configs = []
     monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
     q, kv, idx, _ = _gpu_path_problem(44, "kv", 2048, 32, S_q=1, L=1024)  # two splits of 512 keys
@@ -501,9 +521,11 @@ def test_a_policy_change_builds_a_new_plan(emulated, monkeypatch):
     assert len(emulated.builds) == 2 and len(attention_mod._plans) == 2
     assert [(c.split_pair, c.split_kv) for c in configs] == [(True, False), (False, True)]
     torch.testing.assert_close(first, again, rtol=2e-2, atol=2e-2)
-    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy.parse("split_min_keys=512"))  # equal to pair
-    ikbo_fa.attention(q, kv, idx)  # DEFAULT_POLICY: the same fields as pair
-    assert len(emulated.builds) == 2  # an equal policy: the plan is reused
+    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy.parse("split_by_cost=0"))  # equal to pair
+    assert len(emulated.builds) == 2 and len(attention_mod._plans) == 2  # an equal policy: the plan is reused
+    ikbo_fa.attention(q, kv, idx)  # DEFAULT_POLICY (split by cost): a plan of its own, two splits in a pair too
+    assert len(emulated.builds) == 3 and len(attention_mod._plans) == 3
+    assert [(c.split_pair, c.split_kv) for c in configs[2:]] == [(True, False)]
     assert attention_mod.launch_plan(q, kv, idx, policy=no_pair).policy == no_pair
 
 
@@ -568,7 +590,7 @@ def test_split_pair_not_past_two_splits(emulated, monkeypatch):
     configs = []
     monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
     q, kv, idx, _ = _gpu_path_problem(41, "kv", 256, 4, S_q=1, L=2048)  # four splits
-    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(split_min_keys=512, split_pair=True))
+    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(split_by_cost=False, split_pair=True))
     assert configs[-1].split_kv and not configs[-1].split_pair and emulated.merge_calls == 1
 
 

@@ -12,8 +12,9 @@ pytestmark = pytest.mark.gpu
 attention_mod = __import__("importlib").import_module("ikbo_fa.attention")
 NAN = float("nan")
 # Splits of 512 keys, so that short histories split too: split boundaries inside and at the ends
-# of the key blocks, up to 8 splits, and the merge, at small sizes.
-SPLITS = AttentionPolicy(split_min_keys=512)
+# of the key blocks, up to 8 splits, and the merge, at small sizes; by the half-idle rule (the
+# split by cost: tests/test_attention_split_cost_gpu.py).
+SPLITS = AttentionPolicy(split_min_keys=512, split_by_cost=False)
 
 
 def _problem(seed, U, ratio, S_q, L, H=2, H_kv=2, D=128, order="sorted", dtype=torch.bfloat16):
