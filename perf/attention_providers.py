@@ -1,12 +1,7 @@
 """The providers of the attention benchmarks (perf/compare_fa4.py, tools/attention_timeline.py),
-all fed the same inputs: ikbo (as the op runs, with a work list built beforehand, or under an
-attention policy: ``ikbo SPEC``), the FA varlen peers (FA4, and FA3 with and without its
-split-KV) with each user's candidates packed as one query sequence, FA4's page table, FA4 and
-SDPA on K/V materialized per candidate (jagged: padded to the longest row, with a key mask),
-torch.compile of the copy and SDPA, and the copy alone. Index metadata (page table,
+all fed the same inputs; what each computes: docs/benchmarks.md. Index metadata (page table,
 cu_seqlens, the grouping permutation, the padding gather) is built once, untimed; a provider
-whose materialized tensors would not fit in 80% of the free memory is skipped. What each
-provider computes: docs/benchmarks.md.
+whose materialized tensors would not fit in 80% of the free memory is skipped.
 """
 from __future__ import annotations
 
@@ -117,33 +112,34 @@ def _fa4_dense(x: Inputs, scale: float):
     return LIBS.get("fa4").flash_attn_func(x.q, x.k, x.v, softmax_scale=scale)[0]
 
 
-def _sdpa(x: Inputs, scale: float):
+def sdpa(q, k, v, key_mask, scale: float):
     """SDPA on [B, S, H, D] tensors; a key mask [B, L] (jagged, padded) hides the padding."""
-    mask = None if x.key_mask is None else x.key_mask[:, None, None, :]
+    mask = None if key_mask is None else key_mask[:, None, None, :]
     o = torch.nn.functional.scaled_dot_product_attention(
-        x.q.transpose(1, 2), x.k.transpose(1, 2), x.v.transpose(1, 2), attn_mask=mask, scale=scale)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     return o.transpose(1, 2)
+
+
+def _sdpa_materialized(p: Problem, st: Inputs, inp: Inputs):
+    x = _dense_args(p, st, inp)
+    return sdpa(x.q, x.k, x.v, x.key_mask, p.scale)
 
 
 def materialize_sdpa(broadcast: str, scale: float) -> Callable:
     """The copy and SDPA on plain tensors (q, k, v, idx) -> [B, S_q, H, D], for torch.compile.
     Jagged: also (gather, key mask) of ``padded_gather``; k, v are then packed [keys, H, D]."""
     def run(q, k, v, idx, gather=None, key_mask=None):
-        mask = None
         if gather is not None:
             B, n = gather.shape
             k = k.index_select(0, gather.flatten()).view(B, n, *k.shape[1:])
             v = v.index_select(0, gather.flatten()).view(B, n, *v.shape[1:])
-            mask = key_mask[:, None, None, :]
             if broadcast == "q":
                 q = q.index_select(0, idx)
         elif broadcast == "kv":
             k, v = k.index_select(0, idx), v.index_select(0, idx)
         else:
             q = q.index_select(0, idx)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-        return o.transpose(1, 2)
+        return sdpa(q, k, v, key_mask, scale)
     return run
 
 
@@ -244,7 +240,7 @@ def providers() -> list:
                  lambda p, st, i: _fa4_dense(_dense_args(p, st, i), p.scale), needs=("fa4",)),
         Provider("fa4 materialize+kernel", _fa4_materialized_setup,
                  lambda p, st, i: _fa4_dense(_materialize_into(p, st, i), p.scale), needs=("fa4",)),
-        Provider("sdpa materialized", _materialized, lambda p, st, i: _sdpa(_dense_args(p, st, i), p.scale)),
+        Provider("sdpa materialized", _materialized, _sdpa_materialized),
         Provider("torch.compile materialize+sdpa", _compiled_sdpa_setup, _compiled_sdpa_run),
         Provider("ikbo", _ikbo_setup(), _ikbo_run, needs=("ikbo_fa",)),
         Provider("ikbo, work list reused", _ikbo_setup(work_list=True), _ikbo_run, needs=("ikbo_fa",)),

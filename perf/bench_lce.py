@@ -7,58 +7,10 @@ and a same-run cuBLAS ceiling.
 
 out[b] = w_cand @ e_cand[b] + w_user @ e_user[idx[b]]; w_cand [M, K_cand], w_user [M, K_user],
 e_cand [B, K_cand, N], e_user [U, K_user, N], idx [B]. Useful work: 2 M N (B K_cand + U K_user).
-
-Providers, each checked against an fp32 reference before it is timed (a wrong one is
-reported, never timed); those that pass are timed in turns, one call of each per round:
-  torch materialize+bmm    cat(e_user[idx], e_cand) along K, then one batched GEMM with
-                           cat(w_user, w_cand) (the stage-0 baseline, copy timed)
-  torch bmm                the same GEMM on a copy made beforehand (copy not timed)
-  torch decomposition      user GEMM at U, candidate GEMM at B, then gather + add
-  torch.compile decomposition
-                           the decomposition under torch.compile (Inductor keeps cuBLAS for the
-                           GEMMs and fuses the gather and add): the strongest torch path
-  torch.compile decomposition max-autotune
-                           the same, mode="max-autotune-no-cudagraphs" (it autotunes each GEMM
-                           for tens of seconds: at the published shape only, unless
-                           --max-autotune all)
-  torch.compile materialize+bmm
-                           materialize + batched GEMM under torch.compile
-  ikbo two_launch          ikbo_gemm.lce(schedule="two_launch"): user GEMM, then the candidate
-                           GEMM with the gather-add fused into its epilogue
-  ikbo fused               ikbo_gemm.lce(schedule="fused"): one persistent warp-specialized kernel
-FP8 (--dtype fp8 / --sweep-dtype fp8): the bf16 providers above on the bf16 inputs, and their
-e4m3 peers, w with one scale per row, e with one per batch entry (ikbo_gemm.quantize_fp8's
-formula, amax / 448), bf16 out. torch._scaled_mm takes e K-major, [B, N, K] as the rows of
-one GEMM's B operand ([B N, K]), so each peer computes out^T per batch as [M, B N] and returns
-its [B, M, N] view:
-  fp8 materialize+scaled_mm    what an FP8 model does today: cat(e_user[idx], e_cand) along K,
-                               quantized and transposed (timed), then one row-wise _scaled_mm
-                               with the quantized cat(w_user, w_cand)
-  fp8 decomposition            user _scaled_mm at U, candidate _scaled_mm at B, gather + add;
-                               torch.compile fp8 decomposition: the same compiled
-  fp8 scaled_mm floor          the candidate _scaled_mm alone; "..., per-tensor": with one scale
-                               per operand (its own quantization), the faster form at M 433
-  ikbo fp8                     ikbo_gemm.lce on the FP8 operands (e [B, N, K], rows 16 bytes
-                               apart as quantize_fp8 returns them)
-  ikbo fp8 + quantize          the same with quantize_fp8(e, dim=(1, 2), layout="transposed") of
-                               e_cand and e_user [B, K, N] in the call
-The FP8 operands are quantized once, untimed (but by the providers that say so); _scaled_mm's
-need K and N divisible by 16: the torch peers get e padded with zeros to [B, N16, K16] then
-(and the per-batch scales repeated over their N16 rows), the weights once per problem. rel_err of an FP8
-provider is against the fp32 formula on its dequantized operands (materialize: its own
-quantized concatenation), quant_err against the bf16 problem's fp32 reference.
-The torch.compile providers compile afresh for each problem (static shapes, one graph, no
-Inductor disk cache), so compile_s is a cold compile.
-Columns: median ms, TFLOP/s, speedup over each torch provider (its ms / this ms: x_mat_bmm,
-x_bmm, x_decomp, and x_compiled over the compiled decomposition), percent of the 8192^3 cuBLAS
-GEMM ceiling, and compile_s = first call (synchronized) minus a steady call.
-
-Timing (--timing, docs/benchmarks.md): interleaved (the default), sustained or both; sustained adds
-about 3 s per provider and point: --configs published --timing both for the headline.
+The providers (``--dtype fp8``: also the FP8 ones) and columns: docs/benchmarks.md.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from typing import Callable, Optional
@@ -67,13 +19,11 @@ import torch
 
 from perf import gemm_bench, harness
 from perf.fp8_peers import FP8, dequantize, pad16, quantize_rows, rows_16_apart, scaled_mm
-from perf.gemm_bench import GemmProvider as Provider, w_cat
-from perf.harness import make_idx, user_counts
+from perf.gemm_bench import DTYPES, GemmProvider as Provider, no_setup, torch_path, w_cat
 from perf.providers import LIBS, select
 
 NAME = "bench_lce"
 IKBO = ("ikbo_gemm.lce",)  # what the ikbo providers need
-DTYPES = {**harness.DTYPES, "fp8": FP8}
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
 PUBLISHED = {"B": 1024, "ratio": 70, "M": 433, "N": 256, "K_user": 1184, "K_cand": 872}
 SWEEPS = {"B": [256, 512, 1024, 2048, 4096], "ratio": [2, 5, 10, 30, 70, 200, 1000, 10000]}
@@ -90,31 +40,19 @@ def lce_flops(M: int, N: int, B: int, U: int, K_user: int, K_cand: int) -> int:
     return 2 * M * N * (B * K_cand + U * K_user)
 
 
-@dataclasses.dataclass
-class LceProblem:
-    B: int
-    ratio: int
+@dataclasses.dataclass(kw_only=True)
+class LceProblem(gemm_bench.GemmProblem):
     M: int
     N: int
     K_user: int
     K_cand: int
-    dtype: torch.dtype
-    counts: list
-    idx: torch.Tensor  # int32 [B] on the GPU
-    cache: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def U(self) -> int:
-        return len(self.counts)
 
     @property
     def flops(self) -> int:
         return lce_flops(self.M, self.N, self.B, self.U, self.K_user, self.K_cand)
 
     def fields(self) -> dict:
-        return {"B": self.B, "ratio": self.ratio, "U": self.U, "M": self.M, "N": self.N,
-                "K_user": self.K_user, "K_cand": self.K_cand,
-                "dtype": {v: k for k, v in DTYPES.items()}[self.dtype]}
+        return super().fields("M", "N", "K_user", "K_cand")
 
 
 @dataclasses.dataclass
@@ -191,23 +129,17 @@ class LceInputs:
 
 
 def make_problem(B, ratio, dtype, shape=PUBLISHED, device=None) -> LceProblem:
-    counts = user_counts(B, ratio)  # exact ratio, last user the remainder (70 x 14 + 44)
-    idx = make_idx(counts, "sorted").to(device or DEVICE)
-    return LceProblem(B, ratio, shape["M"], shape["N"], shape["K_user"], shape["K_cand"], dtype,
-                      counts, idx)
+    return LceProblem.of(B, ratio, dtype, device or DEVICE, **{k: shape[k] for k in ("M", "N", "K_user", "K_cand")})
 
 
 def make_inputs(p: LceProblem, gen: torch.Generator, device=None) -> LceInputs:
-    device = device or DEVICE
-
     dtype = torch.bfloat16 if p.dtype == FP8 else p.dtype  # FP8: the bf16 problem and its quantization
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+        return (torch.randn(*shape, generator=gen, device=device or DEVICE) * scale).to(dtype)
 
-    # weights scaled like a trained layer (std 1/sqrt(K)) so outputs stay O(1) in fp16
-    inp = LceInputs(randn(p.M, p.K_cand, scale=(p.K_cand + p.K_user) ** -0.5),
-                    randn(p.M, p.K_user, scale=(p.K_cand + p.K_user) ** -0.5),
+    w_scale = (p.K_cand + p.K_user) ** -0.5  # like a trained layer: outputs O(1) in fp16
+    inp = LceInputs(randn(p.M, p.K_cand, scale=w_scale), randn(p.M, p.K_user, scale=w_scale),
                     randn(p.B, p.K_cand, p.N), randn(p.U, p.K_user, p.N))
     if p.dtype == FP8:
         inp.fp8 = Fp8Operands.of(inp.w_cand, inp.w_user, inp.e_cand, inp.e_user)
@@ -230,16 +162,9 @@ def reference_output(p: LceProblem, inp: LceInputs, chunk: int = 256, user_side:
 
 # --------------------------------------------------------------------------- providers
 
-
 def _materialize(p: LceProblem, inp: LceInputs) -> torch.Tensor:
     return torch.cat([inp.e_user[p.idx], inp.e_cand], dim=1)  # [B, K_user + K_cand, N]
 
-
-def _bmm_setup(p: LceProblem, inp: LceInputs):
-    return w_cat(p, inp), _materialize(p, inp)
-
-
-# The torch paths on plain tensors, the form torch.compile is given.
 
 def materialize_bmm(w: torch.Tensor, e_cand, e_user, idx) -> torch.Tensor:
     return torch.matmul(w, torch.cat([e_user.index_select(0, idx), e_cand], dim=1))
@@ -257,27 +182,8 @@ def decomposition_autotuned(w_cand, w_user, e_cand, e_user, idx) -> torch.Tensor
     return decomposition(w_cand, w_user, e_cand, e_user, idx)
 
 
-def _decomposition(p: LceProblem, st, inp: LceInputs) -> torch.Tensor:
-    return decomposition(inp.w_cand, inp.w_user, inp.e_cand, inp.e_user, p.idx)
-
-
-def _compiled(name: str, fn: Callable, mode: Optional[str] = None) -> Provider:
-    """A provider running ``harness.torch_compiled(fn, mode)``, compiled at its first call."""
-    def setup(p: LceProblem, inp: LceInputs):
-        return harness.torch_compiled(fn, mode)
-
-    def run(p: LceProblem, f, i: LceInputs) -> torch.Tensor:
-        return f(i.w_cand, i.w_user, i.e_cand, i.e_user, p.idx)
-
-    return Provider(name, setup, run, max_autotune=mode == AUTOTUNE_MODE)
-
-
-def _compiled_materialize_bmm() -> Provider:
-    def setup(p: LceProblem, inp: LceInputs):
-        return w_cat(p, inp), harness.torch_compiled(materialize_bmm)
-
-    return Provider("torch.compile materialize+bmm", setup,
-                    lambda p, st, i: st[1](st[0], i.e_cand, i.e_user, p.idx))
+def _decomposition_args(p: LceProblem, st, i: LceInputs) -> tuple:
+    return i.w_cand, i.w_user, i.e_cand, i.e_user, p.idx
 
 
 def _ours(schedule: str) -> Callable:
@@ -311,9 +217,9 @@ def _fp8_weights(p: LceProblem, i: LceInputs) -> tuple:
     return p.cache["w8"]
 
 
-def _fp8_args(p: LceProblem, w, i: LceInputs) -> tuple:
+def _fp8_decomposition_args(p: LceProblem, w, i: LceInputs) -> tuple:
     q = i.fp8
-    return (w[0], w[1], w[2], w[3], q.e_cand16, q.e_cand16_scale, q.e_user16, q.e_user16_scale, p.idx, p.N)
+    return (*w, q.e_cand16, q.e_cand16_scale, q.e_user16, q.e_user16_scale, p.idx, p.N)
 
 
 def quantized_cat(p: LceProblem, e_user: torch.Tensor, e_cand: torch.Tensor) -> tuple:
@@ -372,43 +278,33 @@ def providers(fp8: bool = False) -> list:
     ``fp8`` the FP8 providers too."""
     fp8_torch = [
         Provider("fp8 materialize+scaled_mm", _fp8_cat_weight, _fp8_cat, fp8="cat"),
-        Provider("fp8 decomposition", _fp8_weights, lambda p, w, i: fp8_decomposition(*_fp8_args(p, w, i)),
-                 fp8="operands"),
-        Provider("torch.compile fp8 decomposition",
-                 lambda p, i: (_fp8_weights(p, i), harness.torch_compiled(fp8_decomposition)),
-                 lambda p, st, i: st[1](*_fp8_args(p, st[0], i)), fp8="operands"),
+        torch_path("fp8 decomposition", fp8_decomposition, _fp8_decomposition_args, _fp8_weights, fp8="operands"),
+        torch_path("torch.compile fp8 decomposition", fp8_decomposition, _fp8_decomposition_args, _fp8_weights,
+                   compiled=True, fp8="operands"),
         Provider("fp8 scaled_mm floor", _fp8_weights, _fp8_floor, fp8="operands", floor=True),
-        Provider("fp8 scaled_mm floor, per-tensor", lambda p, i: None, _fp8_floor_per_tensor, fp8="per_tensor",
-                 floor=True),
+        Provider("fp8 scaled_mm floor, per-tensor", no_setup, _fp8_floor_per_tensor, fp8="per_tensor", floor=True),
     ] if fp8 else []
     fp8_ours = [
-        Provider("ikbo fp8", lambda p, i: None, _ours_fp8(False), needs=IKBO, fp8="operands"),
-        Provider("ikbo fp8 + quantize", lambda p, i: None, _ours_fp8(True), needs=IKBO, fp8="operands"),
+        Provider("ikbo fp8", no_setup, _ours_fp8(False), needs=IKBO, fp8="operands"),
+        Provider("ikbo fp8 + quantize", no_setup, _ours_fp8(True), needs=IKBO, fp8="operands"),
     ] if fp8 else []
     return [
-        Provider("torch materialize+bmm", w_cat,
-                 lambda p, w, i: torch.matmul(w, _materialize(p, i))),
-        Provider("torch bmm", _bmm_setup, lambda p, st, i: torch.matmul(st[0], st[1])),
-        Provider("torch decomposition", lambda p, i: None, _decomposition),
-        _compiled("torch.compile decomposition", decomposition),
-        _compiled("torch.compile decomposition max-autotune", decomposition_autotuned, AUTOTUNE_MODE),
-        _compiled_materialize_bmm(),
+        Provider("torch materialize+bmm", w_cat, lambda p, w, i: torch.matmul(w, _materialize(p, i))),
+        Provider("torch bmm", lambda p, i: (w_cat(p, i), _materialize(p, i)), lambda p, st, i: torch.matmul(*st)),
+        torch_path("torch decomposition", decomposition, _decomposition_args),
+        torch_path("torch.compile decomposition", decomposition, _decomposition_args, compiled=True),
+        torch_path("torch.compile decomposition max-autotune", decomposition_autotuned, _decomposition_args,
+                   compiled=True, mode=AUTOTUNE_MODE, max_autotune=True),
+        torch_path("torch.compile materialize+bmm", materialize_bmm, lambda p, w, i: (w, i.e_cand, i.e_user, p.idx),
+                   w_cat, compiled=True),
         *fp8_torch,
-        Provider("ikbo two_launch", lambda p, i: None, _ours("two_launch"), needs=IKBO),
-        Provider("ikbo fused", lambda p, i: None, _ours("fused"), needs=IKBO),
+        Provider("ikbo two_launch", no_setup, _ours("two_launch"), needs=IKBO),
+        Provider("ikbo fused", no_setup, _ours("fused"), needs=IKBO),
         *fp8_ours,
     ]
 
 
-def speedup_columns(dtype: torch.dtype) -> dict:
-    """Peer provider -> ratio column: the 16-bit peers, and on FP8 problems the FP8 ones and ikbo bf16."""
-    return {**SPEEDUP_COLUMNS, **FP8_SPEEDUP_COLUMNS} if dtype == FP8 else SPEEDUP_COLUMNS
-
-
-CHECK = {"reference": reference_output, "cat_reference": fp8_cat_reference}  # gemm_bench.check_providers'
-
-
-# --------------------------------------------------------------------------- configurations
+# --------------------------------------------------------------------------- configurations and the run
 
 def build_configs(args) -> tuple[list, dict]:
     """Unique (B, ratio, dtype) in run order, and group name -> its keys."""
@@ -427,8 +323,7 @@ def build_configs(args) -> tuple[list, dict]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="bench_lce.py", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser("bench_lce.py", __doc__)
     ap.add_argument("--configs", nargs="+", choices=["published", "B", "ratio"],
                     default=["published", "B", "ratio"],
                     help="published shape, B sweep (ratio 70), ratio sweep (B 1024)")
@@ -443,21 +338,15 @@ def parse_args(argv=None):
     ap.add_argument("--K-cand", dest="K_cand", type=int, default=PUBLISHED["K_cand"])
     ap.add_argument("--max-autotune", choices=["published", "all"], default="published",
                     help="where the max-autotune provider runs: the published shape (default) or every point")
-    names = [p.name for p in providers(fp8=True)]
-    gemm_bench.add_args(ap, names, "skip the remaining sweep points once this many seconds have passed")
-    return gemm_bench.parse(ap, argv, names)
+    gemm_bench.add_args(ap, [p.name for p in providers(fp8=True)],
+                        "skip the remaining sweep points once this many seconds have passed")
+    return ap.parse_args(argv)
 
 
 TIMED_COLUMNS = ["ms", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values(),
                  *FP8_SPEEDUP_COLUMNS.values()]  # per timing mode
 AUTOTUNE_NOTE = "max-autotune compiles for tens of seconds: at the published shape only (--max-autotune all)"
-
-
-def print_problem(p: LceProblem, rows: list, timing: str) -> None:
-    f = p.fields()
-    harness.print_rows(f"B={f['B']} ratio={f['ratio']} (U={f['U']}) M={f['M']} N={f['N']} K_user={f['K_user']} "
-                       f"K_cand={f['K_cand']} {f['dtype']}  [{p.flops / 1e9:.1f} GFLOP; x_* = that torch "
-                       f"provider's ms / this ms, in the same timing]", rows, gemm_bench.COLUMNS, TIMED_COLUMNS, timing)
+CHECK = {"reference": reference_output, "cat_reference": fp8_cat_reference}  # gemm_bench.check_providers'
 
 
 @torch.no_grad()  # inference: no autograd bookkeeping in any provider
@@ -470,24 +359,26 @@ def main(argv=None) -> int:
 
     def measure(key, ceilings) -> list:
         B, ratio, dt = key
-        gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
         p = make_problem(B, ratio, DTYPES[dt], shape)
         skip = {} if key in published or args.max_autotune == "all" else {
             pr.name: AUTOTUNE_NOTE for pr in provs if pr.max_autotune}
-        rows = gemm_bench.run_problem(p, make_inputs(p, gen), provs, args, ceilings[dt], skip=skip,
-                                      peers=speedup_columns(p.dtype), device=DEVICE, **CHECK)
-        print_problem(p, rows, args.timing)
+        rows = gemm_bench.run_problem(p, make_inputs(p, torch.Generator(device=DEVICE).manual_seed(args.seed)),
+                                      provs, args, ceilings[dt], skip=skip, device=DEVICE, **CHECK,
+                                      peers=gemm_bench.peer_columns(p.dtype, SPEEDUP_COLUMNS, FP8_SPEEDUP_COLUMNS))
+        f = p.fields()
+        harness.print_rows(f"B={f['B']} ratio={f['ratio']} (U={f['U']}) M={f['M']} N={f['N']} K_user={f['K_user']} "
+                           f"K_cand={f['K_cand']} {f['dtype']}  [{p.flops / 1e9:.1f} GFLOP; x_* = that torch "
+                           f"provider's ms / this ms, in the same timing]", rows, gemm_bench.COLUMNS, TIMED_COLUMNS,
+                           args.timing)
         return rows
 
-    payload, skipped, stamp = gemm_bench.run(NAME, args, argv, provs, keys, [k[2] for k in keys], published,
-                                             measure, shape=shape, settings={"max_autotune": args.max_autotune})
+    run, skipped = gemm_bench.run(NAME, args, argv, provs, keys, [k[2] for k in keys], published, measure,
+                                  shape=shape, settings={"max_autotune": args.max_autotune})
     for B, ratio, dt in skipped:
-        note = f"time budget of {args.budget_s:.0f} s spent: skipped B={B} ratio={ratio} {dt}"
-        print(f"{NAME}: {note}", flush=True)
-        payload["notes"].append(note)
-    for name, ks in groups.items():
-        sel = [r for r in payload["rows"] if (r["B"], r["ratio"], r["dtype"]) in set(ks)]
-        for mode in harness.timing_modes(args.timing) if sel and name != "published" else []:
+        run.note(f"time budget of {args.budget_s:.0f} s spent: skipped B={B} ratio={ratio} {dt}")
+    for name, ks in groups.items():  # the sweeps: TFLOP/s of each provider at each point
+        sel = [r for r in run.payload["rows"] if (r["B"], r["ratio"], r["dtype"]) in set(ks)]
+        for mode in harness.TIMINGS[args.timing] if sel and name != "published" else []:
             print(f"\n{name}: TFLOP/s, {mode}")
             table = []
             for k in ks:
@@ -498,7 +389,7 @@ def main(argv=None) -> int:
                         line[r["provider"]] = r.get("tflops" + harness.SUFFIX[mode]) if ok else r["status"]
                 table.append(line)
             harness.print_table(table, ["B", "ratio"] + [pr.name for pr in provs])
-    return gemm_bench.finish(NAME, payload, args, stamp)
+    return gemm_bench.finish(run)
 
 
 if __name__ == "__main__":

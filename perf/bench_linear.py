@@ -7,59 +7,8 @@ baselines, ``ikbo_gemm.linear`` and a same-run cuBLAS ceiling.
 
 out[b] = act(x_cand[b] @ w_cand^T + x_user[idx[b]] @ w_user^T + bias); x_cand [B, K_cand],
 x_user [U, K_user], w_cand [N, K_cand], w_user [N, K_user] (nn.Linear's [out, in]), bias [N],
-idx [B]. Useful work: 2 N (B K_cand + U K_user).
-
-Providers, each checked against an fp32 reference before it is timed (a wrong one is
-reported, never timed):
-  torch cat+linear             what models do today: cat(x_user[idx], x_cand), then F.linear
-                               with cat(w_user, w_cand) and the activation
-  torch decomposition          user GEMM at U rows, candidate GEMM (bias in it) at B, gather,
-                               add, activation
-  torch.compile decomposition  the same under torch.compile, compiled afresh for each problem
-                               (static shapes, one graph, no Inductor disk cache): Inductor
-                               fuses the gather, add and activation
-  torch addmm floor            the candidate GEMM alone: torch.addmm(bias, x_cand, w_cand^T)
-                               and the activation, checked against its own fp32 reference
-  ikbo linear                  ikbo_gemm.linear (its row is skipped until the op exists)
-  ikbo linear, small-grid rules, ikbo linear, wide user phase, ikbo linear, split K + wide user
-                               only when named in --providers: the op with launch-plan rules
-                               on (linear.PlanRules: the candidate K split over clusters and
-                               K-split user pairs; the user phase in narrow tiles and up to 8
-                               K slices; both), which the op leaves off until they are timed
-                               against it in one run
-FP8 (--dtype fp8): the layer in bf16 as above (its providers run on the bf16 inputs) and in
-e4m3 with row-wise scales (ikbo_gemm.quantize_fp8's formula, amax / 448 per row), bf16 out:
-  fp8 cat+scaled_mm            what an FP8 model does today: cat(x_user[idx], x_cand), quantized
-                               (timed), then torch._scaled_mm row-wise with the quantized
-                               cat(w_user, w_cand), bias and activation
-  fp8 decomposition            two _scaled_mm (user at U, candidates at B), gather, add, bias,
-                               activation; torch.compile fp8 decomposition: the same compiled
-  fp8 scaled_mm floor          the candidate _scaled_mm alone, bias, activation
-  ikbo linear fp8              ikbo_gemm.linear on the FP8 operands and scales
-  ikbo linear fp8 + quantize   the same with quantize_fp8 of x_cand and x_user in the call
-The FP8 operands are quantized once, untimed (but by the two providers that say so). _scaled_mm
-needs K and N divisible by 16: its operands are padded with zeros, the weights once per problem,
-the features in the call (a copy, timed, only where K is not a multiple of 16). rel_err of an FP8 provider is against the fp32 layer on
-its dequantized operands (fp8 cat+scaled_mm: its own quantized concatenation); quant_err is
-against the bf16 layer's fp32 reference: the quantization's own error, the model's business.
-Columns: us per call, TFLOP/s of the useful work (the floor counted at it too: the rate at
-which the op would match it), percent of the 8192^3 cuBLAS GEMM ceiling, x_* = that torch
-provider's time / this time, compile_s = first call minus a steady call. Calls cycle through
-copies of the candidate and user features, enough that L2 never holds a call's inputs.
-
-Configuration groups (--configs; --B, --ratio, --K, --N, --dtype, --activation replace that
-axis in every group chosen):
-  headline  B {2048, 8192}, ratio 70, (K_user, K_cand) {(512, 512), (1024, 2048), (4096, 4096)},
-            N {1024, 4096}, bf16 and fp16, relu: 24 points
-  ratio     B 2048, ratio {10, 70, 1000}, (1024, 2048), N 1024, bf16, relu and none: 6 points
-  grid      B {512, 2048, 8192} x ratio {10, 70, 1000} x the three K pairs x N {256, 1024, 4096}
-            x bf16, fp16 x relu, none: 324 points (about 20 min interleaved; raise --budget-s)
-The default run (headline, ratio: 29 points) takes about 2.5 min on an H200, mostly compiles.
-Points past --budget-s are skipped, the headline group's excepted.
-
-Timing (--timing, perf/harness.py): interleaved (default), sustained (each provider alone, back
-to back at the power limit: fields *_sustained, W, MHz) or both; ratios within each mode.
-Sustained adds about 3 s per provider and point.
+idx [B]. Useful work: 2 N (B K_cand + U K_user). The providers (``--dtype fp8``: also the FP8
+ones), columns and configuration groups: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -76,13 +25,11 @@ import torch.nn.functional as F
 
 from perf import gemm_bench, harness
 from perf.fp8_peers import FP8, dequantize, pad16, padded_scale, quantize_rows, scaled_mm
-from perf.gemm_bench import GemmProvider as Provider, w_cat
-from perf.harness import make_idx, user_counts
+from perf.gemm_bench import DTYPES, GemmProvider as Provider, no_setup, torch_path, w_cat
 from perf.providers import LIBS
 
 NAME = "bench_linear"
 IKBO = ("ikbo_gemm.linear",)  # what the ikbo providers need
-DTYPES = {**harness.DTYPES, "fp8": FP8}
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
 K_PAIRS = [(512, 512), (1024, 2048), (4096, 4096)]  # (K_user, K_cand)
 GROUPS = {
@@ -93,14 +40,12 @@ GROUPS = {
     "grid": {"B": [512, 2048, 8192], "ratio": [10, 70, 1000], "K": K_PAIRS, "N": [256, 1024, 4096],
              "dtype": ["bf16", "fp16"], "activation": ["relu", "none"]},
 }
-AXES = ["B", "ratio", "K", "N", "dtype", "activation"]
 ACTIVATIONS = ["none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
 OURS = "ikbo linear"
 OURS_FP8 = "ikbo linear fp8"
-SMALL_GRID = "ikbo linear, small-grid rules"
 # Extra providers: the op under launch-plan rules it leaves off (linear.PlanRules), by the
 # name of the rule set in ikbo_gemm.linear, and the column of the op's row that compares them.
-PLAN_VARIANTS = {SMALL_GRID: ("SMALL_GRID_RULES", "x_small_grid"),
+PLAN_VARIANTS = {"ikbo linear, small-grid rules": ("SMALL_GRID_RULES", "x_small_grid"),
                  "ikbo linear, wide user phase": ("WIDE_USER_RULES", "x_wide_user"),
                  "ikbo linear, split K + wide user": ("SPLIT_WIDE_USER_RULES", "x_split_wide_user")}
 SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x_decomp",
@@ -130,31 +75,19 @@ def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
-@dataclasses.dataclass
-class LinearProblem:
-    B: int
-    ratio: int
+@dataclasses.dataclass(kw_only=True)
+class LinearProblem(gemm_bench.GemmProblem):
     K_user: int
     K_cand: int
     N: int
-    dtype: torch.dtype
     activation: str
-    counts: list
-    idx: torch.Tensor  # int32 [B] on the device
-    cache: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def U(self) -> int:
-        return len(self.counts)
 
     @property
     def flops(self) -> int:
         return linear_flops(self.B, self.U, self.N, self.K_user, self.K_cand)
 
     def fields(self) -> dict:
-        return {"B": self.B, "ratio": self.ratio, "U": self.U, "K_user": self.K_user, "K_cand": self.K_cand,
-                "N": self.N, "dtype": {v: k for k, v in DTYPES.items()}[self.dtype],
-                "activation": self.activation}
+        return super().fields("K_user", "K_cand", "N", activation=self.activation)
 
 
 @dataclasses.dataclass
@@ -206,18 +139,15 @@ class LinearInputs:
 
 
 def make_problem(B, ratio, K_user, K_cand, N, dtype, activation, device=None) -> LinearProblem:
-    counts = user_counts(B, ratio)
-    return LinearProblem(B, ratio, K_user, K_cand, N, dtype, activation, counts,
-                         make_idx(counts, "sorted").to(device or DEVICE))
+    return LinearProblem.of(B, ratio, dtype, device or DEVICE, K_user=K_user, K_cand=K_cand, N=N,
+                            activation=activation)
 
 
 def make_inputs(p: LinearProblem, gen: torch.Generator, device=None) -> LinearInputs:
-    device = device or DEVICE
-
     dtype = torch.bfloat16 if p.dtype == FP8 else p.dtype  # FP8: the bf16 layer and its quantization
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+        return (torch.randn(*shape, generator=gen, device=device or DEVICE) * scale).to(dtype)
 
     w_scale = (p.K_user + p.K_cand) ** -0.5  # like a trained layer: outputs O(1)
     inp = LinearInputs(randn(p.B, p.K_cand), randn(p.U, p.K_user), randn(p.N, p.K_cand, scale=w_scale),
@@ -237,26 +167,19 @@ def reference_output(p: LinearProblem, inp: LinearInputs, user_side: bool = True
 
 # --------------------------------------------------------------------------- providers
 
-
-# The torch paths on plain tensors, the form torch.compile is given.
-
 def decomposition(x_cand, x_user, idx, w_cand, w_user, bias, activation: str) -> torch.Tensor:
     user = F.linear(x_user, w_user)  # [U, N]
     out = F.linear(x_cand, w_cand, bias)  # [B, N]
     return activate(out.add_(user.index_select(0, idx)), activation)
 
 
+def _decomposition_args(p: LinearProblem, st, i: LinearInputs) -> tuple:
+    return i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, p.activation
+
+
 def _cat_linear(p: LinearProblem, w: torch.Tensor, i: LinearInputs) -> torch.Tensor:
     x = torch.cat([i.x_user.index_select(0, p.idx), i.x_cand], dim=1)  # [B, K_user + K_cand]
     return activate(F.linear(x, w, i.bias), p.activation)
-
-
-def _decomposition(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
-    return decomposition(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, p.activation)
-
-
-def _compiled(p: LinearProblem, f, i: LinearInputs) -> torch.Tensor:
-    return f(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, p.activation)
 
 
 def _floor(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
@@ -268,23 +191,15 @@ def _act(p: LinearProblem) -> Optional[str]:
     return None if p.activation == "none" else p.activation
 
 
-def _ours(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
-    return LIBS.get(IKBO[0]).linear(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, activation=_act(p),
-                                    validate=False)
-
-
-def _rules_setup(rules_name: str):
-    """Setup of a plan-rules provider: the op with ``ikbo_gemm.linear.<rules_name>``, looked up once
-    per problem (untimed)."""
-
+def _with_rules(rules_name: str):
+    """Setup of a plan-rules provider: the op with ``ikbo_gemm.linear.<rules_name>``."""
     def setup(p: LinearProblem, i: LinearInputs):
         linear_module = importlib.import_module("ikbo_gemm.linear")  # the module (the package's linear is the op)
         return functools.partial(linear_module.linear_with_rules, rules=getattr(linear_module, rules_name))
-
     return setup
 
 
-def _ours_with_rules(p: LinearProblem, op, i: LinearInputs) -> torch.Tensor:
+def _ours(p: LinearProblem, op, i: LinearInputs) -> torch.Tensor:
     return op(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, activation=_act(p), validate=False)
 
 
@@ -306,6 +221,13 @@ def _fp8_weights(p: LinearProblem, i: LinearInputs) -> tuple:
     return p.cache["w8"]
 
 
+def _fp8_decomposition_args(p: LinearProblem, w, i: LinearInputs) -> tuple:
+    q = i.fp8
+    wc8, wu8, swc, swu = w
+    return (pad16(q.x_cand), q.x_cand_scale, pad16(q.x_user), q.x_user_scale, p.idx, wc8, swc, wu8, swu, i.bias,
+            p.N, p.activation)
+
+
 def quantized_cat(p: LinearProblem, x_user: torch.Tensor, x_cand: torch.Tensor) -> tuple:
     """What an FP8 model quantizes: cat(x_user[idx], x_cand), K padded to 16, one scale per row."""
     return quantize_rows(pad16(torch.cat([x_user.index_select(0, p.idx), x_cand], dim=1)))
@@ -314,7 +236,7 @@ def quantized_cat(p: LinearProblem, x_user: torch.Tensor, x_cand: torch.Tensor) 
 def _fp8_cat_weight(p: LinearProblem, i: LinearInputs) -> tuple:
     """cat(w_user, w_cand) quantized once per problem, K and N padded to 16."""
     if "w8_cat" not in p.cache:
-        w8, sw = quantize_rows(torch.cat([i.w_user, i.w_cand], dim=1))
+        w8, sw = quantize_rows(w_cat(p, i))
         p.cache["w8_cat"] = (pad16(pad16(w8), 0), padded_scale(sw, -(-p.N // 16) * 16))
     return p.cache["w8_cat"]
 
@@ -331,38 +253,23 @@ def _fp8_cat(p: LinearProblem, w, i: LinearInputs) -> torch.Tensor:
     return activate(scaled_mm(x8, sx, *w, p.N) + i.bias, p.activation)
 
 
-def _fp8_decomposition_args(p: LinearProblem, w, i: LinearInputs) -> tuple:
-    q = i.fp8
-    wc8, wu8, swc, swu = w
-    return (pad16(q.x_cand), q.x_cand_scale, pad16(q.x_user), q.x_user_scale, p.idx, wc8, swc, wu8, swu, i.bias,
-            p.N, p.activation)
-
-
-def _fp8_decomposition(p: LinearProblem, w, i: LinearInputs) -> torch.Tensor:
-    return fp8_decomposition(*_fp8_decomposition_args(p, w, i))
-
-
-def _fp8_compiled(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
-    w, f = st
-    return f(*_fp8_decomposition_args(p, w, i))
-
-
 def _fp8_floor(p: LinearProblem, w, i: LinearInputs) -> torch.Tensor:
     q = i.fp8
     return activate(scaled_mm(pad16(q.x_cand), q.x_cand_scale, w[0], w[2], p.N) + i.bias, p.activation)
 
 
-def _ours_fp8(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
-    q = i.fp8
-    return LIBS.get(IKBO[0]).linear(q.x_cand, q.x_user, p.idx, q.w_cand, q.w_user, i.bias, activation=_act(p),
-                                    validate=False, **q.scales())
-
-
-def _ours_fp8_quantizing(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
-    q, op = i.fp8, LIBS.get(IKBO[0])
-    (xc8, sxc), (xu8, sxu) = op.quantize_fp8(i.x_cand), op.quantize_fp8(i.x_user)
-    return op.linear(xc8, xu8, p.idx, q.w_cand, q.w_user, i.bias, activation=_act(p), validate=False,
-                     x_cand_scale=sxc, x_user_scale=sxu, w_cand_scale=q.w_cand_scale, w_user_scale=q.w_user_scale)
+def _ours_fp8(quantize: bool):
+    """ikbo_gemm.linear on the FP8 operands; ``quantize``: quantize_fp8 of the features in the call."""
+    def run(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
+        q, op = i.fp8, LIBS.get(IKBO[0])
+        scales = q.scales()
+        x_cand, x_user = q.x_cand, q.x_user
+        if quantize:
+            (x_cand, scales["x_cand_scale"]), (x_user, scales["x_user_scale"]) = map(op.quantize_fp8,
+                                                                                     (i.x_cand, i.x_user))
+        return op.linear(x_cand, x_user, p.idx, q.w_cand, q.w_user, i.bias, activation=_act(p), validate=False,
+                         **scales)
+    return run
 
 
 def providers(fp8: bool = False) -> list:
@@ -370,25 +277,24 @@ def providers(fp8: bool = False) -> list:
     ``fp8`` the FP8 providers too."""
     fp8_torch = [
         Provider("fp8 cat+scaled_mm", _fp8_cat_weight, _fp8_cat, fp8="cat"),
-        Provider("fp8 decomposition", _fp8_weights, _fp8_decomposition, fp8="operands"),
-        Provider("torch.compile fp8 decomposition",
-                 lambda p, i: (_fp8_weights(p, i), harness.torch_compiled(fp8_decomposition)), _fp8_compiled,
-                 fp8="operands"),
+        torch_path("fp8 decomposition", fp8_decomposition, _fp8_decomposition_args, _fp8_weights, fp8="operands"),
+        torch_path("torch.compile fp8 decomposition", fp8_decomposition, _fp8_decomposition_args, _fp8_weights,
+                   compiled=True, fp8="operands"),
         Provider("fp8 scaled_mm floor", _fp8_weights, _fp8_floor, floor=True, fp8="operands"),
     ] if fp8 else []
     fp8_ours = [
-        Provider(OURS_FP8, lambda p, i: None, _ours_fp8, needs=IKBO, fp8="operands"),
-        Provider("ikbo linear fp8 + quantize", lambda p, i: None, _ours_fp8_quantizing, needs=IKBO, fp8="operands"),
+        Provider(OURS_FP8, no_setup, _ours_fp8(False), needs=IKBO, fp8="operands"),
+        Provider("ikbo linear fp8 + quantize", no_setup, _ours_fp8(True), needs=IKBO, fp8="operands"),
     ] if fp8 else []
     return [
         Provider("torch cat+linear", w_cat, _cat_linear),
-        Provider("torch decomposition", lambda p, i: None, _decomposition),
-        Provider("torch.compile decomposition", lambda p, i: harness.torch_compiled(decomposition), _compiled),
-        Provider("torch addmm floor", lambda p, i: None, _floor, floor=True),
+        torch_path("torch decomposition", decomposition, _decomposition_args),
+        torch_path("torch.compile decomposition", decomposition, _decomposition_args, compiled=True),
+        Provider("torch addmm floor", no_setup, _floor, floor=True),
         *fp8_torch,
-        *(Provider(name, _rules_setup(rules), _ours_with_rules, needs=IKBO, extra=True)
+        *(Provider(name, _with_rules(rules), _ours, needs=IKBO, extra=True)
           for name, (rules, _) in PLAN_VARIANTS.items()),
-        Provider(OURS, lambda p, i: None, _ours, needs=IKBO),
+        Provider(OURS, lambda p, i: LIBS.get(IKBO[0]).linear, _ours, needs=IKBO),
         *fp8_ours,
     ]
 
@@ -398,35 +304,13 @@ def chosen_providers(names, fp8: bool = False) -> list:
     return [pr for pr in providers(fp8) if (pr.name in names if names else not pr.extra)]
 
 
-# --------------------------------------------------------------------------- one configuration
-
-CHECK = {"reference": reference_output, "cat_reference": fp8_cat_reference}  # gemm_bench.check_providers'
-
-
-def run_problem(p: LinearProblem, inp: LinearInputs, provs: list, args, ceiling: float) -> list:
-    """``gemm_bench.run_problem``, with each time in us too. The inputs are small: enough copies
-    that 3x L2 lies between two uses of one."""
-    rows = gemm_bench.run_problem(p, inp, provs, args, ceiling, peers=speedup_columns(p.dtype), rotations=1024,
-                                  device=DEVICE, **CHECK)
-    for r in rows:
-        for s in harness.mode_suffixes(args.timing):
-            if r.get("ms" + s):
-                r["us" + s] = r["ms" + s] * 1e3
-    return rows
-
-
-def speedup_columns(dtype: torch.dtype) -> dict:
-    """Peer provider -> ratio column: the bf16 peers, and on FP8 problems the FP8 ones and ikbo bf16."""
-    return {**SPEEDUP_COLUMNS, **FP8_SPEEDUP_COLUMNS} if dtype == FP8 else SPEEDUP_COLUMNS
-
-
 # --------------------------------------------------------------------------- configurations
 
 def build_configs(args) -> tuple[list, dict]:
     """Unique (B, ratio, K_user, K_cand, N, dtype, activation) in run order, and group -> its keys."""
     groups = {}
     for name in args.configs:
-        axes = [getattr(args, a) or GROUPS[name][a] for a in AXES]
+        axes = [getattr(args, a) or GROUPS[name][a] for a in ("B", "ratio", "K", "N", "dtype", "activation")]
         groups[name] = [(B, ratio, k[0], k[1], N, dt, act) for B, ratio, k, N, dt, act in itertools.product(*axes)]
     keys = list(dict.fromkeys(k for ks in groups.values() for k in ks))
     return keys, groups
@@ -443,8 +327,7 @@ def _k_pair(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="bench_linear.py", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser("bench_linear.py", __doc__)
     ap.add_argument("--configs", nargs="+", choices=sorted(GROUPS), default=["headline", "ratio"],
                     help="configuration groups (default: headline ratio)")
     ap.add_argument("--B", type=int, nargs="+", help="candidates, in every group chosen")
@@ -454,11 +337,12 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES),
                     help="fp8: the bf16 layer and its e4m3 quantization, both (module docstring)")
     ap.add_argument("--activation", nargs="+", choices=ACTIVATIONS)
-    names = [p.name for p in providers(fp8=True)]
-    gemm_bench.add_args(ap, names, "skip the remaining points (the headline group's excepted) once this many "
-                                   "seconds have passed")
-    return gemm_bench.parse(ap, argv, names)
+    gemm_bench.add_args(ap, [p.name for p in providers(fp8=True)],
+                        "skip the remaining points (the headline group's excepted) once this many seconds have passed")
+    return ap.parse_args(argv)
 
+
+# --------------------------------------------------------------------------- one configuration and the run
 
 TIMED_COLUMNS = ["us", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values(),
                  *FP8_SPEEDUP_COLUMNS.values()]  # per timing mode
@@ -469,17 +353,29 @@ def _key(r: dict) -> tuple:
     return tuple(r[f] for f in KEY_FIELDS)
 
 
-def print_problem(p: LinearProblem, rows: list, timing: str) -> None:
+def run_problem(p: LinearProblem, inp: LinearInputs, provs: list, args, ceiling: float) -> list:
+    """``gemm_bench.run_problem``, with each time in us too. The inputs are small: enough copies
+    that 3x L2 lies between two uses of one."""
+    rows = gemm_bench.run_problem(p, inp, provs, args, ceiling, rotations=1024, device=DEVICE,
+                                  peers=gemm_bench.peer_columns(p.dtype, SPEEDUP_COLUMNS, FP8_SPEEDUP_COLUMNS),
+                                  reference=reference_output, cat_reference=fp8_cat_reference)
+    for r in rows:
+        for s in harness.mode_suffixes(args.timing):
+            if r.get("ms" + s):
+                r["us" + s] = r["ms" + s] * 1e3
     f = p.fields()
     harness.print_rows(f"B={f['B']} ratio={f['ratio']} (U={f['U']}) K_user={f['K_user']} K_cand={f['K_cand']} "
                        f"N={f['N']} {f['dtype']} {f['activation']}  [{p.flops / 1e9:.1f} GFLOP; x_* = that "
-                       f"torch provider's time / this time, in the same timing]", rows, gemm_bench.COLUMNS, TIMED_COLUMNS, timing)
+                       f"torch provider's time / this time, in the same timing]", rows, gemm_bench.COLUMNS,
+                       TIMED_COLUMNS, args.timing)
+    return rows
 
 
 def summary(rows: list, groups: dict, provs: list, timing: str) -> None:
     """Per group and timing mode: each point's us per provider, then ours' ratios (at FP8 points
     those of ikbo linear fp8)."""
     for name, keys in groups.items():
+        fp8 = any(k[5] == "fp8" for k in keys)
         for s in harness.mode_suffixes(timing):
             table, ratios = [], list(SPEEDUP_COLUMNS.values())
             for key in keys:
@@ -487,7 +383,7 @@ def summary(rows: list, groups: dict, provs: list, timing: str) -> None:
                 if not sel:
                     continue
                 line = dict(zip(KEY_FIELDS, key))
-                columns = speedup_columns(DTYPES[line["dtype"]])
+                columns = gemm_bench.peer_columns(DTYPES[line["dtype"]], SPEEDUP_COLUMNS, FP8_SPEEDUP_COLUMNS)
                 ratios += [c for c in columns.values() if c not in ratios]
                 ours = OURS_FP8 if line["dtype"] == "fp8" else OURS
                 for r in sel:
@@ -497,7 +393,6 @@ def summary(rows: list, groups: dict, provs: list, timing: str) -> None:
                 table.append(line)
             if table:
                 mode = {"": "", "_sustained": ", sustained", "_graph": ", CUDA-graph replays"}[s]
-                fp8 = any(k[5] == "fp8" for k in keys)
                 print(f"\n{name}: us per call{mode} (x_* and pct_ceiling: {OURS}"
                       f"{f'; at fp8 points {OURS_FP8}' if fp8 else ''})")
                 names = [pr.name for pr in provs if not pr.fp8 or fp8]
@@ -512,21 +407,16 @@ def main(argv=None) -> int:
 
     def measure(key, ceilings) -> list:
         B, ratio, K_user, K_cand, N, dt, act = key
-        gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
         p = make_problem(B, ratio, K_user, K_cand, N, DTYPES[dt], act)
-        rows = run_problem(p, make_inputs(p, gen), provs, args, ceilings[dt])
-        print_problem(p, rows, args.timing)
-        return rows
+        inp = make_inputs(p, torch.Generator(device=DEVICE).manual_seed(args.seed))
+        return run_problem(p, inp, provs, args, ceilings[dt])
 
-    payload, skipped, stamp = gemm_bench.run(NAME, args, argv, provs, keys, [k[5] for k in keys],
-                                             set(groups.get("headline", [])), measure,
-                                             groups={n: len(ks) for n, ks in groups.items()}, settings={})
+    run, skipped = gemm_bench.run(NAME, args, argv, provs, keys, [k[5] for k in keys], set(groups.get("headline", [])),
+                                  measure, groups={n: len(ks) for n, ks in groups.items()}, settings={})
     if skipped:
-        note = f"time budget of {args.budget_s:.0f} s spent: {len(skipped)} of {len(keys)} points skipped"
-        print(f"{NAME}: {note}", flush=True)
-        payload["notes"].append(note)
-    summary(payload["rows"], groups, provs, args.timing)
-    return gemm_bench.finish(NAME, payload, args, stamp)
+        run.note(f"time budget of {args.budget_s:.0f} s spent: {len(skipped)} of {len(keys)} points skipped")
+    summary(run.payload["rows"], groups, provs, args.timing)
+    return gemm_bench.finish(run)
 
 
 if __name__ == "__main__":

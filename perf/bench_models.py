@@ -10,25 +10,13 @@ Versions of each model (bf16, inference, candidates sorted by user):
   rewrite    ikbo_rewrite.compile(model): the IKBO pass inside Inductor
   hand       torch.compile of the model written by hand with the IKBO ops (same weights)
 
-Measured per version: the output's relative error against eager, then latency per request.
-``--timing interleaved`` (the default) times the versions in turns (one call of each per
-round) in two ways: "ms", plain calls (host overhead included), and "graph_ms", replays of a
-CUDA graph captured by hand around one call (torch.cuda.graph; the compiled versions use the
-default mode, not "reduce-overhead", so that one capture method serves all four; a version
-that cannot be captured shows "-"). ``--timing sustained`` runs each version alone, back to
-back at the power limit: plain calls ("ms_sustained", with the power and SM clock seen) and
-replays of its captured graph ("graph_ms_sustained", "graph_W", "graph_MHz"); ``both`` does
-the two. Then peak memory ("peak_mib": torch.cuda.max_memory_allocated during one call, minus
-what was allocated before it, so inputs and weights are not counted) and first-call time
-("first_s": the first synchronized call, compile included, with Inductor's FX graph cache and
-the kernels' disk cache off). Per model and shape: the rewrite's latency against the
-hand-written version's and against torch.compile's (from graph_ms where captured; the
-``_sustained`` ratios from graph_ms_sustained, or ms_sustained where no graph was captured),
-and every broadcast the rewrite left that the hand-written version removes (the hand-written
-versions remove them all), with the pass's reason.
-
-Results: a table per shape, JSON under perf/results/ (``bench_models-<stamp>.json`` and
-``-latest``), and a PNG of graph_ms per version where matplotlib is installed.
+Each version's output is checked against eager's, then timed as plain calls ("ms") and as
+replays of a CUDA graph captured by hand ("graph_ms", "-" where it cannot be captured; the
+compiled versions use the default mode, so that one capture method serves all four), in turns
+or, ``--timing sustained``, each alone back to back (docs/benchmarks.md); also peak memory beyond
+the inputs and weights ("peak_mib") and the first call, compile included ("first_s"). Per model
+and shape: the rewrite's latency against the hand-written version's and torch.compile's (graph
+replays where captured), and every broadcast the rewrite left, with the pass's reason.
 """
 from __future__ import annotations
 
@@ -36,7 +24,6 @@ import argparse
 import dataclasses
 import functools
 import sys
-import time
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
@@ -45,7 +32,7 @@ import torch
 from examples import combined, din, multi_seed, wukong
 from perf import harness
 from perf.harness import make_idx, user_counts
-from perf.providers import LIBS, Provider, needed
+from perf.providers import LIBS, Provider
 
 NAME = "bench_models"
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
@@ -100,7 +87,6 @@ def parse_args(argv=None):
     p.add_argument("--ratio", type=int, nargs="+", help="candidates per user (instead of the --configs ones)")
     p.add_argument("--tol", type=float, default=TOL)
     harness.add_common_args(p)
-    harness.add_timing_args(p)
     p.set_defaults(warmup=3, rep=20)
     return p.parse_args(argv)
 
@@ -125,20 +111,15 @@ def build(spec: ModelSpec, B: int, ratio: int, seed: int):
     return model, hand, inputs, len(counts)
 
 
-def _sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def peak_mib(call) -> Optional[float]:
     """Memory one call allocates at its peak, beyond what was allocated before it."""
     if DEVICE != "cuda":
         return None
-    _sync()
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     out = call()
-    _sync()
+    torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del out
     return peak / 2**20
@@ -180,16 +161,15 @@ def run_shape(name: str, spec: ModelSpec, B: int, ratio: int, args) -> tuple[lis
                 harness.record_failure(row, e, rows, DEVICE)
         # interleaved: plain calls and CUDA-graph replays in turns; sustained: plain calls,
         # each version alone back to back (time_checked)
-        done = harness.time_checked(timed, rows, device=DEVICE, **harness.timing_options(args))
+        done = harness.time_checked(timed, rows, device=DEVICE, **harness.timing_settings(args))
         if args.timing != "sustained" and done:
             graphs = harness.bench_graph_interleaved({v: f for v, (_, f) in done.items()}, warmup=args.warmup,
                                                      rep=args.rep)
             for v, (row, _) in done.items():
                 row["graph_ms"] = graphs.get(v)
         if args.timing != "interleaved" and DEVICE == "cuda":  # the captured graph, back to back
-            opts = harness.timing_options(args)
             for v, (row, f) in done.items():
-                r = harness.sustained_graph(f, opts["seconds"], warm_s=opts["warm_s"])
+                r = harness.sustained_graph(f, args.sustained_s, warm_s=args.sustained_warmup_s)
                 if r is not None:
                     row.update(graph_ms_sustained=r["ms"], graph_W=r["W"], graph_MHz=r["MHz"])
     summary = compare(rows, fields)
@@ -279,37 +259,22 @@ def plot(payload: dict, out_dir) -> Optional[Path]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    harness.start_benchmark(NAME)  # compile caches off: every version's first call compiles afresh
-    notes = LIBS.load(needed([PROVIDERS[v] for v in args.versions]))
-    for note in notes:
-        print(f"{NAME}: {note}", flush=True)
-    env = harness.environment()
-    harness.print_environment(env)
-    stamp = harness.utc_stamp()
-    payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv), "environment": env,
-               "stamp": stamp, "settings": {**harness.timing_settings(args), "tol": args.tol,
-                                            "versions": args.versions},
-               "notes": notes, "rows": [], "summaries": []}
-    start = time.perf_counter()
-    try:
+    run = harness.Run(NAME, args, argv, [PROVIDERS[v] for v in args.versions])  # compile caches off
+    payload = run.begin({"tol": args.tol, "versions": args.versions}, stamp=run.stamp)
+    payload["summaries"] = []
+    with run:
         for name in args.models:
             for B, ratio in shapes(args):
                 rows, summary = run_shape(name, MODELS[name], B, ratio, args)
                 print_shape(rows, summary, summary["rewrite_left"] or [], args.timing)
-                payload["rows"] += rows
                 payload["summaries"].append(summary)
-                harness.write_results(NAME, payload, args.out_dir, stamp)
-                if DEVICE == "cuda":
-                    torch.cuda.empty_cache()
-    except harness.ContextLost as e:
-        harness.note_lost_context(NAME, payload, e)
-    payload["seconds"] = time.perf_counter() - start
+                run.add(rows)
     if payload["summaries"]:
         print("\nsummary (latency = CUDA graph replays where captured, else plain calls; in turns, and "
               "_sustained: each version alone, back to back)")
         harness.print_table(payload["summaries"], ["model", "B", "ratio", "U"] + [
             k for k in SUMMARY_FIELDS if any(k in s for s in payload["summaries"])])
-    path = harness.write_results(NAME, payload, args.out_dir, stamp)
+    path = run.save()
     png = plot(payload, args.out_dir)
     print(f"\nresults: {path}" + (f", {png}" if png else "") + f"  ({payload['seconds']:.0f} s)")
     return 0

@@ -10,13 +10,9 @@ Hopper GPU.
     python -m perf.compare_fa4 --sweep S_q_fine --H 1 2 4 8 --D 64 128 --dtype bf16 fp16
     python -m perf.compare_fa4 --S-q 1 --L 1024 2048 --variant split_pair=0 split_pair=0,prefetch_blocks=2
 
-The workload and its reference: ``perf/attention_workload.py``; the providers:
-``perf/attention_providers.py``. Every provider is checked against fp32 on a sample of
-candidates, then those that pass are timed (``--timing``: in turns, back to back, CUDA-graph
-replays; calls cycle through copies of the inputs so that L2 does not keep them). Each row
-carries TFLOP/s (4 H S_q D x the keys of every candidate / t), ``ikbo_speedup`` (its ms / ikbo's
-ms) and ``x_best_peer`` (the ms of the faster FA varlen peer, ``best_peer``, / its ms), each
-within one timing mode. Options and output: docs/benchmarks.md.
+Every provider (``perf/attention_providers.py``) is checked against fp32 on a sample of
+candidates (``perf/attention_workload.py``), then those that pass are timed. Options, providers
+and output: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -25,7 +21,6 @@ import dataclasses
 import itertools
 import math
 import sys
-import time
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -38,7 +33,7 @@ from perf.attention_providers import DISPLAY_ORDER, PEER, display_index, parse_p
 from perf.attention_workload import LENGTHS, Inputs, Problem, check_candidates, length_spec, make_inputs, \
     make_problem, reference_outputs
 from perf.harness import ContextLost, context_lost, short_error
-from perf.providers import LIBS, needed, select
+from perf.providers import LIBS, select
 
 NAME = "compare_fa4"
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
@@ -117,9 +112,8 @@ def _key(r: dict) -> tuple:
 # --------------------------------------------------------------------------- one configuration
 
 def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng) -> list:
-    """Check every provider, then time those that passed; one row per provider.
-
-    Raises ContextLost (carrying the rows so far) after a sticky CUDA error."""
+    """Check every provider, then time those that passed; a row per provider (ContextLost, carrying
+    the rows so far, after a sticky CUDA error)."""
     cand = check_candidates(p.B, rng)
     ref = reference_outputs(p, inp, cand)
     n_rot = harness.rotation_count(inp.nbytes(), harness.l2_bytes())
@@ -135,8 +129,8 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
     harness.reset_compiled()
     rows, timed = harness.check_providers(provs, p, inp, fields=p.fields(), rel_error_of=rel_error_of,
                                           tol=args.tol, skip_note=LIBS.skip_note, device=DEVICE)
-    timed = harness.time_checked(timed, rows, rotate=sets, device=DEVICE, **harness.timing_options(args))
-    modes = harness.timing_modes(args.timing)
+    timed = harness.time_checked(timed, rows, rotate=sets, device=DEVICE, **harness.timing_settings(args))
+    modes = harness.TIMINGS[args.timing]
     if "interleaved" in modes and "graph" not in modes:  # graph replays of the short calls, in
         # turns, beside the plain ones (the graph mode replays every call: "ms_graph")
         short = {n: fn for n, (row, fn) in timed.items() if row["ms"] < args.graph_below_ms}
@@ -152,10 +146,8 @@ def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng)
 
 
 def derive_ratios(rows: list, provs: list, flops: float, ceiling: float, timing: str) -> None:
-    """In each timing mode, every attention row with a time gets its TFLOP/s, percent of cuBLAS,
-    ``ikbo_speedup`` (its ms / ikbo's) and, where an FA varlen peer was timed, ``best_peer`` (the
-    fastest of them) and ``x_best_peer`` (that peer's ms / its ms); the graph replays beside the
-    interleaved calls (``graph_ms``) get ``graph_best_peer`` and ``graph_x_best_peer``."""
+    """Per timing mode, each attention row's TFLOP/s, pct_cublas, ikbo_speedup, best_peer and
+    x_best_peer; graph_best_peer and graph_x_best_peer from the graph replays beside interleaved calls."""
     attention = {prov.name for prov in provs if prov.checked}
     peers = {prov.name for prov in provs if PEER in prov.tags}
     by_name = {r["provider"]: r for r in rows if r["provider"] in attention}
@@ -242,11 +234,8 @@ def _series(args) -> dict:
 
 
 def build_configs(args) -> tuple[list, dict]:
-    """Unique configurations in run order, and sweep label -> Series. A configuration is the key
-    (B, ratio, S_q, L, dtype, broadcast, order, jagged, H, D); a label is the sweep's name (a
-    preset's parts: "<preset> <part>"), " at L=..." when a sweep runs at several L, then (dtype,
-    broadcast, order[, jagged distribution][, H=.. D=..]), H and D only when several of either
-    are given."""
+    """Unique keys (B, ratio, S_q, L, dtype, broadcast, order, jagged, H, D) in run order, and sweep
+    label (docs/benchmarks.md) -> Series."""
     keys, sweeps = [], {}
     shapes = len(args.H) > 1 or len(args.D) > 1
     for name, (var, points) in _series(args).items():
@@ -282,9 +271,7 @@ def variant_arg(spec: str) -> tuple:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(
-        prog="python -m perf.compare_fa4", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser("python -m perf.compare_fa4", __doc__)
     ap.add_argument("--sweep", nargs="+", choices=sorted(SWEEPS),
                     help="one-variable sweeps around the published point, each at its L (1024; "
                          "S_q_fine: 1024 and 8192) or at every --L; without it, the product of the "
@@ -308,7 +295,7 @@ def parse_args(argv=None):
                     help="kv: K/V per user (default); q: Q per user, K/V per candidate")
     ap.add_argument("--order", nargs="+", choices=["sorted", "shuffled"], default=["sorted"],
                     help="candidates grouped by user, or shuffled")
-    ap.add_argument("--providers", nargs="+", metavar="NAME",
+    ap.add_argument("--providers", nargs="+", metavar="NAME", choices=DISPLAY_ORDER,
                     help=f"subset of: {', '.join(DISPLAY_ORDER)}")
     ap.add_argument("--variant", nargs="+", type=variant_arg, default=[], metavar="SPEC",
                     help="also time ikbo under ikbo_fa.AttentionPolicy.parse(SPEC), one provider 'ikbo SPEC' "
@@ -317,13 +304,11 @@ def parse_args(argv=None):
     ap.add_argument("--graph-below-ms", type=float, default=1.0,
                     help="also time CUDA-graph replays of calls faster than this")
     ap.add_argument("--no-plot", action="store_true")
-    harness.add_common_args(ap)
-    harness.add_timing_args(ap, default="both")
+    harness.add_common_args(ap, timing="both")
     args = ap.parse_args(argv)
     preset = PRESETS.get(args.preset)
     args.H = args.H or [preset.H if preset else 2]
     args.D = args.D or [preset.D if preset else 128]
-    harness.check_provider_names(ap, args.providers, DISPLAY_ORDER)
     return args
 
 
@@ -449,46 +434,33 @@ def plot(rows: list, sweeps: dict, ceilings: dict, path: Path, mode: str = "inte
 
 # --------------------------------------------------------------------------- main
 
+def measure(key: tuple, provs: list, args, ceilings: dict) -> list:
+    """One configuration's rows, its table printed."""
+    B, ratio, S_q, L, dt, bc, order, jagged, H, D = key
+    rng = np.random.default_rng(args.seed)
+    p = make_problem(B, ratio, S_q, L, H, D, harness.DTYPES[dt], bc, order, rng, device=DEVICE, jagged=jagged)
+    inp = make_inputs(p, torch.Generator(device=DEVICE).manual_seed(args.seed), device=DEVICE)
+    rows = run_problem(p, inp, provs, args, ceilings[dt], rng)
+    harness.print_rows(problem_title(p), rows, TABLE_COLUMNS, TIMED_COLUMNS, args.timing)
+    return rows
+
+
 @torch.no_grad()  # inference: no autograd bookkeeping in any provider
 def main(argv=None) -> int:
     args = parse_args(argv)
-    harness.start_benchmark(NAME)
     provs = select(providers(), args.providers) + [variant(spec, policy) for spec, policy in args.variant]
-    notes = LIBS.load(needed(provs))
-    for note in notes:
-        print(f"{NAME}: {note}", flush=True)
+    run = harness.Run(NAME, args, argv, provs, ("nvidia-cutlass-dsl", "flash-attn-4", "fa3-fwd"))
     keys, sweeps = build_configs(args)
-    env = harness.environment()
-    harness.print_environment(env, ("nvidia-cutlass-dsl", "flash-attn-4", "fa3-fwd"))
     ceilings = harness.ceilings_tflops(k[4] for k in keys)
     bandwidth = harness.copy_bandwidth_tbps()
     print(f"device copy bandwidth: {bandwidth:.2f} TB/s", flush=True)
-
-    stamp = harness.utc_stamp()
-    payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
-               "environment": env, "ceiling_tflops": ceilings, "copy_tbps": bandwidth,
-               "settings": {**harness.timing_settings(args), **run_settings(args)},
-               "notes": notes, "rows": []}
-    start = time.perf_counter()
-    try:
-        for (B, ratio, S_q, L, dt, bc, order, jagged, H, D) in keys:
-            rng = np.random.default_rng(args.seed)
-            gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
-            p = make_problem(B, ratio, S_q, L, H, D, harness.DTYPES[dt], bc, order, rng, device=DEVICE,
-                             jagged=jagged)
-            inp = make_inputs(p, gen, device=DEVICE)
-            rows = run_problem(p, inp, provs, args, ceilings[dt], rng)
-            harness.print_rows(problem_title(p), rows, TABLE_COLUMNS, TIMED_COLUMNS, args.timing)
-            payload["rows"] += rows
-            harness.write_results(NAME, payload, args.out_dir, stamp)  # partial results survive a crash
-            del inp, p
-            torch.cuda.empty_cache()
+    payload = run.begin(run_settings(args), ceiling_tflops=ceilings, copy_tbps=bandwidth)
+    with run:
+        for key in keys:
+            run.add(measure(key, provs, args, ceilings))
         first = keys[0]
         payload["host_overhead_us"] = host_overheads(args, provs, harness.DTYPES[first[4]], first[5],
                                                      first[7], first[8], first[9])
-    except ContextLost as e:
-        harness.note_lost_context(NAME, payload, e)
-    payload["seconds"] = time.perf_counter() - start
     if payload.get("host_overhead_us"):
         jagged = f", jagged {keys[0][7]}" if keys[0][7] else ""
         shape = f", H={keys[0][8]} D={keys[0][9]}" if len(args.H) > 1 or len(args.D) > 1 else ""
@@ -498,13 +470,12 @@ def main(argv=None) -> int:
     done = {_key(r) for r in payload["rows"]}
     sweeps = {n: Series(var, [k for k in ks if k in done]) for n, (var, ks) in sweeps.items()}
     sweeps = {n: series for n, series in sweeps.items() if series.keys}
-    for mode in harness.timing_modes(args.timing) if sweeps else []:
+    for mode in harness.TIMINGS[args.timing] if sweeps else []:
         summary(payload["rows"], sweeps, mode)
-    json_path = harness.write_results(NAME, payload, args.out_dir, stamp)
-    print(f"\nresults: {json_path}")
+    print(f"\nresults: {run.save()}")
     if not args.no_plot and sweeps:
-        png, latest = harness.result_paths(NAME, ".png", args.out_dir, stamp)
-        note = plot(payload["rows"], sweeps, ceilings, png, harness.timing_modes(args.timing)[0])
+        png, latest = harness.result_paths(NAME, ".png", args.out_dir, run.stamp)
+        note = plot(payload["rows"], sweeps, ceilings, png, harness.TIMINGS[args.timing][0])
         if note:
             print(f"{NAME}: {note}")
         else:

@@ -1,11 +1,6 @@
-"""The FP8 peers of the IKBO GEMM benchmarks (``--dtype fp8`` of bench_linear.py and bench_lce.py):
-row-wise e4m3 quantization in torch, ``torch._scaled_mm`` with the padding it needs, the
-same-run FP8 ceiling, and the error columns.
-
-``torch._scaled_mm(a8, b8, scale_a, scale_b)``: a8 [M, K] row-major, b8 [K, N] column-major
-(``w8.t()`` of a row-major [N, K] weight), row-wise scales [M, 1] and [1, N] (float32), or 0-d
-per-tensor scales. It refuses K or N not divisible by 16: operands are padded with zeros (the
-weights once, at setup; activations where a provider makes them).
+"""The FP8 peers of the GEMM benchmarks (``--dtype fp8`` of bench_linear.py and bench_lce.py):
+row-wise e4m3 quantization in torch, ``torch._scaled_mm`` with the padding to 16 it needs, and
+the same-run FP8 ceiling.
 """
 from __future__ import annotations
 
@@ -53,8 +48,10 @@ def pad16(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor,
               n: Optional[int] = None) -> torch.Tensor:
-    """bf16 [M, n] = (a8 * sa) @ (w8 * sw).T: ``torch._scaled_mm`` row-wise, operands of K and
-    N already padded to 16 (``pad16``); ``n`` the unpadded N (a view of the leading columns)."""
+    """bf16 [M, n] = (a8 * sa) @ (w8 * sw).T: ``torch._scaled_mm`` row-wise (a8 row-major, w8 [N, K]
+    row-major, so its ``.t()`` is the column-major operand _scaled_mm wants). It refuses K or N not
+    divisible by 16: the operands come padded with zeros (``pad16``, the weights once, at setup);
+    ``n`` is the unpadded N (a view of the leading columns)."""
     out = torch._scaled_mm(a8, w8.t(), sa.reshape(-1, 1), sw.reshape(1, -1), out_dtype=OUT_DTYPE)
     return out if n is None or n == out.shape[1] else out[:, :n]
 
@@ -70,5 +67,4 @@ def fp8_ceiling_tflops(n: int = 8192, *, warmup: int = 5, rep: int = 20) -> floa
 
     a8, sa = quantize_rows(torch.randn(n, n, device="cuda"))
     w8, sw = quantize_rows(torch.randn(n, n, device="cuda"))
-    ms = harness.bench_ms(lambda: scaled_mm(a8, sa, w8, sw), warmup=warmup, rep=rep)
-    return 2.0 * n**3 / (ms * 1e-3) / 1e12
+    return harness.tflops(2.0 * n**3, harness.bench_ms(lambda: scaled_mm(a8, sa, w8, sw), warmup=warmup, rep=rep))

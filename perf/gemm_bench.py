@@ -1,14 +1,13 @@
-"""What bench_lce and bench_linear share: their providers' kind, the check of every provider
-against the fp32 reference (an FP8 one against its dequantized operands, with the quantization's
-own error beside it), one problem's measurement, and the run over the problems within a time
-budget. A problem has ``idx``, ``dtype``, ``flops``, ``cache`` and ``fields()``; its inputs
-``w_user``, ``w_cand``, ``activation_bytes()`` and ``clone_activations()``.
+"""What bench_lce and bench_linear share: their problems' users, their providers' kind, the check
+of every provider against the fp32 reference (an FP8 one against its dequantized operands, with
+the quantization's own error beside it), one problem's measurement, and the run over the
+problems within a time budget. A problem's inputs have ``w_user``, ``w_cand``,
+``activation_bytes()`` and ``clone_activations()``.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from typing import Callable, Optional, Sequence
 
@@ -16,9 +15,38 @@ import torch
 
 from perf import harness
 from perf.fp8_peers import FP8
-from perf.providers import LIBS, Provider, needed
+from perf.harness import make_idx, user_counts
+from perf.providers import LIBS, Provider
 
 COLUMNS = ["provider", "status", "rel_err", "quant_err", "compile_s"]
+DTYPES = {**harness.DTYPES, "fp8": FP8}
+
+
+@dataclasses.dataclass(kw_only=True)
+class GemmProblem:
+    """B candidates of U users (``counts``; ``idx`` int32 [B] on the device) in ``dtype``; the
+    GEMM's sizes are the subclass's fields."""
+    B: int
+    ratio: int
+    dtype: torch.dtype
+    counts: list
+    idx: torch.Tensor
+    cache: dict = dataclasses.field(default_factory=dict)  # what providers make once per problem
+
+    @classmethod
+    def of(cls, B: int, ratio: int, dtype: torch.dtype, device, **sizes):
+        counts = user_counts(B, ratio)  # exact ratio, the last user the remainder
+        return cls(B=B, ratio=ratio, dtype=dtype, counts=counts, idx=make_idx(counts).to(device), **sizes)
+
+    @property
+    def U(self) -> int:
+        return len(self.counts)
+
+    def fields(self, *sizes: str, **more) -> dict:
+        """The row fields: B, ratio, U, ``sizes``, dtype and ``more``."""
+        dtype = {v: k for k, v in DTYPES.items()}[self.dtype]
+        return {"B": self.B, "ratio": self.ratio, "U": self.U, **{s: getattr(self, s) for s in sizes},
+                "dtype": dtype, **more}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,18 +63,26 @@ class GemmProvider(Provider):
         return bool(self.needs)
 
 
+def no_setup(p, inp) -> None:
+    return None
+
+
+def torch_path(name: str, fn: Callable, args_of: Callable, setup: Callable = no_setup,
+               compiled: bool = False, mode: Optional[str] = None, **kw) -> GemmProvider:
+    """A torch path on plain tensors: ``fn(*args_of(p, state, inputs))`` with the state of
+    ``setup``; ``compiled``: ``fn`` under ``harness.torch_compiled`` (in ``mode``), compiled at its
+    first call."""
+    if not compiled:
+        return GemmProvider(name, setup, lambda p, st, i: fn(*args_of(p, st, i)), **kw)
+    return GemmProvider(name, lambda p, i: (setup(p, i), harness.torch_compiled(fn, mode)),
+                        lambda p, st, i: st[1](*args_of(p, st[0], i)), **kw)
+
+
 def w_cat(p, inp) -> torch.Tensor:
     """cat(w_user, w_cand) along K, made once per problem: weights are static in a deployed model."""
     if "w" not in p.cache:
         p.cache["w"] = torch.cat([inp.w_user, inp.w_cand], dim=1).contiguous()
     return p.cache["w"]
-
-
-def _dequantized(inp, fp8: Optional[str]):
-    """The inputs an FP8 provider of kind ``fp8`` is checked on (None: the 16-bit ones)."""
-    if fp8 is None:
-        return inp
-    return inp.dequantized(per_tensor=True) if fp8 == "per_tensor" else inp.dequantized()
 
 
 def check_providers(p, inp, provs: Sequence[GemmProvider], tol: float, *, reference: Callable,
@@ -60,8 +96,12 @@ def check_providers(p, inp, provs: Sequence[GemmProvider], tol: float, *, refere
 
     def ref(floor: bool, fp8: Optional[str]) -> torch.Tensor:
         if (floor, fp8) not in refs:
-            refs[floor, fp8] = (cat_reference(p, inp) if fp8 == "cat" else
-                                reference(p, _dequantized(inp, fp8), user_side=not floor))
+            if fp8 == "cat":
+                refs[floor, fp8] = cat_reference(p, inp)
+            elif fp8 == "per_tensor":
+                refs[floor, fp8] = reference(p, inp.dequantized(per_tensor=True), user_side=not floor)
+            else:
+                refs[floor, fp8] = reference(p, inp.dequantized() if fp8 else inp, user_side=not floor)
         return refs[floor, fp8]
 
     def rel_error_of(prov, out):
@@ -78,6 +118,11 @@ def check_providers(p, inp, provs: Sequence[GemmProvider], tol: float, *, refere
     return rows, timed
 
 
+def peer_columns(dtype: torch.dtype, columns: dict, fp8_columns: dict) -> dict:
+    """Peer provider -> ratio column: the 16-bit peers, and on FP8 problems the FP8 ones too."""
+    return {**columns, **fp8_columns} if dtype == FP8 else columns
+
+
 def run_problem(p, inp, provs: Sequence[GemmProvider], args, ceiling: float, *, peers: dict,
                 rotations: int = 8, device="cuda", **check) -> list:
     """Check every provider (``check_providers``, ``check`` its keywords), then time those that
@@ -87,7 +132,7 @@ def run_problem(p, inp, provs: Sequence[GemmProvider], args, ceiling: float, *, 
     sets = [inp] + [inp.clone_activations() for _ in range(n_rot - 1)]
     harness.reset_compiled()
     rows, timed = check_providers(p, inp, provs, args.tol, device=device, **check)
-    harness.time_checked(timed, rows, rotate=sets, device=device, **harness.timing_options(args))
+    harness.time_checked(timed, rows, rotate=sets, device=device, **harness.timing_settings(args))
     timed.clear()
     harness.compile_seconds(rows)
     harness.derive_rates(rows, args.timing, flops=p.flops, ceiling=ceiling, peers=peers)
@@ -97,52 +142,30 @@ def run_problem(p, inp, provs: Sequence[GemmProvider], args, ceiling: float, *, 
 
 def add_args(ap: argparse.ArgumentParser, names: Sequence[str], budget_help: str) -> None:
     """The GEMM benchmarks' common options: --providers, --tol, --budget-s, then harness's."""
-    ap.add_argument("--providers", nargs="+", metavar="NAME", help=f"subset of: {', '.join(names)}")
+    ap.add_argument("--providers", nargs="+", metavar="NAME", choices=names, help=f"subset of: {', '.join(names)}")
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative error against fp32")
     ap.add_argument("--budget-s", type=float, default=240.0, help=budget_help)
     harness.add_common_args(ap)
-    harness.add_timing_args(ap)
-
-
-def parse(ap: argparse.ArgumentParser, argv, names: Sequence[str]):
-    args = ap.parse_args(argv)
-    harness.check_provider_names(ap, args.providers, names)
-    return args
 
 
 def run(name: str, args, argv, provs: Sequence[GemmProvider], keys: list, dtypes: list, always: set,
-        measure: Callable, *, settings: dict, **fields) -> tuple[dict, list, str]:
-    """The run: the libraries ``provs`` need, the environment, the same-run ceilings of ``dtypes``,
-    then ``measure(key, ceilings) -> rows`` for each key, those past --budget-s skipped (not those
-    in ``always``), the JSON written after each. Returns (payload, keys skipped, stamp)."""
-    harness.start_benchmark(name)
-    notes = LIBS.load(needed(provs))
-    for note in notes:
-        print(f"{name}: {note}", flush=True)
-    env = harness.environment()
-    harness.print_environment(env)
+        measure: Callable, *, settings: dict, **fields) -> tuple[harness.Run, list]:
+    """The run (``harness.Run``) with the same-run ceilings of ``dtypes``: ``measure(key, ceilings)
+    -> rows`` for each key, those past --budget-s skipped (not those in ``always``). Returns
+    (the run, the keys skipped)."""
+    run = harness.Run(name, args, argv, provs)
     ceilings = harness.ceilings_tflops(dtypes)
-    stamp = harness.utc_stamp()
-    payload = {"benchmark": name, "argv": sys.argv[1:] if argv is None else list(argv), "environment": env,
-               "ceiling_tflops": ceilings, **fields,
-               "settings": {**harness.timing_settings(args), "tol": args.tol, **settings},
-               "notes": notes, "rows": []}
-    start, skipped = time.perf_counter(), []
-    try:
+    run.begin({"tol": args.tol, **settings}, ceiling_tflops=ceilings, **fields)
+    skipped = []
+    with run:
         for key in keys:
-            if key not in always and time.perf_counter() - start > args.budget_s:
+            if key not in always and time.perf_counter() - run.start > args.budget_s:
                 skipped.append(key)
                 continue
-            payload["rows"] += measure(key, ceilings)
-            harness.write_results(name, payload, args.out_dir, stamp)  # partial results survive a crash
-            torch.cuda.empty_cache()
-    except harness.ContextLost as e:
-        harness.note_lost_context(name, payload, e)
-    payload["seconds"] = time.perf_counter() - start
-    return payload, skipped, stamp
+            run.add(measure(key, ceilings))
+    return run, skipped
 
 
-def finish(name: str, payload: dict, args, stamp: str) -> int:
-    path = harness.write_results(name, payload, args.out_dir, stamp)
-    print(f"\nresults: {path}  ({payload['seconds']:.0f} s)")
+def finish(run: harness.Run) -> int:
+    print(f"\nresults: {run.save()}  ({run.payload['seconds']:.0f} s)")
     return 0

@@ -1,26 +1,17 @@
-"""Shared benchmark machinery: device checks, timing, ceilings, environment, results.
+"""Shared benchmark machinery: device checks, timing, ceilings, environment, results and the run.
 
-Timing rules used by every benchmark here:
-- ``bench_ms``: median of CUDA-event timings of single calls after warm-up. With
-  ``rotate``, successive calls cycle through copies of the inputs so that L2 does not
-  keep one call's inputs for the next (``rotation_count`` says how many copies).
-- ``bench_interleaved``: the same for several functions timed in
-  turns (one call of each per round), so that drift in clocks or temperature during a run
-  does not favor whichever is timed first; the benchmarks time their providers this way.
-  ``bench_graph_interleaved``: the same on replays of one CUDA graph per function (launch
-  overhead gone).
-- ``host_overhead_us``: CPU time per call without synchronization, on a tiny problem.
-- ``sustained``: one function back to back, long enough to reach the board's power limit (the
-  state of a serving GPU), with the power and SM clock seen meanwhile.
-``time_checked`` times a benchmark's checked providers in the mode ``--timing`` picks
-(``add_timing_args``): interleaved, sustained, or both; a sustained field carries the suffix
-``_sustained`` (``ms_sustained``, ``tflops_sustained``, ...), so both modes share one row.
+Timing modes (``--timing``, docs/benchmarks.md): providers timed in turns (``bench_interleaved``),
+each alone back to back at the power limit (``sustained``), or as CUDA-graph replays in turns
+(``bench_graph_interleaved``); a mode's row fields carry its suffix (``SUFFIX``), so that the
+modes share one row.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import functools
+import importlib
 import itertools
 import json
 import math
@@ -35,9 +26,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from perf.providers import INSTALL_HINT, LIBS, needed
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "perf" / "results"
-INSTALL_HINT = "pip install -e '.[bench]'"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -58,24 +50,14 @@ def require_hopper_or_exit(*, name: str) -> None:
     raise SystemExit(2)
 
 
-# --------------------------------------------------------------------------- workloads
-
 def start_benchmark(name: str) -> None:
-    """Exit with status 2 unless the benchmark can run here; then the settings every benchmark
-    runs with: no host-synchronizing index checks inside timed calls, fp32 references in fp32,
-    and no disk cache of compiled kernels, ours or Inductor's (a first call compiles, as the
-    compile columns say)."""
+    """Exit with status 2 unless the benchmark can run here; then no host-synchronizing index checks
+    in timed calls, fp32 references in fp32, and no disk cache of compiled kernels, ours or
+    Inductor's (a first call compiles, as the compile columns say)."""
     require_hopper_or_exit(name=name)
     os.environ["IKBO_VALIDATE"] = "0"
     os.environ["CUTE_KERNELS_CACHE_DIR"] = ""
-    disable_compile_caches()
     torch.backends.cuda.matmul.allow_tf32 = False
-
-
-def disable_compile_caches() -> None:
-    """Inductor's on-disk caches off, so that a torch.compile provider's first call compiles."""
-    import importlib
-
     for module in ("torch.compiler.config", "torch._inductor.config"):  # the newer home first
         try:
             setattr(importlib.import_module(module), "force_disable_caches", True)
@@ -84,6 +66,8 @@ def disable_compile_caches() -> None:
             continue
 
 
+# --------------------------------------------------------------------------- workloads
+
 def user_counts(B: int, ratio: int, rng=None) -> list[int]:
     """Candidates per user: ``ratio`` each (``ratio`` or ``ratio + 1`` drawn from the numpy
     Generator ``rng`` when given); the last user gets the remainder. Sums to B."""
@@ -91,8 +75,7 @@ def user_counts(B: int, ratio: int, rng=None) -> list[int]:
         raise ValueError(f"need B >= 1 and ratio >= 1, got B={B}, ratio={ratio}")
     counts, left = [], B
     while left > 0:
-        c = ratio if rng is None else ratio + int(rng.integers(0, 2))
-        c = min(c, left)
+        c = min(left, ratio if rng is None else ratio + int(rng.integers(0, 2)))
         counts.append(c)
         left -= c
     return counts
@@ -112,6 +95,7 @@ def make_idx(counts: Sequence[int], order: str = "sorted", rng=None) -> torch.Te
 # --------------------------------------------------------------------------- timing
 
 def _caller(fn: Callable, rotate: Optional[Sequence]) -> tuple[Callable[[int], Any], int]:
+    """(call i, input sets): ``fn()``, or ``fn(x)`` with x cycling over ``rotate``."""
     if not rotate:
         return (lambda i: fn()), 1
     sets = list(rotate)
@@ -127,24 +111,19 @@ def bench_ms(fn: Callable, *, warmup: int = 5, rep: int = 30, rotate: Optional[S
 
 
 def _round_robin(names: list, rep: int, step: Callable[[str, int], None]) -> None:
-    """``rep`` rounds; round i runs ``step(name, i)`` for every name, starting one further along
-    each round, so no name always follows the same neighbour."""
+    """``rep`` rounds of ``step(name, i)`` for every name, each round starting one further along,
+    so that no name always follows the same neighbour."""
     for i in range(rep if names else 0):
         k = i % len(names)
         for name in names[k:] + names[:k]:
             step(name, i)
 
 
-def bench_interleaved(fns: dict, *, warmup: int = 5, rep: int = 30,
-                      rotate: Optional[Sequence] = None) -> dict:
-    """Median milliseconds of one call of each ``fns[name](x)``, timed in turns.
-
-    Every round calls each function once (CUDA events around each call), so clock, power and
-    thermal drift during the measurement fall on all of them alike. Each call, whichever the
-    function, takes the next input set of ``rotate``: no call finds in L2 the inputs the call
-    before it loaded. A function that raises is dropped from later rounds; its entry is the
-    exception.
-    """
+def bench_interleaved(fns: dict, *, warmup: int = 5, rep: int = 30, rotate: Optional[Sequence] = None) -> dict:
+    """Median ms of one call of each ``fns[name](x)``, timed in turns (a call of each per round,
+    between CUDA events) so that drift in clocks, power or heat falls on all alike; each call takes
+    the next input set of ``rotate``, so none finds its inputs in L2. A function that raises is
+    dropped from later rounds; its entry is the exception."""
     calls = {name: _caller(fn, rotate)[0] for name, fn in fns.items()}
     result: dict = {}
     count = itertools.count()
@@ -180,11 +159,11 @@ def bench_interleaved(fns: dict, *, warmup: int = 5, rep: int = 30,
 
 def bench_graph_interleaved(fns: dict, *, warmup: int = 3, rep: int = 30,
                             rotate: Optional[Sequence] = None) -> dict:
-    """As :func:`bench_interleaved`, on replays of one CUDA graph per function (one call per
-    input set in each); an entry is None when that function cannot be captured."""
+    """As ``bench_interleaved``, on replays of one CUDA graph per function (one call per input
+    set in each); an entry is None when that function cannot be captured."""
     graphs = {name: _capture(fn, rotate) for name, fn in fns.items()}
     ms = bench_interleaved({name: g[0].replay for name, g in graphs.items() if g}, warmup=warmup, rep=rep)
-    for name, t in ms.items():
+    for t in ms.values():
         if isinstance(t, BaseException):
             raise t
     return {name: ms[name] / g[1] if g else None for name, g in graphs.items()}
@@ -207,10 +186,8 @@ def _capture(fn: Callable, rotate: Optional[Sequence]):
                 call(i)
         torch.cuda.synchronize()
     except Exception:
-        try:
+        with contextlib.suppress(Exception):
             torch.cuda.synchronize()
-        except Exception:
-            pass
         return None
     return graph, n
 
@@ -255,6 +232,7 @@ def rotation_count(set_bytes: int, cache_bytes: int, *, factor: int = 3, cap: in
 
 
 def tflops(flops: float, ms: Optional[float]) -> Optional[float]:
+    """10^12 ``flops`` (or bytes) per second at ``ms`` a call."""
     if ms is None or ms <= 0:
         return None
     return flops / (ms * 1e-3) / 1e12
@@ -262,39 +240,38 @@ def tflops(flops: float, ms: Optional[float]) -> Optional[float]:
 
 # --------------------------------------------------------------------------- ceilings
 
-def cublas_ceiling_tflops(dtype: torch.dtype, n: int = 8192, *, warmup: int = 5, rep: int = 20) -> float:
+def cublas_ceiling_tflops(dtype: torch.dtype, n: int = 8192) -> float:
     """Same-run ceiling: TFLOP/s of torch.matmul on random n x n matrices."""
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
-    c = torch.empty(n, n, device="cuda", dtype=dtype)
-    ms = bench_ms(lambda: torch.matmul(a, b, out=c), warmup=warmup, rep=rep)
-    return 2.0 * n**3 / (ms * 1e-3) / 1e12
+    a, b, c = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(3))
+    return tflops(2.0 * n**3, bench_ms(lambda: torch.matmul(a, b, out=c), rep=20))
 
 
-def copy_bandwidth_tbps(nbytes: int = 2**30, *, warmup: int = 3, rep: int = 20) -> float:
+def copy_bandwidth_tbps(nbytes: int = 2**30) -> float:
     """Device-to-device copy bandwidth, counting the read and the write."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), warmup=warmup, rep=rep)
-    return 2.0 * nbytes / (ms * 1e-3) / 1e12
+    return tflops(2.0 * nbytes, bench_ms(lambda: dst.copy_(src), warmup=3, rep=20))
+
+
+def ceilings_tflops(dtype_names) -> dict:
+    """Same-run ceilings per dtype name, printed as measured: cuBLAS 8192^3 GEMM TFLOP/s, and for
+    "fp8" row-wise torch._scaled_mm (perf/fp8_peers.py)."""
+    from perf import fp8_peers
+
+    result = {}
+    for dt in dict.fromkeys(dtype_names):
+        if dt == "fp8":
+            result[dt] = fp8_peers.fp8_ceiling_tflops()
+            print(f"torch._scaled_mm fp8 row-wise 8192^3 ceiling: {result[dt]:.0f} TFLOP/s", flush=True)
+        else:
+            result[dt] = cublas_ceiling_tflops(DTYPES[dt])
+            print(f"cuBLAS {dt} 8192^3 GEMM ceiling: {result[dt]:.0f} TFLOP/s", flush=True)
+    return result
 
 
 # --------------------------------------------------------------------------- power
 
 POWER_CAP_BIT = 0x4  # nvidia-smi clocks_throttle_reasons.active: software power cap
-
-
-def parse_power_samples(text: str) -> list[tuple[float, float, int]]:
-    """(watts, SM MHz, throttle-reason bits) per line of ``nvidia-smi --format=csv,noheader,nounits``
-    output for power, SM clock and active throttle reasons; lines that do not parse are dropped."""
-    samples = []
-    for line in text.splitlines():
-        parts = [v.strip() for v in line.split(",")]
-        try:
-            samples.append((float(parts[0]), float(parts[1]), int(parts[2], 16)))
-        except (IndexError, ValueError):
-            continue
-    return samples
 
 
 @functools.lru_cache(maxsize=None)
@@ -306,8 +283,8 @@ def _power_field(index: str) -> str:
 
 
 class PowerSampler:
-    """Samples the board's power draw, SM clock and throttle reasons with nvidia-smi every
-    ``period_ms`` while the ``with`` block runs; ``samples`` holds them afterwards."""
+    """(watts, SM MHz, throttle-reason bits) from nvidia-smi every ``period_ms`` while the ``with``
+    block runs, in ``samples`` afterwards (none without nvidia-smi)."""
 
     def __init__(self, period_ms: int = 100):
         self.period_ms = period_ms
@@ -316,13 +293,12 @@ class PowerSampler:
 
     def __enter__(self) -> "PowerSampler":
         index = _smi_index()
-        power = _power_field(index)
+        query = f"--query-gpu={_power_field(index)},clocks.sm,clocks_throttle_reasons.active"
         try:
             self._proc = subprocess.Popen(
-                ["nvidia-smi", f"--id={index}", f"--query-gpu={power},clocks.sm,clocks_throttle_reasons.active",
-                 "--format=csv,noheader,nounits", "-lms", str(self.period_ms)],
+                ["nvidia-smi", f"--id={index}", query, "--format=csv,noheader,nounits", "-lms", str(self.period_ms)],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        except OSError:  # no nvidia-smi: no samples
+        except OSError:
             self._proc = None
         return self
 
@@ -331,89 +307,64 @@ class PowerSampler:
             return
         self._proc.kill()
         try:
-            out = self._proc.communicate(timeout=10)[0]
+            out = self._proc.communicate(timeout=10)[0] or ""
         except subprocess.SubprocessError:
             out = ""
-        self.samples = parse_power_samples(out or "")
-
-
-class _Marks:
-    """Points in a stream of calls: CUDA events on the GPU, wall-clock times on the CPU."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.points: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.points.append(event)
-        else:
-            self.points.append(time.perf_counter())
-
-    def wait(self, back: int) -> None:
-        """Block until the mark ``back`` places before the newest is reached."""
-        if self.cuda and len(self.points) > back:
-            self.points[-1 - back].synchronize()
-
-    def ms(self, i: int) -> float:
-        """Milliseconds from mark ``i`` to mark ``i + 1``."""
-        a, b = self.points[i], self.points[i + 1]
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+        for line in out.splitlines():
+            parts = line.split(",")
+            try:
+                self.samples.append((float(parts[0]), float(parts[1]), int(parts[2], 16)))
+            except (IndexError, ValueError):  # a line cut short by the kill
+                continue
 
 
 def sustained(fn: Callable, seconds: float, *, warm_s: float = 1.5, rotate: Optional[Sequence] = None,
               device="cuda", chunk_ms: float = 10.0, lead_s: float = 0.3, trim: int = 1) -> dict:
-    """``fn`` (``fn(x)`` for x cycling over ``rotate``) called back to back: ``warm_s`` untimed,
-    for clocks and power to settle (at the board's limit, for a heavy kernel), then ``seconds``
-    timed, with a PowerSampler started ``lead_s`` earlier, while the GPU is busy.
-
-    Calls go in chunks of about ``chunk_ms`` with a CUDA event between chunks (wall clock for
-    a CPU ``device``); the host waits on the event two chunks back, so the GPU never runs dry
-    between chunks. Returns
-      ms            median over the timed chunks of each chunk's ms per call
-      ms_mean       timed ms / timed calls
-      W, MHz        mean power and median SM clock of the samples (None without nvidia-smi),
-                    the first and last ``trim`` dropped when enough remain
-      power_capped  whether the power cap throttled the clock in any sample
-      mJ            energy per call: W x ms_mean
-      samples, calls
-    """
+    """``fn`` (``fn(x)`` for x cycling over ``rotate``) back to back: ``warm_s`` untimed, for clocks
+    and power to settle, then ``seconds`` timed in chunks of about ``chunk_ms`` between CUDA events
+    (wall clock on a CPU ``device``), the host waiting two chunks back so the GPU never runs dry.
+    Returns ms (median per call over the chunks), ms_mean, W, MHz, power_capped (from nvidia-smi
+    samples, the first and last ``trim`` dropped), mJ per call, samples and calls."""
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     call, _ = _caller(fn, rotate)
     if cuda:
         _power_field(_smi_index())  # asked now: it blocks for a while
+
+    def mark():
+        if not cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     _sync()
     start = time.perf_counter()
     call(0)  # sizes the chunks
     _sync()
-    per_call_ms = max((time.perf_counter() - start) * 1e3, 1e-3)
-    chunk = max(1, min(100_000, round(chunk_ms / per_call_ms)))
-    marks, hosts, i, sampler, first = _Marks(cuda), [], 1, None, None
+    chunk = max(1, min(100_000, round(chunk_ms / max((time.perf_counter() - start) * 1e3, 1e-3))))
+    marks, i, sampler, first = [], 1, None, None
     t_timed = time.perf_counter() + warm_s
     try:
-        marks.mark()
-        hosts.append(time.perf_counter())
+        marks.append(mark())
         while True:
             for _ in range(chunk):
                 call(i)
                 i += 1
-            marks.mark()
+            marks.append(mark())
             now = time.perf_counter()
-            hosts.append(now)
-            marks.wait(2)
+            if cuda and len(marks) > 2:
+                marks[-3].synchronize()
             if sampler is None and now >= t_timed - lead_s:
                 sampler = PowerSampler().__enter__()
             if first is None and now >= t_timed:
-                first = len(hosts) - 1  # chunks from this mark on are timed
-            if first is not None and now >= t_timed + seconds and len(hosts) - 1 > first:
+                first = len(marks) - 1  # chunks from this mark on are timed
+            if first is not None and now >= t_timed + seconds and len(marks) - 1 > first:
                 break
         _sync()
     finally:
         if sampler is not None:
             sampler.__exit__(None, None, None)
-    chunks = [marks.ms(k) for k in range(first, len(hosts) - 1)]
+    chunks = [a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in zip(marks[first:], marks[first + 1:])]
     calls = chunk * len(chunks)
     ms_mean = sum(chunks) / calls
     samples = sampler.samples if sampler is not None else []
@@ -428,9 +379,8 @@ def sustained(fn: Callable, seconds: float, *, warm_s: float = 1.5, rotate: Opti
 
 def sustained_graph(fn: Callable, seconds: float, *, warm_s: float = 1.5,
                     rotate: Optional[Sequence] = None) -> Optional[dict]:
-    """As :func:`sustained`, on back-to-back replays of one CUDA graph holding a call per input
-    set (how a serving stack that captures its model runs): ``ms`` and ``mJ`` per call. None
-    where ``fn`` cannot be captured."""
+    """``sustained`` on replays of a CUDA graph holding a call per input set (ms and mJ per call), as
+    a serving stack that captures its model runs; None where ``fn`` cannot be captured."""
     captured = _capture(fn, rotate)
     if captured is None:
         return None
@@ -483,18 +433,6 @@ def _smi_index() -> str:
     return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
 
 
-def _nvidia_smi() -> dict:
-    index = _smi_index()
-    out = _run(["nvidia-smi", f"--id={index}", f"--query-gpu={','.join(_SMI_FIELDS)}",
-                "--format=csv,noheader,nounits"])
-    if not out:
-        return {}
-    values = [v.strip() for v in out.splitlines()[0].split(",")]
-    if len(values) != len(_SMI_FIELDS):
-        return {}
-    return {f"smi.{k}": v for k, v in zip(_SMI_FIELDS, values)}
-
-
 def environment() -> dict:
     """What a result depends on: GPU, clocks, driver, library versions, commit, date."""
     env: dict[str, Any] = {
@@ -502,9 +440,7 @@ def environment() -> dict:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
-        "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
-        "flash-attn-4": _version("flash-attn-4"),
-        "fa3-fwd": _version("fa3-fwd"),
+        **{dist: _version(dist) for dist in ("nvidia-cutlass-dsl", "flash-attn-4", "fa3-fwd")},
         "gpu": None,
     }
     if torch.cuda.is_available():
@@ -513,7 +449,11 @@ def environment() -> dict:
                    sm_count=props.multi_processor_count,
                    memory_gib=round(props.total_memory / 2**30, 1),
                    l2_mib=round(getattr(props, "L2_cache_size", 0) / 2**20, 1))
-        env.update(_nvidia_smi())
+        out = _run(["nvidia-smi", f"--id={_smi_index()}", f"--query-gpu={','.join(_SMI_FIELDS)}",
+                    "--format=csv,noheader,nounits"])
+        values = [v.strip() for v in out.splitlines()[0].split(",")] if out else []
+        if len(values) == len(_SMI_FIELDS):
+            env.update({f"smi.{k}": v for k, v in zip(_SMI_FIELDS, values)})
         env["driver"] = env.get("smi.driver_version")
     # IKBO_GIT_COMMIT names the commit of a copied tree (e.g. shipped to a GPU machine), whose
     # .git may be missing or stale; it wins over what git reports.
@@ -521,8 +461,7 @@ def environment() -> dict:
     commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
     env["git_commit"] = named or commit
     if commit is not None and not named:
-        status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
-        env["git_dirty"] = bool(status)
+        env["git_dirty"] = bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT))
     return env
 
 
@@ -562,12 +501,103 @@ def write_results(name: str, payload: dict, out_dir=None, stamp: Optional[str] =
     return stamped
 
 
-def add_common_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
+class ContextLost(Exception):
+    """A sticky CUDA error: nothing more can run in this process. Carries the rows so far."""
+
+    def __init__(self, note: str, rows: list):
+        super().__init__(note)
+        self.rows = rows
+
+
+class Run:
+    """One run of a benchmark: ``start_benchmark``, the libraries its providers ``provs`` need (a
+    note for each one missing), the environment, and the JSON, written again after every step so
+    that partial results survive a crash. ``with run:`` stops at a lost CUDA context, keeping the
+    rows measured before it."""
+
+    def __init__(self, name: str, args, argv, provs, libraries: Sequence[str] = ("nvidia-cutlass-dsl",)):
+        start_benchmark(name)
+        self.name, self.out_dir, self.stamp = name, args.out_dir, utc_stamp()
+        self.timing = timing_settings(args)
+        self.notes = LIBS.load(needed(provs))
+        for note in self.notes:
+            print(f"{name}: {note}", flush=True)
+        env = self.env = environment()
+        libs = " | ".join(f"{lib} {env.get(lib)}" for lib in libraries)  # the environment in one line
+        print(f"{env.get('gpu')} | SM clock {env.get('smi.clocks.sm')} MHz (max {env.get('smi.clocks.max.sm')}) | "
+              f"driver {env.get('driver')} | torch {env['torch']} | {libs} | "
+              f"commit {str(env.get('git_commit'))[:12]}{' (dirty)' if env.get('git_dirty') else ''}", flush=True)
+        self.argv = sys.argv[1:] if argv is None else list(argv)
+
+    def begin(self, settings: dict, **fields) -> dict:
+        """The payload (``fields``, then the timing and other ``settings``); the clock starts."""
+        self.payload = {"benchmark": self.name, "argv": self.argv, "environment": self.env, **fields,
+                        "settings": {**self.timing, **settings}, "notes": self.notes, "rows": []}
+        self.start = time.perf_counter()
+        return self.payload
+
+    def note(self, text: str) -> None:
+        print(f"{self.name}: {text}", flush=True)
+        self.payload["notes"].append(text)
+
+    def save(self) -> Path:
+        return write_results(self.name, self.payload, self.out_dir, self.stamp)
+
+    def add(self, rows: list) -> None:
+        self.payload["rows"] += rows
+        self.save()
+        torch.cuda.empty_cache()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, kind, e, traceback) -> bool:
+        if isinstance(e, ContextLost):
+            self.payload["rows"] += e.rows
+            self.note(f"the CUDA context is lost after {e}; stopping (results so far are saved)")
+        self.payload["seconds"] = time.perf_counter() - self.start
+        return isinstance(e, ContextLost)
+
+
+# --------------------------------------------------------------------------- arguments
+
+TIMINGS = {"interleaved": ["interleaved"], "sustained": ["sustained"], "graph": ["graph"],
+           "both": ["interleaved", "sustained"], "all": ["interleaved", "sustained", "graph"]}  # -> modes
+SUFFIX = {"interleaved": "", "sustained": "_sustained", "graph": "_graph"}  # of a mode's row fields
+
+
+def mode_suffixes(timing: str) -> list:
+    return [SUFFIX[m] for m in TIMINGS[timing]]
+
+
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring's first paragraph as the description."""
+    return argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_common_args(ap: argparse.ArgumentParser, timing: str = "interleaved") -> None:
+    """--out-dir, --warmup, --rep, --seed, and the timing mode (default ``timing``) with its settings."""
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
                         help="where JSON (and plots) go (default: perf/results)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
-    parser.add_argument("--rep", type=int, default=30, help="timed calls (the median is reported)")
-    parser.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
+    ap.add_argument("--rep", type=int, default=30, help="timed calls (the median is reported)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timing", choices=list(TIMINGS), default=timing,
+                        help="interleaved: providers in turns, one call each per round (host time "
+                             "included where it exceeds the GPU's); sustained: each alone, back to back, at "
+                             "the power limit; graph: replays of a CUDA graph of each, in turns (no host "
+                             "time); both: interleaved and sustained; all: the three (default: %(default)s)")
+    ap.add_argument("--sustained-warmup-s", type=float, default=2.0,
+                        help="sustained: seconds back to back before timing (default: %(default)s)")
+    ap.add_argument("--sustained-s", type=float, default=1.0,
+                        help="sustained: seconds timed per provider (default: %(default)s)")
+
+
+def timing_settings(args) -> dict:
+    """The timing arguments: ``time_checked``'s keywords, and what a payload's settings record."""
+    return {"warmup": args.warmup, "rep": args.rep, "timing": args.timing,
+            "sustained_warmup_s": args.sustained_warmup_s, "sustained_s": args.sustained_s}
 
 
 # --------------------------------------------------------------------------- printing
@@ -598,48 +628,32 @@ def print_table(rows: list[dict], columns: list[str], *, file=None) -> str:
     return text
 
 
-# --------------------------------------------------------------------------- provider errors
-
-class Skip(Exception):
-    """A provider does not apply or is not available; the message says why."""
+SUSTAINED_FIELDS = ["W", "MHz"]  # printed on sustained lines
 
 
-class ContextLost(Exception):
-    """A sticky CUDA error: nothing more can run in this process. Carries the rows so far."""
-
-    def __init__(self, note: str, rows: list):
-        super().__init__(note)
-        self.rows = rows
-
-
-def print_environment(env: dict, libraries: Sequence[str] = ("nvidia-cutlass-dsl",)) -> None:
-    """One line: GPU, clocks, driver, torch and ``libraries`` versions, commit."""
-    libs = " | ".join(f"{lib} {env.get(lib)}" for lib in libraries)
-    print(f"{env.get('gpu')} | SM clock {env.get('smi.clocks.sm')} MHz (max {env.get('smi.clocks.max.sm')}) | "
-          f"driver {env.get('driver')} | torch {env['torch']} | {libs} | "
-          f"commit {str(env.get('git_commit'))[:12]}{' (dirty)' if env.get('git_dirty') else ''}", flush=True)
-
-
-def ceilings_tflops(dtype_names) -> dict:
-    """Same-run ceilings per dtype name, printed as measured: cuBLAS 8192^3 GEMM TFLOP/s, and for
-    "fp8" row-wise torch._scaled_mm (perf/fp8_peers.py)."""
-    from perf import fp8_peers
-
-    result = {}
-    for dt in dict.fromkeys(dtype_names):
-        if dt == "fp8":
-            result[dt] = fp8_peers.fp8_ceiling_tflops()
-            print(f"torch._scaled_mm fp8 row-wise 8192^3 ceiling: {result[dt]:.0f} TFLOP/s", flush=True)
-        else:
-            result[dt] = cublas_ceiling_tflops(DTYPES[dt])
-            print(f"cuBLAS {dt} 8192^3 GEMM ceiling: {result[dt]:.0f} TFLOP/s", flush=True)
-    return result
+def mode_lines(rows: list, columns: list, timed_columns: list, timing: str) -> tuple[list, list]:
+    """Lines and columns to print ``rows``: a line per row and timing mode with that mode's fields
+    under their plain names (ms, tflops, ...), the first also ``columns``; sustained lines carry W
+    and MHz, and then a "timing" column names each line's mode."""
+    modes = TIMINGS[timing]
+    cols = list(columns) + list(timed_columns)
+    if len(modes) > 1 or "sustained" in modes:
+        cols = list(columns) + ["timing"] + list(timed_columns) + (SUSTAINED_FIELDS if "sustained" in modes else [])
+    lines = []
+    for r in rows:
+        for k, mode in enumerate(modes):
+            line = {c: r.get(c) for c in columns} if k == 0 else {}
+            line["timing"] = mode
+            line.update({c: r.get(c + SUFFIX[mode]) for c in timed_columns})
+            if mode == "sustained":
+                line.update({c: r.get(c) for c in SUSTAINED_FIELDS})
+            lines.append(line)
+    return lines, cols
 
 
 def print_rows(title: str, rows: list, columns: list, timed_columns: Sequence = (),
                timing: str = "interleaved") -> None:
-    """A problem's title line, its table (``timed_columns`` once per timing mode, ``mode_lines``),
-    then each row's note."""
+    """A problem's title line, its table (``mode_lines``), then each row's note."""
     print(f"\n{title}")
     print_table(*mode_lines(rows, columns, timed_columns, timing))
     for r in rows:
@@ -647,12 +661,26 @@ def print_rows(title: str, rows: list, columns: list, timed_columns: Sequence = 
             print(f"  {row_name(r)}: {r['note']}")
 
 
-def note_lost_context(name: str, payload: dict, e: "ContextLost") -> None:
-    """Keep the rows measured before the CUDA context was lost, and say why the run stopped."""
-    payload["rows"] += e.rows
-    msg = f"the CUDA context is lost after {e}; stopping (results so far are saved)"
-    print(f"{name}: {msg}", flush=True)
-    payload["notes"].append(msg)
+# --------------------------------------------------------------------------- checking and timing providers
+
+class Skip(Exception):
+    """A provider does not apply or is not available; the message says why."""
+
+
+def short_error(e: BaseException) -> str:
+    """First line of an exception, for a table cell."""
+    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
+def context_lost(device="cuda") -> bool:
+    """True when the CUDA context no longer works (a sticky error such as an illegal address)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device=device).add_(1).item() != 2.0
+    except Exception:
+        return True
 
 
 def row_name(row: dict) -> str:
@@ -675,12 +703,10 @@ def record_failure(row: dict, e: BaseException, rows: list, device="cuda") -> No
 
 def check_providers(provs: list, p, inp, *, fields: dict, rel_error_of: Callable, tol: float,
                     skip_note: Callable, device="cuda") -> tuple[list, dict]:
-    """One row per provider (``fields`` plus its name and status), checked before any timing.
-
-    A provider is skipped when ``skip_note(prov)`` says why; otherwise it is set up
-    (``prov.setup(p, inp)``) and called once (``prov.run(p, state, inp)``, row "first_call_s",
-    compile included); ``rel_error_of(prov, out)`` is its error against the reference, or None
-    for an output not to check. Over ``tol`` the row is "wrong" and the provider is not timed.
+    """A row per provider (``fields``, its name and status), each checked before any timing:
+    skipped where ``skip_note(prov)`` says why, else set up (``prov.setup(p, inp)``) and called
+    once ("first_call_s", compile included); ``rel_error_of(prov, out)`` is its error against
+    the reference (None: not checked), past ``tol`` the row is "wrong" and not timed.
     Returns (rows, timed: name -> (row, fn(x)) for ``time_checked``)."""
     rows, timed = [], {}
     for prov in provs:
@@ -707,19 +733,15 @@ def check_providers(provs: list, p, inp, *, fields: dict, rel_error_of: Callable
 
 
 def time_checked(timed: dict, rows: list, *, warmup: int, rep: int, rotate: Optional[Sequence] = None,
-                 device="cuda", timing: str = "interleaved", warm_s: float = 2.0, seconds: float = 1.0) -> dict:
-    """Time the providers that passed their check, in the ``timing`` mode(s).
-
-    ``timed``: name -> (row, fn(x)). interleaved: in turns (``bench_interleaved``), the row's
-    "ms". sustained: each alone, one after another (``sustained`` for ``seconds`` after
-    ``warm_s``), the row's "ms_sustained", "W", "MHz", "power_capped" and "mJ". graph: replays
-    of one CUDA graph per provider holding a call per input set, in turns
-    (``bench_graph_interleaved``), the row's "ms_graph"; a provider that cannot be captured
-    gets a note instead. both: interleaved, then sustained; all: the three. A provider whose
-    call fails gets its row marked by ``record_failure`` and is left out. Returns the providers
-    timed in every mode asked for."""
+                 device="cuda", timing: str = "interleaved", sustained_warmup_s: float = 2.0,
+                 sustained_s: float = 1.0) -> dict:
+    """Time the providers that passed their check (``timed``: name -> (row, fn(x))) in each mode
+    of ``timing``: interleaved into the row's "ms"; sustained, each alone, into "ms_sustained",
+    "W", "MHz", "power_capped" and "mJ"; graph into "ms_graph" (a note where it cannot be
+    captured). A provider whose call fails gets its row marked by ``record_failure`` and is
+    left out. Returns the providers timed in every mode."""
     done = dict(timed)
-    modes = timing_modes(timing)
+    modes = TIMINGS[timing]
     if "interleaved" in modes:
         times = bench_interleaved({n: fn for n, (_, fn) in done.items()}, warmup=warmup, rep=rep, rotate=rotate)
         for name, ms in times.items():
@@ -730,7 +752,7 @@ def time_checked(timed: dict, rows: list, *, warmup: int, rep: int, rotate: Opti
     if "sustained" in modes:
         for name, (row, fn) in list(done.items()):
             try:
-                r = sustained(fn, seconds, warm_s=warm_s, rotate=rotate, device=device)
+                r = sustained(fn, sustained_s, warm_s=sustained_warmup_s, rotate=rotate, device=device)
             except Exception as e:
                 record_failure(done.pop(name)[0], e, rows, device)
                 continue
@@ -755,12 +777,10 @@ def compile_seconds(rows: list) -> None:
             r["compile_s"] = max(0.0, first - steady * 1e-3)
 
 
-def derive_rates(rows: list, timing: str, *, flops: float, ceiling: float, peers: dict,
-                 pct: str = "pct_ceiling") -> None:
+def derive_rates(rows: list, timing: str, *, flops: float, ceiling: float, peers: dict) -> None:
     """In each timing mode, for every row with a time: TFLOP/s of ``flops``, percent of the
-    ``ceiling`` TFLOP/s (field ``pct``) and, for each peer provider (name -> column in
-    ``peers``), that peer's ms / this row's ms; all with the mode's suffix, so that ratios
-    compare times of one mode."""
+    ``ceiling`` TFLOP/s and, for each peer provider (name -> column in ``peers``), that peer's
+    ms / this row's ms; all with the mode's suffix, so that ratios compare times of one mode."""
     for s in mode_suffixes(timing):
         base = {r["provider"]: r.get("ms" + s) for r in rows if r["provider"] in peers}
         for r in rows:
@@ -768,7 +788,7 @@ def derive_rates(rows: list, timing: str, *, flops: float, ceiling: float, peers
             if not ms:
                 continue
             r["tflops" + s] = tflops(flops, ms)
-            r[pct + s] = 100.0 * r["tflops" + s] / ceiling
+            r["pct_ceiling" + s] = 100.0 * r["tflops" + s] / ceiling
             for name, col in peers.items():
                 if base.get(name):
                     r[col + s] = base[name] / ms
@@ -777,9 +797,9 @@ def derive_rates(rows: list, timing: str, *, flops: float, ceiling: float, peers
 # --------------------------------------------------------------------------- torch.compile peers
 
 def torch_compiled(fn: Callable, mode: Optional[str] = None) -> Callable:
-    """``torch.compile`` of ``fn`` as a torch user would deploy it for one problem: static shapes
-    (``dynamic=False``), one whole graph (a graph break raises instead of running partly eager)
-    and Inductor's ``mode``. Build one per problem, after ``reset_compiled``."""
+    """``torch.compile`` of ``fn`` as a torch user would deploy it for one problem: static shapes,
+    one whole graph (a graph break raises instead of running partly eager) and Inductor's
+    ``mode``. Build one per problem, after ``reset_compiled``."""
     return torch.compile(fn, mode=mode, dynamic=False, fullgraph=True)
 
 
@@ -789,86 +809,3 @@ def reset_compiled() -> None:
     import torch._dynamo
 
     torch._dynamo.reset()
-
-
-# --------------------------------------------------------------------------- timing modes
-
-TIMINGS = ("interleaved", "sustained", "graph", "both", "all")
-SUFFIX = {"interleaved": "", "sustained": "_sustained", "graph": "_graph"}  # of a mode's row fields
-SUSTAINED_FIELDS = ["W", "MHz"]  # printed on sustained lines
-
-
-def check_provider_names(parser: argparse.ArgumentParser, chosen: Optional[Sequence], names: Sequence) -> None:
-    """``--providers``: every name chosen must be one of ``names`` (a parser error otherwise)."""
-    unknown = sorted(set(chosen or ()) - set(names))
-    if unknown:
-        parser.error(f"unknown provider(s) {unknown}; choose from {list(names)}")
-
-
-def add_timing_args(parser: argparse.ArgumentParser, default: str = "interleaved") -> None:
-    parser.add_argument("--timing", choices=TIMINGS, default=default,
-                        help="interleaved: providers in turns, one call each per round (host time "
-                             "included where it exceeds the GPU's); sustained: each alone, back to back, at "
-                             "the power limit; graph: replays of a CUDA graph of each, in turns (no host "
-                             "time); both: interleaved and sustained; all: the three (default: %(default)s)")
-    parser.add_argument("--sustained-warmup-s", type=float, default=2.0,
-                        help="sustained: seconds back to back before timing (default: %(default)s)")
-    parser.add_argument("--sustained-s", type=float, default=1.0,
-                        help="sustained: seconds timed per provider (default: %(default)s)")
-
-
-def timing_modes(timing: str) -> list:
-    return {"both": ["interleaved", "sustained"], "all": ["interleaved", "sustained", "graph"]}.get(timing, [timing])
-
-
-def mode_suffixes(timing: str) -> list:
-    """Suffixes of the row fields of each mode ``timing`` measures ("", "_sustained", "_graph")."""
-    return [SUFFIX[m] for m in timing_modes(timing)]
-
-
-def timing_options(args) -> dict:
-    """``time_checked``'s timing keywords from parsed arguments (``add_common_args``, ``add_timing_args``)."""
-    return {"warmup": args.warmup, "rep": args.rep, "timing": args.timing,
-            "warm_s": args.sustained_warmup_s, "seconds": args.sustained_s}
-
-
-def timing_settings(args) -> dict:
-    """What a payload's "settings" records of the timing."""
-    return {"warmup": args.warmup, "rep": args.rep, "timing": args.timing,
-            "sustained_warmup_s": args.sustained_warmup_s, "sustained_s": args.sustained_s}
-
-
-def mode_lines(rows: list, columns: list, timed_columns: list, timing: str) -> tuple[list, list]:
-    """Lines and columns to print ``rows``: one line per row and timing mode, each showing that
-    mode's fields under their plain names (ms, tflops, ...), the first line also ``columns``.
-    Sustained lines carry W and MHz, and then a "timing" column names each line's mode."""
-    modes = timing_modes(timing)
-    cols = list(columns) + list(timed_columns)
-    if len(modes) > 1 or "sustained" in modes:
-        cols = list(columns) + ["timing"] + list(timed_columns) + (SUSTAINED_FIELDS if "sustained" in modes else [])
-    lines = []
-    for r in rows:
-        for k, mode in enumerate(modes):
-            line = {c: r.get(c) for c in columns} if k == 0 else {}
-            line["timing"] = mode
-            line.update({c: r.get(c + SUFFIX[mode]) for c in timed_columns})
-            if mode == "sustained":
-                line.update({c: r.get(c) for c in SUSTAINED_FIELDS})
-            lines.append(line)
-    return lines, cols
-
-
-def short_error(e: BaseException) -> str:
-    """First line of an exception, for a table cell."""
-    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
-
-
-def context_lost(device="cuda") -> bool:
-    """True when the CUDA context no longer works (a sticky error such as an illegal address)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        torch.cuda.synchronize()
-        return torch.ones(1, device=device).add_(1).item() != 2.0
-    except Exception:
-        return True

@@ -1,9 +1,5 @@
 """Benchmark providers, declared once: a name, how to set one up and call it, and the libraries
-it needs.
-
-A benchmark lists its providers as ``Provider`` values; ``LIBS`` imports the libraries they
-need once per process and says, for a provider whose library is missing, why it is skipped.
-CPU tests put stand-ins into ``LIBS.modules`` instead of the real libraries.
+it needs, which ``LIBS`` imports once per process (CPU tests put stand-ins into ``LIBS.modules``).
 """
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, Optional, Sequence
 
-from perf.harness import INSTALL_HINT
+INSTALL_HINT = "pip install -e '.[bench]'"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,7 +122,7 @@ def test_time_checked_in_each_timing_mode(monkeypatch):
         interleaved.append(sorted(fns))
         return {name: 1.0 + i for i, name in enumerate(fns)}
 
-    def fake_sustained(fn, seconds, *, warm_s, rotate, device):
+    def fake_sustained(fn, seconds, *, warm_s, rotate, device):  # harness.sustained's signature
         sustained.append((fn(None), seconds, warm_s, rotate))
         if fn(None) == "b":
             raise RuntimeError("launch failed")
@@ -136,7 +136,7 @@ def test_time_checked_in_each_timing_mode(monkeypatch):
         rows = [{"provider": n, "status": "ok"} for n in "ab"]
         timed = {r["provider"]: (r, lambda x, n=r["provider"]: n) for r in rows}
         done = harness.time_checked(timed, rows, warmup=1, rep=1, rotate=[0, 1], device="cpu", timing=timing,
-                                    warm_s=0.5, seconds=0.25)
+                                    sustained_warmup_s=0.5, sustained_s=0.25)
         return rows, done
 
     rows, done = run("both")
@@ -172,7 +172,7 @@ def test_time_checked_graph_mode(monkeypatch):
         assert set(done) == {"a", "b"} and fields <= set(rows[0])
         assert "ms_graph" not in rows[1] and "CUDA graph" in rows[1]["note"]
     assert calls == [["a", "b"], ["a", "b"]]
-    assert harness.timing_modes("all") == ["interleaved", "sustained", "graph"]
+    assert harness.TIMINGS["all"] == ["interleaved", "sustained", "graph"]
     assert harness.mode_suffixes("graph") == ["_graph"]
     lines, cols = harness.mode_lines([{"provider": "a", "ms": 1.0, "ms_graph": 0.5}], ["provider"], ["ms"], "graph")
     assert cols == ["provider", "ms"] and lines == [{"provider": "a", "timing": "graph", "ms": 0.5}]
@@ -194,13 +194,12 @@ def test_mode_lines():
 def test_timing_arguments():
     import argparse
     ap = argparse.ArgumentParser()
-    harness.add_common_args(ap)
-    harness.add_timing_args(ap, default="both")
+    harness.add_common_args(ap, timing="both")
     args = ap.parse_args([])
     assert (args.timing, args.sustained_warmup_s, args.sustained_s) == ("both", 2.0, 1.0)
     assert harness.timing_settings(args) == {"warmup": 5, "rep": 30, "timing": "both", "sustained_warmup_s": 2.0,
                                              "sustained_s": 1.0}
-    assert harness.timing_modes("both") == ["interleaved", "sustained"] and harness.mode_suffixes("sustained") == [
+    assert harness.TIMINGS["both"] == ["interleaved", "sustained"] and harness.mode_suffixes("sustained") == [
         "_sustained"]
     with pytest.raises(SystemExit):
         ap.parse_args(["--timing", "burst"])
@@ -285,6 +284,29 @@ def test_write_results(tmp_path):
     assert "date_utc" in data["environment"] and "torch" in data["environment"]
     harness.write_results("unit", {"rows": []}, out_dir=tmp_path / "r", stamp="20260101T000001Z")
     assert json.loads(latest.read_text())["rows"] == []  # latest overwritten
+
+
+def test_run_keeps_the_rows_of_a_lost_context(monkeypatch, tmp_path, capsys):
+    """A run's JSON: the fields given, the timing settings, the rows of every step, and after a
+    lost CUDA context the rows it carried and a note why the run stopped."""
+    import argparse
+
+    monkeypatch.setattr(harness, "start_benchmark", lambda name: None)
+    args = argparse.Namespace(out_dir=tmp_path, warmup=1, rep=2, timing="both", sustained_warmup_s=0.5,
+                              sustained_s=0.25)
+    run = harness.Run("unit", args, ["--x"], [])
+    run.begin({"tol": 0.01}, ceiling_tflops={"bf16": 700.0})
+    with run:
+        run.add([{"provider": "a"}])
+        raise harness.ContextLost("b: illegal address", [{"provider": "b"}])
+    assert json.loads((tmp_path / "unit-latest.json").read_text())["rows"] == [{"provider": "a"}]  # written per step
+    data = json.loads(run.save().read_text())
+    assert list(data)[:4] == ["benchmark", "argv", "environment", "ceiling_tflops"] and data["argv"] == ["--x"]
+    assert data["settings"] == {"warmup": 1, "rep": 2, "timing": "both", "sustained_warmup_s": 0.5,
+                                "sustained_s": 0.25, "tol": 0.01}
+    assert [r["provider"] for r in data["rows"]] == ["a", "b"] and data["seconds"] >= 0
+    assert data["notes"] == ["the CUDA context is lost after b: illegal address; stopping (results so far are saved)"]
+    assert "unit: the CUDA context is lost" in capsys.readouterr().out
 
 
 def test_environment_without_gpu():
