@@ -58,12 +58,9 @@ def _poison_workspace(monkeypatch):
 
 
 def _splits(B, U, S_q, H, L):
-    from ikbo_fa.worklist import max_tiles_per_head
-
-    dense = -(-B * S_q // 128)
-    tiles = (dense + max_tiles_per_head(B, U, S_q)) // 2
-    return attention_mod.kv_splits(tiles, H, L, torch.cuda.get_device_properties(0).multi_processor_count,
-                                   SPLITS)[0]
+    """The split count the op plans under SPLITS."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return attention_mod.problem_splits(B, U, S_q, H, L, sms, SPLITS)[0]
 
 
 @pytest.mark.parametrize("order", ["sorted", "shuffled"])
