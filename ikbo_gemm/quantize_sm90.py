@@ -3,9 +3,11 @@
     x [G, R, C] (C contiguous; fp16, bf16 or fp32) -> scale [G] (fp32),
     x8 [G, R, C] ("same") or [G, C, R] ("transposed"), float8_e4m3fn
 
-with ``scale[g] = max(amax(|x[g]|), AMAX_FLOOR) / 448`` and ``x8 = e4m3(x / scale)`` (round to
-nearest even, saturated at 448): the formula of ``quantize.quantize_fp8_reference``, which the
-op's other layouts run (it takes these constants from here).
+with ``scale[g] = max(amax(|x[g]|), AMAX_FLOOR) * fp32(1 / 448)`` and
+``x8 = e4m3(x * (1 / scale))`` (the reciprocal rounded once per group, each product rounded,
+then to nearest even, saturated at 448): the formula of ``quantize.quantize_fp8_reference``,
+which the op's other layouts run (it takes these constants from here), bit for bit: every step
+is one correctly rounded fp32 operation, on the CPU as on the GPU.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-12  # the smallest amax a scale is taken from
+INV_FP8_MAX = 1 / FP8_MAX  # a scale is amax times this, rounded to fp32 (as torch rounds the scalar)
 
 
 class QuantizeSm90:
@@ -27,16 +30,16 @@ class QuantizeSm90:
       1. amax: the CTA's threads read x[g] along its contiguous columns, each keeping the
          largest |x| it saw (NaN wins, as torch.amax), then a butterfly over each warp's lanes
          and one shared-memory slot per warp; every thread reduces the slots itself;
-      2. scale: max(amax, AMAX_FLOOR) / 448 (NaN stays NaN; thread 0 writes it);
-      3. the values again (from L2 or L1: the group was read just before), divided by the
-         scale (IEEE division, as torch's), converted with cvt.rn.satfinite (e4m3), stored:
+      2. scale: max(amax, AMAX_FLOOR) * (1 / 448) (NaN stays NaN; thread 0 writes it);
+      3. the values again (from L2 or L1: the group was read just before), times the
+         scale's reciprocal, converted with cvt.rn.satfinite (e4m3), stored:
          "same": row by row, as read; "transposed": through shared memory in 32 x 32 tiles,
          read along x's columns and written along the output's rows (x8[g, c, r]), both
          coalesced.
     Step 3 reads x again: from L2 while the groups in flight fit there (rows of linear's x: a
-    few KB each), from DRAM where they do not (lce's e at the published shape: 872 x 256 bf16,
-    446 KB a group, up to 8 CTAs an SM). Keeping a group in the shared memory of a cluster, its
-    amax reduced across it, would read such groups once; not done.
+    few KB each), from DRAM where they do not. ``quantize_fp8`` runs this kernel only for the
+    groups ``QuantizeStagedSm90`` (which reads x once) does not take: groups under 2 KB, over
+    what a cluster's shared memory holds, or not 16 bytes apart.
     """
 
     THREADS = 256
@@ -79,36 +82,24 @@ class QuantizeSm90:
         for r in cutlass.range(n_rows, unroll=1):
             for c in cutlass.range(tidx, n_cols, self.THREADS, unroll=1):
                 v = Float32(mX[g, r, c])
-                amax = _max_nan(amax, v if v >= Float32(0.0) else -v)
-        amax = self.cta_max(amax, sAmax, tidx)
-        scale = _max_nan(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
+                amax = max_nan(amax, v if v >= Float32(0.0) else -v)
+        amax = cta_max(amax, sAmax, tidx, self.warps)
+        scale = max_nan(amax, Float32(AMAX_FLOOR)) * Float32(INV_FP8_MAX)
         if tidx == 0:
             mScale[g] = scale
+        inv = Float32(1.0) / scale
 
         if const_expr(self.transposed):
             sTile = storage.tile.get_tensor(cute.make_layout((self.TILE, self.TILE), stride=(self.TILE + 1, 1)))
-            self.store_transposed(mX, mX8, sTile, g, scale, n_rows, n_cols, tidx)
+            self.store_transposed(mX, mX8, sTile, g, inv, n_rows, n_cols, tidx)
         else:
             for r in cutlass.range(n_rows, unroll=1):
                 for c in cutlass.range(tidx, n_cols, self.THREADS, unroll=1):
-                    mX8[g, r, c] = _to_fp8(Float32(mX[g, r, c]) / scale)
+                    mX8[g, r, c] = _to_fp8(Float32(mX[g, r, c]) * inv)
 
     @cute.jit
-    def cta_max(self, v: Float32, sAmax, tidx) -> Float32:
-        """The CTA's largest ``v`` (NaN if any thread has one), in every thread."""
-        for i in cutlass.range_constexpr(5):
-            v = _max_nan(v, cute.arch.shuffle_sync_bfly(v, offset=1 << i))
-        if tidx % 32 == 0:
-            sAmax[tidx // 32] = v
-        cute.arch.sync_threads()
-        m = sAmax[0]
-        for w in cutlass.range_constexpr(1, self.warps):
-            m = _max_nan(m, sAmax[w])
-        return m
-
-    @cute.jit
-    def store_transposed(self, mX, mX8, sTile, g, scale: Float32, n_rows, n_cols, tidx):
-        """x8[g, c, r] = e4m3(x[g, r, c] / scale), tile by tile through shared memory (its rows
+    def store_transposed(self, mX, mX8, sTile, g, inv: Float32, n_rows, n_cols, tidx):
+        """x8[g, c, r] = e4m3(x[g, r, c] * inv), tile by tile through shared memory (its rows
         padded by one word: the transposed reads hit 32 banks)."""
         lane = tidx % self.TILE
         row = tidx // self.TILE
@@ -124,12 +115,27 @@ class QuantizeSm90:
                     c = c0 + row + j * self.tile_rows
                     r = r0 + lane
                     if (r < n_rows) & (c < n_cols):
-                        mX8[g, c, r] = _to_fp8(sTile[lane, row + j * self.tile_rows] / scale)
+                        mX8[g, c, r] = _to_fp8(sTile[lane, row + j * self.tile_rows] * inv)
                 cute.arch.sync_threads()
 
 
 @cute.jit
-def _max_nan(a: Float32, b: Float32) -> Float32:
+def cta_max(v: Float32, sAmax, tidx, warps: int) -> Float32:
+    """The CTA's largest ``v`` (NaN if any thread has one), in every thread: a butterfly over
+    each warp's lanes, then one shared-memory slot per warp (``sAmax``), reduced by every thread."""
+    for i in cutlass.range_constexpr(5):
+        v = max_nan(v, cute.arch.shuffle_sync_bfly(v, offset=1 << i))
+    if tidx % 32 == 0:
+        sAmax[tidx // 32] = v
+    cute.arch.sync_threads()
+    m = sAmax[0]
+    for w in cutlass.range_constexpr(1, warps):
+        m = max_nan(m, sAmax[w])
+    return m
+
+
+@cute.jit
+def max_nan(a: Float32, b: Float32) -> Float32:
     """max(a, b), NaN if either is (fmax would drop it)."""
     return a if (a > b) | (a != a) else b
 

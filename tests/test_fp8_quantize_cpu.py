@@ -7,7 +7,8 @@ import torch
 
 from fp8_inputs import assert_fp8_layout
 from ikbo_gemm import quantize_fp8
-from ikbo_gemm.quantize import AMAX_FLOOR, FP8_MAX, quantize_fp8_reference
+from ikbo_gemm.quantize import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, quantize_fp8_reference
+from ikbo_gemm.quantize_staged_sm90 import STAGE_BYTES
 
 FP8 = torch.float8_e4m3fn
 
@@ -61,7 +62,7 @@ def test_zero_rows_keep_a_finite_nonzero_scale_and_nan_stays_in_its_row():
     x[2, 3] = float("nan")
     x[3, 5] = float("inf")
     x8, scale = quantize_fp8(x)
-    assert scale[1] == AMAX_FLOOR / FP8_MAX and not x8[1].float().any()
+    assert scale[1] == torch.tensor(AMAX_FLOOR) * INV_FP8_MAX and not x8[1].float().any()
     assert scale[2].isnan() and scale[3].isinf()
     deq = x8.float() * scale[:, None]
     assert deq[2:].isnan().all() and deq[:2].isfinite().all()
@@ -110,15 +111,47 @@ def _emulated_kernel(dtype, transposed):
     return run
 
 
+def _emulated_staged(dtype, transposed, stage_bytes):
+    """QuantizeStagedSm90's contract on CPU tensors, chunk by chunk as its CTAs hold them: each
+    CTA's chunk must fit its stage, and the chunks together must cover the group."""
+    def run(args):
+        G, E = args.x.shape
+        C, chunk, ctas = args.cols, args.chunk, args.ctas
+        assert args.x.dtype == dtype and args.x.is_contiguous() and 1 <= ctas <= 8
+        assert chunk % (16 * C if transposed else 16) == 0 and chunk * args.x.element_size() <= stage_bytes
+        assert ctas * chunk >= E and (ctas - 1) * chunk < E  # every group covered, no CTA idle
+        xf = args.x.float()
+        amax = torch.stack([xf[:, r * chunk:(r + 1) * chunk].abs().amax(dim=1) for r in range(ctas)], 1)
+        scale = amax.amax(dim=1).where(~amax.isnan().any(dim=1), float("nan"))
+        scale = scale.clamp_min(AMAX_FLOOR) * INV_FP8_MAX
+        args.scale.copy_(scale)
+        q = (xf * scale[:, None].reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        if not transposed:
+            assert args.x8.shape == (G, E) and args.x8.is_contiguous()
+            args.x8.copy_(q)
+            return
+        R = E // C
+        assert args.x8.shape == (G, C, -(-R // 16) * 16) and args.x8.is_contiguous()
+        args.x8.zero_()  # the kernel stores zeros in the rows' padding
+        args.x8[..., :R] = q.view(G, R, C).transpose(1, 2)
+    return run
+
+
 @pytest.mark.parametrize("shape, dim, layout, kernel", [
-    ((7, 33), -1, "same", True),
-    ((3, 5, 9), -1, "same", True),  # rows of a 3-D x
-    ((5, 9, 12), (1, 2), "transposed", True),  # lce's e
-    ((5, 9, 12), (1, 2), "same", True),
-    ((0, 9, 12), (1, 2), "transposed", True),  # no candidates: nothing launched
-    ((6, 20), None, "same", True),  # one group
-    ((5, 9, 12), -1, "transposed", False),  # rows, transposed: the reference
-    ((6, 20), 0, "same", False),  # columns: the reference
+    ((7, 33), -1, "same", "two-pass"),  # rows of 33: e4m3 rows not 16 bytes apart
+    ((7, 48), -1, "same", "two-pass"),  # rows of 96 bytes: below MIN_STAGED_BYTES
+    ((7, 1024), -1, "same", "staged"),
+    ((3, 5, 1040), -1, "same", "staged"),  # rows of a 3-D x
+    ((5, 9, 12), (1, 2), "transposed", "two-pass"),  # 108 bf16 values: groups not 16 bytes apart
+    ((5, 64, 16), (1, 2), "transposed", "staged"),  # lce's e
+    ((5, 64, 16), (1, 2), "same", "staged"),
+    ((3, 872, 256), (1, 2), "transposed", "staged"),  # lce's e at the published K_cand: a cluster
+    ((2, 1184, 256), (1, 2), "transposed", "staged"),
+    ((2, 3000, 256), (1, 2), "transposed", "two-pass"),  # 1.5 MB a group: no cluster holds it
+    ((0, 9, 16), (1, 2), "transposed", None),  # no candidates: nothing launched
+    ((6, 20), None, "same", "two-pass"),  # one group of 120 values
+    ((5, 9, 12), -1, "transposed", None),  # rows, transposed: the reference
+    ((6, 20), 0, "same", None),  # columns: the reference
 ])
 def test_gpu_path_host_side(shape, dim, layout, kernel, monkeypatch):
     import contextlib
@@ -129,15 +162,37 @@ def test_gpu_path_host_side(shape, dim, layout, kernel, monkeypatch):
     monkeypatch.setattr(quantize, "on_gpu", lambda x: True)
     monkeypatch.setattr(quantize, "require_sm90", lambda device, op: None)
     monkeypatch.setattr(quantize, "on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(quantize, "quantize_kernel",
-                        lambda dtype, transposed: launched.append(transposed) or _emulated_kernel(dtype, transposed))
-    x = torch.randn(shape, dtype=torch.bfloat16)
+    monkeypatch.setattr(quantize, "quantize_kernel", lambda dtype, transposed: launched.append(
+        ("two-pass", transposed)) or _emulated_kernel(dtype, transposed))
+    monkeypatch.setattr(quantize, "quantize_staged_kernel", lambda dtype, transposed, stage_bytes: launched.append(
+        ("staged", transposed)) or _emulated_staged(dtype, transposed, stage_bytes))
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g).mul(4).to(torch.bfloat16)
     x8, scale = quantize_fp8(x, dim=dim, layout=layout)
     r8, rscale = quantize_fp8_reference(x, dim=dim, layout=layout)
     assert x8.shape == r8.shape and scale.shape == rscale.shape and x8.stride() == r8.stride()
     assert_fp8_layout(x8, layout)
     assert torch.equal(x8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(scale, rscale)
-    assert launched == ([layout == "transposed"] if kernel and shape[0] else [])
+    assert launched == ([(kernel, layout == "transposed")] if kernel else [])
+
+
+@pytest.mark.parametrize("G, R, C, elt, transposed, plan", [
+    (2048, 1, 1024, 2, False, (16384, 1, 1024)),  # linear's x rows: one CTA each, small stages
+    (2048, 1, 8192, 2, False, (16384, 1, 8192)),
+    (2048, 1, 8192, 4, False, (57344, 1, 8192)),
+    (64, 1, 200000, 2, False, (57344, 8, 25008)),
+    (1024, 872, 256, 2, True, (57344, 8, 112 * 256)),  # lce's e, published K_cand and K_user
+    (1024, 1184, 256, 2, True, (114688, 8, 160 * 256)),
+    (16384, 1, 512, 2, False, None),  # 1 KB rows: the two-pass kernel
+    (1024, 1184, 256, 4, True, None),  # 1.2 MB a group
+    (8, 1, 1000, 2, False, None),  # e4m3 rows 1000 bytes apart
+    (8, 7, 3, 2, True, None),  # 42 bytes a group
+])
+def test_staged_plan(G, R, C, elt, transposed, plan):
+    from ikbo_gemm.quantize import staged_plan
+
+    assert staged_plan(G, R, C, elt, transposed, data_ptr=256) == plan
+    assert staged_plan(G, R, C, elt, transposed, data_ptr=264) is None  # x not 16-byte aligned
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -148,5 +203,26 @@ def test_kernel_compiles_for_sm90a(dtype, transposed):
     kernel = compile_quantize(dtype, transposed, keep_ptx=True, ptxas_report=True)
     assert ".target sm_90a" in kernel.ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.ptx  # round to nearest even, saturated
-    assert "div.rn.f32" in kernel.ptx  # IEEE division, as torch's
+    # the scale's reciprocal correctly rounded, then products, as the reference: no division
+    assert kernel.ptx.count("rcp.rn.f32") == 1 and "div.rn.f32" not in kernel.ptx
     assert "shfl.sync.bfly" in kernel.ptx and kernel.spill_bytes == 0
+
+
+@pytest.mark.parametrize("stage_bytes", STAGE_BYTES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("transposed", [False, True], ids=["same", "transposed"])
+def test_staged_kernel_compiles_for_sm90a(dtype, transposed, stage_bytes):
+    import re
+
+    from ikbo_gemm.quantize_staged_sm90 import compile_quantize_staged
+
+    kernel = compile_quantize_staged(dtype, transposed, stage_bytes, keep_ptx=True, ptxas_report=True)
+    ptx = kernel.ptx
+    assert ".target sm_90a" in ptx and kernel.spill_bytes == 0
+    assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == 1  # x read once
+    assert "st.async" in ptx and "mapa" in ptx and "barrier.cluster.wait" in ptx  # amax across the cluster
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the two-pass kernel's formula
+    assert ptx.count("rcp.rn.f32") == 1 and "div.rn.f32" not in ptx
+    # x8 leaves in 16-byte stores, the stage is read in 16-byte vectors for the amax
+    assert re.findall(r"st\.global\.v4\.b32", ptx) and not re.findall(r"st\.global\.(u8|b8|v2)", ptx)
+    assert re.findall(r"ld\.shared\.v4", ptx)

@@ -1,6 +1,6 @@
 """The SASS of kernel configurations, compiled for sm_90a (no GPU needed), for comparing builds.
 
-    python -m tools.sass_digest write DIR [--ops lce linear attention worklist merge] [--all]
+    python -m tools.sass_digest write DIR [--ops lce linear attention worklist merge quantize] [--all]
     python -m tools.sass_digest compare DIR_BEFORE DIR_AFTER [--params]
 
 ``write`` compiles each configuration, disassembles its cubin with cuobjdump (a CUDA toolkit's,
@@ -80,6 +80,17 @@ def _configs(ops, everything: bool):
         for dt in (torch.bfloat16, torch.float16):
             for lse in (False, True):
                 yield f"merge-{str(dt)[6:]}{'-lse' if lse else ''}", lambda dt=dt, lse=lse: compile_merge(dt, lse)
+    if "quantize" in ops:
+        from ikbo_gemm.quantize_sm90 import compile_quantize
+        from ikbo_gemm.quantize_staged_sm90 import STAGE_BYTES, compile_quantize_staged
+
+        for dt in (torch.bfloat16, torch.float16, torch.float32) if everything else (torch.bfloat16,):
+            for layout in ("same", "transposed"):
+                tr = layout == "transposed"
+                yield f"quantize-{str(dt)[6:]}-{layout}", lambda dt=dt, tr=tr: compile_quantize(dt, tr)
+                for stage in STAGE_BYTES:
+                    yield (f"quantize-staged-{str(dt)[6:]}-{layout}-{stage // 1024}k",
+                           lambda dt=dt, tr=tr, stage=stage: compile_quantize_staged(dt, tr, stage))
 
 
 def _sass(cubin: bytes, cuobjdump: str) -> str:
@@ -157,8 +168,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write")
     w.add_argument("dir", type=Path)
-    w.add_argument("--ops", nargs="+", default=["lce", "linear", "attention", "worklist", "merge"],
-                   choices=["lce", "linear", "attention", "worklist", "merge"])
+    w.add_argument("--ops", nargs="+", default=["lce", "linear", "attention", "worklist", "merge", "quantize"],
+                   choices=["lce", "linear", "attention", "worklist", "merge", "quantize"])
     w.add_argument("--all", action="store_true", help="every shipped configuration")
     c = sub.add_parser("compare")
     c.add_argument("before", type=Path)
