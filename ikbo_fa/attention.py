@@ -551,24 +551,35 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: t
 
 
 def problem_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms: int,
-                   policy: AttentionPolicy = DEFAULT_POLICY) -> tuple:
+                   policy: AttentionPolicy = DEFAULT_POLICY, total_keys: Optional[int] = None) -> tuple:
     """``kv_splits`` of a KV-broadcast problem: ``batch`` candidates of ``users`` users, ``s_q``
-    queries each, rows of up to ``keys`` keys. Tiles per head lie between the dense count and its
-    bound (a partly filled tile per user): the plan takes their mean."""
+    queries each, rows of up to ``keys`` keys (``total_keys`` together, where the rows are jagged).
+    Tiles per head lie between the dense count and its bound (a partly filled tile per user): the
+    plan takes their mean."""
     tiles = (-(-batch * s_q // 128) + max_tiles_per_head(batch, users, s_q)) // 2
-    return kv_splits(tiles, heads, keys, sms, policy)
+    uneven = None
+    if total_keys is not None and policy.split_by_total_keys and total_keys < users * keys:
+        uneven = (users, total_keys)
+    return kv_splits(tiles, heads, keys, sms, policy, uneven)
 
 
-def kv_splits(tiles: int, heads: int, keys: int, sms: int, policy: AttentionPolicy = DEFAULT_POLICY) -> tuple:
+def kv_splits(tiles: int, heads: int, keys: int, sms: int, policy: AttentionPolicy = DEFAULT_POLICY,
+              uneven: Optional[tuple] = None) -> tuple:
     """(splits, keys per split) for a KV-broadcast problem of about ``tiles`` tiles per head
     whose rows have up to ``keys`` keys: where the tiles fill at most half the SMs, each row's
     keys go over as many CTAs as fill them, each with at least ``policy.split_min_keys`` keys.
-    With ``policy.split_by_cost``, the split count of least ``split_cost`` instead."""
+    With ``policy.split_by_cost``, the split count of least ``split_cost`` instead; for ``uneven``
+    = (rows, their total keys), the fewer of that and the count of least ``uneven_split_cost``:
+    split only as far as both see a gain (on the H100 that took the faster of the two counts at
+    each of seven jagged shapes timed, docs/perf/2026-12-06-attention-uneven-splits.md)."""
     work = max(1, tiles * heads)
     if not policy.split_kv:
         return 1, 0
     if policy.split_by_cost:
         n = min(range(1, MAX_SPLITS + 1), key=lambda n: (split_cost(work, keys, sms, n, policy), n))
+        if uneven is not None:
+            n = min(n, min(range(1, MAX_SPLITS + 1),
+                           key=lambda n: (uneven_split_cost(work, *uneven, keys, sms, n, policy), n)))
     else:
         n = 1 if 2 * work > sms else min(sms // work, keys // policy.split_min_keys, MAX_SPLITS)
     if n < 2:
@@ -588,6 +599,22 @@ def split_cost(work: int, keys: int, sms: int, n: int, policy: AttentionPolicy =
     rounds = -(-work * n // sms)
     merge = 0 if n == 1 else policy.pair_merge_blocks if n == 2 and policy.split_pair else policy.merge_blocks
     return rounds * (-(-blocks // n) + policy.tile_blocks) + merge
+
+
+def uneven_split_cost(work: int, rows: int, total_keys: int, keys: int, sms: int, n: int,
+                      policy: AttentionPolicy = DEFAULT_POLICY) -> float:
+    """``split_cost`` where ``rows`` rows of up to ``keys`` keys hold ``total_keys`` together and
+    ``work`` tiles share them evenly: each tile's row is cut into pieces of keys / n keys (a short
+    row stays whole), and the busiest SM holds at least the mean of every piece's key blocks and
+    fixed cost, and at least the longest piece (the walk takes the longest first)."""
+    if n > 1 and keys // n < policy.split_min_keys:
+        return math.inf
+    piece = -(-(-(-keys // 128)) // n)  # key blocks of a full piece
+    per_row = work / rows  # tiles over one row's keys
+    pieces = per_row * (rows + total_keys / (piece * 128))  # a row's pieces: at most one past its share
+    mean = (per_row * total_keys / 128 + pieces * policy.tile_blocks) / sms
+    merge = 0 if n == 1 else policy.pair_merge_blocks if n == 2 and policy.split_pair else policy.merge_blocks
+    return max(mean, piece + policy.tile_blocks) + merge
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -636,7 +663,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
     n_splits, split_keys = 1, 0
     if p.direction == "kv" and (not p.jagged or max_kv_len is not None):
         n_splits, split_keys = problem_splits(p.batch, p.broadcast_batch, p.s_q, p.heads, p.kv_len,
-                                              sm_count(device), policy)
+                                              sm_count(device), policy, p.total_kv if p.jagged else None)
     n_users = p.broadcast_batch
     use_worklist_kernel = (p.direction == "kv" and work_list is None and policy.worklist_kernel
                            and _worklist_fits(n_users))

@@ -36,6 +36,12 @@ class AttentionPolicy:
     # 309 against 248 with lognormal lengths; S_q 4 to 16 at L 8192 6-12% faster; the S_q sweep at
     # L 1024 and the rest of it at L 8192 within 1%: docs/perf/2026-12-06-attention-split-by-cost.md.
     split_by_cost: bool = True
+    # With split_by_cost over jagged K/V (kv_offsets), also cost the splits from the rows' total
+    # keys (the packed K/V's first dimension, known without a sync), not only as if every row had
+    # max_kv_len keys, and take the fewer splits. On the H100 (B 2048, ratio 64, H 2, L 8192,
+    # CUDA graphs): S_q 4 to 16 1.21x to 1.47x faster, eight users of lognormal histories (B 4096,
+    # H 4) 340 against 306 TFLOP/s, the same counts at L 1024: docs/perf/2026-12-06-attention-uneven-splits.md.
+    split_by_total_keys: bool = True
     # KV broadcast over padded K/V: K/V blocks per CTA that the forward kernel prefetches into L2
     # while the work list runs (the first blocks its first tiles read; 0: none; at most
     # MAX_PREFETCH_BLOCKS). 2: on the H100 (S_q sweep, B 2048, ratio 64, H 2, graph) 21.0 against

@@ -454,6 +454,37 @@ def test_default_split_costs():
     assert all(splits(2048, 32, 64, 2, keys) == 1 for keys in (512, 1024, 2048))
 
 
+def test_uneven_split_cost():
+    """Rows of uneven length: the mean over the SMs of every piece, or the longest piece, plus
+    the merge; a row shorter than a piece stays one piece."""
+    policy = AttentionPolicy(tile_blocks=1, pair_merge_blocks=1, merge_blocks=2)
+    cost = attention_mod.uneven_split_cost
+    # 64 tiles over 32 rows of 4,096 keys on average (8,192 at most): the longest piece bounds it
+    assert cost(64, 32, 32 * 4096, 8192, 132, 1, policy) == 64 + 1
+    assert cost(64, 32, 32 * 4096, 8192, 132, 4, policy) == 16 + 1 + 2
+    # 1,056 tiles: the mean bounds it (two tiles a row, 2 * 32 blocks each, plus a piece's cost)
+    mean = (1056 / 32 * 32 * 4096 / 128 + 1056 / 32 * (32 + 32 * 4096 / 8192) * 1) / 132
+    assert cost(1056, 32, 32 * 4096, 8192, 132, 1, policy) == pytest.approx(mean)
+    assert cost(64, 32, 32 * 4096, 1024, 132, 4, policy) == float("inf")  # splits of 256 keys
+
+
+def test_default_splits_of_jagged_rows():
+    """Jagged K/V (the rows' total keys given): the fewer of the count split_cost takes for rows of
+    max_kv_len keys and the count of least uneven_split_cost; the seven shapes timed on the H100."""
+    splits = lambda batch, users, s_q, heads, keys, total, policy=DEFAULT_POLICY: attention_mod.problem_splits(
+        batch, users, s_q, heads, keys, 132, policy, total)[0]
+    old = AttentionPolicy(split_by_total_keys=False)
+    assert DEFAULT_POLICY.split_by_total_keys
+    uniform, lognormal = 129159, 58843  # 32 rows of up to 8,192 keys
+    assert [splits(2048, 32, s_q, 2, 8192, uniform) for s_q in (1, 4, 16)] == [2, 2, 1]
+    assert [splits(2048, 32, s_q, 2, 8192, uniform, old) for s_q in (1, 4, 16)] == [2, 4, 2]
+    assert [splits(2048, 32, s_q, 2, 8192, lognormal) for s_q in (1, 16)] == [2, 1]
+    assert splits(4096, 8, 1, 4, 32768, 43579) == 6 and splits(4096, 8, 1, 4, 32768, 43579, old) == 8
+    assert splits(10400, 8, 1, 6, 32768, 43579) == 1
+    # rows all max_kv_len long, or no total given: as padded rows
+    assert splits(2048, 32, 4, 2, 8192, 32 * 8192) == splits(2048, 32, 4, 2, 8192, None) == 4
+
+
 @pytest.mark.parametrize("n_splits", [2, 3])
 def test_merge_splits_is_attention_over_all_keys(n_splits):
     """Partial (out, lse) over key ranges merge into attention over all keys; a row with no key

@@ -121,6 +121,28 @@ def test_graph_replay_follows_new_idx_and_offsets():
     _check(out, lse, ref, ref_lse, ~empty)
 
 
+@pytest.mark.parametrize("s_q, default, old", [(16, 1, 2), (4, 2, 4)])
+def test_jagged_rows_split_by_their_total_keys(s_q, default, old):
+    """32 users of 64 candidates, rows of 1 to 8,192 keys (about half on average): the default
+    splits by the packed K/V's total keys (fewer splits than rows all 8,192 long would take), and
+    gives attention over all keys under both counts."""
+    g = torch.Generator().manual_seed(67 + s_q)
+    lengths = torch.randint(1, 8193, (32,), generator=g).tolist()
+    lengths[0] = 8192
+    kv, offsets = _jagged(lengths, 2, 128, 67 + s_q)
+    idx = _idx([64] * 32, 67 + s_q)
+    q = torch.randn(len(idx), s_q, 2, 128, generator=g).bfloat16().cuda()
+    kw = dict(kv_offsets=offsets, max_kv_len=8192)
+    rule = ikbo_fa.AttentionPolicy(split_by_total_keys=False)
+    assert _splits(q, kv, idx, **kw) == default and _splits(q, kv, idx, policy=rule, **kw) == old
+    ref, ref_lse = ikbo_fa.attention_reference(q.float(), tuple(t.float() for t in kv), idx, return_lse=True, **kw)
+    keep = torch.ones(len(idx), dtype=torch.bool, device="cuda")
+    for policy in (ikbo_fa.DEFAULT_POLICY, rule):
+        out = torch.full_like(q, NAN)
+        o, lse = ikbo_fa.attention(q, kv, idx, out=out, return_lse=True, policy=policy, **kw)
+        _check(o, lse, ref, ref_lse, keep)
+
+
 @pytest.mark.parametrize("shape", [(32, 64, 1, 1024), (8, 64, 1, 16384)], ids=["pair", "workspace"])
 def test_same_bits_every_run(shape):
     """Shuffled idx: the work list's order within a user may change from run to run; a split pair
