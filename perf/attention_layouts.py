@@ -4,7 +4,7 @@ per-candidate padding the materializing peers gather."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -13,23 +13,18 @@ import torch
 PAGE_SIZE = 128
 
 
-# --------------------------------------------------------------------------- page table
-
-@dataclasses.dataclass
-class PageTable:
+class PageTable(NamedTuple):
     pages: torch.Tensor  # int32 [B, pages per user]: candidate b -> pages of user idx[b]
     seqused_k: Optional[torch.Tensor]  # int32 [B] = L when L is not a multiple of the page
-    page_size: int
 
 
 def build_page_table(idx: torch.Tensor, L: int, page_size: int = PAGE_SIZE) -> PageTable:
     """Row b lists the pages of user idx[b] in K/V stored as [U * n, page_size, H, D]."""
     n = -(-L // page_size)
     pages = (idx.long()[:, None] * n + torch.arange(n, device=idx.device)[None, :]).to(torch.int32)
-    seqused = None
-    if L % page_size:
-        seqused = torch.full((idx.numel(),), L, dtype=torch.int32, device=idx.device)
-    return PageTable(pages.contiguous(), seqused, page_size)
+    seqused = None if L % page_size == 0 else torch.full((idx.numel(),), L, dtype=torch.int32,
+                                                         device=idx.device)
+    return PageTable(pages.contiguous(), seqused)
 
 
 def to_pages(x: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
@@ -38,9 +33,7 @@ def to_pages(x: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
     U, L, H, D = x.shape
     n = -(-L // page_size)
     if n * page_size != L:
-        padded = x.new_zeros(U, n * page_size, H, D)
-        padded[:, :L] = x
-        x = padded
+        x = torch.cat([x, x.new_zeros(U, n * page_size - L, H, D)], dim=1)
     return x.reshape(U * n, page_size, H, D)
 
 
@@ -49,8 +42,6 @@ def run_paged(varlen_fn: Callable, q, k_pages, v_pages, table: PageTable, scale:
     return varlen_fn(q, k_pages, v_pages, page_table=table.pages, seqused_k=table.seqused_k,
                      softmax_scale=scale)[0]
 
-
-# --------------------------------------------------------------------------- varlen packing
 
 @dataclasses.dataclass
 class Packing:
@@ -64,10 +55,8 @@ class Packing:
     q_rows: Optional[torch.Tensor] = None
 
     def to(self, device) -> "Packing":
-        def move(t):
-            return None if t is None else t.to(device)
-        return dataclasses.replace(self, order=move(self.order), cu_seqlens_q=self.cu_seqlens_q.to(device),
-                                   cu_seqlens_k=self.cu_seqlens_k.to(device), q_rows=move(self.q_rows))
+        return Packing(*(t.to(device) if isinstance(t, torch.Tensor) else t
+                         for t in vars(self).values()))
 
 
 def build_varlen_packing(idx: torch.Tensor, num_users: int, S_q: int, L: int,
@@ -77,7 +66,6 @@ def build_varlen_packing(idx: torch.Tensor, num_users: int, S_q: int, L: int,
     packed keys when ``kv_offsets`` [U + 1] is given (jagged; max_seqlen_k is then the longest)."""
     idx = idx.long()
     is_sorted = bool((idx[1:] >= idx[:-1]).all()) if idx.numel() > 1 else True
-    order = None if is_sorted else torch.argsort(idx, stable=True)
     counts = torch.bincount(idx, minlength=num_users)
     cu_q = torch.zeros(num_users + 1, dtype=torch.int32, device=idx.device)
     cu_q[1:] = torch.cumsum(counts * S_q, 0)
@@ -86,14 +74,14 @@ def build_varlen_packing(idx: torch.Tensor, num_users: int, S_q: int, L: int,
     else:
         cu_k = kv_offsets.to(torch.int32)
         max_k = int((cu_k[1:] - cu_k[:-1]).max())
+    order = None if is_sorted else torch.argsort(idx, stable=True)
     return Packing(order, cu_q, cu_k, int(counts.max()) * S_q, max_k)
 
 
 def build_candidate_packing(idx: torch.Tensor, kv_offsets: torch.Tensor, S_q: int) -> Packing:
     """Q broadcast, jagged K/V per candidate: sequence b = the S_q queries of user idx[b]
     (copied per candidate) against candidate b's keys kv_offsets[b]:kv_offsets[b + 1]."""
-    B = idx.numel()
-    cu_q = torch.arange(B + 1, dtype=torch.int32, device=idx.device) * S_q
+    cu_q = torch.arange(idx.numel() + 1, dtype=torch.int32, device=idx.device) * S_q
     cu_k = kv_offsets.to(torch.int32)
     return Packing(None, cu_q, cu_k, S_q, int((cu_k[1:] - cu_k[:-1]).max()), q_rows=idx.long())
 
@@ -101,24 +89,15 @@ def build_candidate_packing(idx: torch.Tensor, kv_offsets: torch.Tensor, S_q: in
 def pack_queries(q: torch.Tensor, packing: Packing) -> torch.Tensor:
     """[B, S_q, H, D] -> [B * S_q, H, D] grouped by user (a view when idx is sorted); with
     ``q_rows``, [U, S_q, H, D] per user -> [B * S_q, H, D] per candidate (a copy)."""
-    if packing.q_rows is not None:
-        q = q.index_select(0, packing.q_rows)
-    elif packing.order is not None:
-        q = q.index_select(0, packing.order)
+    rows = packing.order if packing.q_rows is None else packing.q_rows
+    q = q if rows is None else q.index_select(0, rows)
     return q.reshape(-1, *q.shape[2:])
-
-
-def unpack_outputs(o: torch.Tensor, packing: Packing, B: int, S_q: int) -> torch.Tensor:
-    """[B * S_q, H, D] grouped by user -> [B, S_q, H, D] in candidate order."""
-    o = o.view(B, S_q, *o.shape[1:])
-    if packing.order is None:
-        return o
-    return torch.empty_like(o).index_copy_(0, packing.order, o)
 
 
 def run_varlen(varlen_fn: Callable, q, k, v, packing: Packing, scale: float):
     """q [B, S_q, H, D] per candidate (or [U, S_q, H, D] with ``q_rows``); k, v [U, L, H, D]
-    per user, passed as [U * L, H, D] views, or already packed [total keys, H, D] (jagged)."""
+    per user, passed as [U * L, H, D] views, or already packed [total keys, H, D] (jagged).
+    Returns [B, S_q, H, D] in candidate order."""
     if k.dim() == 4:
         k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
     o = varlen_fn(pack_queries(q, packing), k, v,
@@ -126,11 +105,9 @@ def run_varlen(varlen_fn: Callable, q, k, v, packing: Packing, scale: float):
                   max_seqlen_q=packing.max_seqlen_q, max_seqlen_k=packing.max_seqlen_k,
                   softmax_scale=scale)
     o = o[0] if isinstance(o, tuple) else o  # FA4 returns (out, lse), FA3 out alone
-    S_q = q.shape[1]
-    return unpack_outputs(o, packing, o.shape[0] // S_q, S_q)
+    o = o.view(-1, q.shape[1], *o.shape[1:])
+    return o if packing.order is None else torch.empty_like(o).index_copy_(0, packing.order, o)
 
-
-# --------------------------------------------------------------------------- padding (jagged)
 
 def padded_gather(kv_offsets: torch.Tensor, rows: torch.Tensor, max_len: int) -> tuple:
     """Per-candidate K/V padded to ``max_len`` keys, from packed rows: candidate b reads K/V row
@@ -139,6 +116,5 @@ def padded_gather(kv_offsets: torch.Tensor, rows: torch.Tensor, max_len: int) ->
     offsets = kv_offsets.long()
     start, n = offsets[rows], offsets[rows + 1] - offsets[rows]
     pos = torch.arange(max_len, device=offsets.device)[None, :]
-    mask = pos < n[:, None]
     gather = start[:, None] + torch.minimum(pos, (n - 1).clamp(min=0)[:, None])
-    return gather, mask
+    return gather, pos < n[:, None]

@@ -17,7 +17,7 @@ from perf.attention_layouts import (
     run_varlen, to_pages,
 )
 from perf.attention_workload import Inputs, Problem
-from perf.harness import Skip
+from perf.harness import Skip, per_problem
 from perf.providers import LIBS, Provider
 
 PEER = "peer"  # tag of the FA varlen providers: a row's best peer is the fastest of them
@@ -43,29 +43,26 @@ def _check_room(p: Problem, inp: Inputs) -> None:
             raise Skip(f"materialized tensors need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
 
 
+@per_problem
 def _padding(p: Problem) -> tuple:
-    """Jagged: (gather [B, max_len], key mask [B, max_len]) on the device, built once per problem."""
-    if "padding" not in p.cache:
-        rows = p.idx.long() if p.broadcast == "kv" else torch.arange(p.B, device=p.idx.device)
-        p.cache["padding"] = padded_gather(p.kv_offsets, rows, p.max_len)
-    return p.cache["padding"]
+    """Jagged: (gather [B, max_len], key mask [B, max_len]) on the device."""
+    rows = p.idx.long() if p.broadcast == "kv" else torch.arange(p.B, device=p.idx.device)
+    return padded_gather(p.kv_offsets, rows, p.max_len)
 
 
+@per_problem
 def _materialized(p: Problem, inp: Inputs) -> Inputs:
-    """Per-candidate q, k, v: the broadcast side copied with idx (built once per problem); jagged,
-    K/V padded to the longest length, with the key mask."""
-    if "materialized" not in p.cache:
-        _check_room(p, inp)
-        idx = p.idx.long()
-        if p.jagged is not None:
-            gather, mask = _padding(p)
-            q = inp.q if p.broadcast == "kv" else inp.q[idx]
-            p.cache["materialized"] = Inputs(q, inp.k[gather], inp.v[gather], key_mask=mask)
-        elif p.broadcast == "kv":
-            p.cache["materialized"] = Inputs(inp.q, inp.k[idx], inp.v[idx])
-        else:
-            p.cache["materialized"] = Inputs(inp.q[idx], inp.k, inp.v)
-    return p.cache["materialized"]
+    """Per-candidate q, k, v: the broadcast side copied with idx; jagged, K/V padded to the
+    longest length, with the key mask."""
+    _check_room(p, inp)
+    idx = p.idx.long()
+    if p.jagged is not None:
+        gather, mask = _padding(p)
+        q = inp.q if p.broadcast == "kv" else inp.q[idx]
+        return Inputs(q, inp.k[gather], inp.v[gather], key_mask=mask)
+    if p.broadcast == "kv":
+        return Inputs(inp.q, inp.k[idx], inp.v[idx])
+    return Inputs(inp.q[idx], inp.k, inp.v)
 
 
 def _materialize_into(p: Problem, buf: Inputs, inp: Inputs) -> Inputs:
@@ -149,17 +146,11 @@ def _compiled_sdpa_setup(p: Problem, inp: Inputs):
     return harness.torch_compiled(materialize_sdpa(p.broadcast, p.scale)), padding
 
 
-def _compiled_sdpa_run(p: Problem, st, inp: Inputs):
-    fn, padding = st
-    return fn(inp.q, inp.k, inp.v, p.idx, *padding)
-
-
 def _paged_setup(p: Problem, inp: Inputs):
     _kv_only(p, "the page table")
     _dense_only(p, "the page table")
-    table = build_page_table(p.idx, p.L)
     pages = None if p.L % PAGE_SIZE == 0 else (to_pages(inp.k), to_pages(inp.v))  # padded copy
-    return table, pages
+    return build_page_table(p.idx, p.L), pages
 
 
 def _paged_run(p: Problem, st, inp: Inputs):
@@ -168,27 +159,23 @@ def _paged_run(p: Problem, st, inp: Inputs):
     return run_paged(LIBS.get("fa4").flash_attn_varlen_func, inp.q, kp, vp, table, p.scale)
 
 
-def _packing(p: Problem, inp: Inputs):
-    if p.jagged is not None and p.broadcast == "q":
-        return build_candidate_packing(p.idx_cpu, p.kv_offsets_cpu, p.S_q).to(inp.q.device)
-    _kv_only(p, "varlen packing")
-    return build_varlen_packing(p.idx_cpu, p.U, p.S_q, p.L, kv_offsets=p.kv_offsets_cpu).to(inp.q.device)
-
-
 def _fa_varlen_setup(lib: str, **kw) -> Callable:
     """The setup of FA varlen of library ``lib`` ("fa4" or "fa3", with its keywords ``kw``): the
     function and the packing, built once, untimed."""
     def setup(p: Problem, inp: Inputs):
         if lib == "fa3" and p.dtype == torch.float16:
             raise Skip("FA3's forward (fa3-fwd) takes bf16 only, no fp16")
-        fn = LIBS.get(lib).flash_attn_varlen_func
-        return (functools.partial(fn, **kw) if kw else fn), _packing(p, inp)
+        fn = functools.partial(LIBS.get(lib).flash_attn_varlen_func, **kw)
+        if p.jagged is not None and p.broadcast == "q":
+            return fn, build_candidate_packing(p.idx_cpu, p.kv_offsets_cpu, p.S_q).to(inp.q.device)
+        _kv_only(p, "varlen packing")
+        packing = build_varlen_packing(p.idx_cpu, p.U, p.S_q, p.L, kv_offsets=p.kv_offsets_cpu)
+        return fn, packing.to(inp.q.device)
     return setup
 
 
 def _fa_varlen_run(p: Problem, st, inp: Inputs):
-    fn, packing = st
-    return run_varlen(fn, inp.q, inp.k, inp.v, packing, p.scale)
+    return run_varlen(st[0], inp.q, inp.k, inp.v, st[1], p.scale)
 
 
 def _ikbo_setup(policy=None, work_list: bool = False) -> Callable:
@@ -241,7 +228,8 @@ def providers() -> list:
         Provider("fa4 materialize+kernel", _fa4_materialized_setup,
                  lambda p, st, i: _fa4_dense(_materialize_into(p, st, i), p.scale), needs=("fa4",)),
         Provider("sdpa materialized", _materialized, _sdpa_materialized),
-        Provider("torch.compile materialize+sdpa", _compiled_sdpa_setup, _compiled_sdpa_run),
+        Provider("torch.compile materialize+sdpa", _compiled_sdpa_setup,
+                 lambda p, st, i: st[0](i.q, i.k, i.v, p.idx, *st[1])),
         Provider("ikbo", _ikbo_setup(), _ikbo_run, needs=("ikbo_fa",)),
         Provider("ikbo, work list reused", _ikbo_setup(work_list=True), _ikbo_run, needs=("ikbo_fa",)),
     ]

@@ -21,37 +21,22 @@ from perf.harness import DTYPES, make_idx, user_counts
 CHECK_SAMPLE = 32  # random candidates checked besides the first and the last
 
 
-# --------------------------------------------------------------------------- key lengths (jagged)
-
-def _uniform(n, L, rng, median):
-    return rng.integers(1, L + 1, size=n)
-
-
-def _lognormal(n, L, rng, median):
-    return np.ceil(rng.lognormal(mean=math.log(median or L / 8), sigma=1.0, size=n))
-
-
-def _exponential(n, L, rng, median):
-    return np.ceil(rng.exponential(L / 4, size=n))
-
-
 def _zipf(n, L, rng, median):
     cdf = np.cumsum(1.0 / np.arange(1, L + 1))
     return np.searchsorted(cdf / cdf[-1], rng.random(n), side="right") + 1
 
 
-def _equal(n, L, rng, median):
-    return np.full(n, L)
-
-
 # name -> (draw(n, L, rng, median), what it draws); every draw is then clipped to [1, L]
 LENGTHS = {
-    "uniform": (_uniform, "uniform on [1, L]"),
-    "lognormal": (_lognormal, "ceil(lognormal(median L/8, sigma 1)) clipped to [1, L]: a heavy tail, "
-                              "about 2% at L; lognormal:M has median M"),
-    "exponential": (_exponential, "ceil(exponential(mean L/4)) clipped to [1, L]"),
+    "uniform": (lambda n, L, rng, median: rng.integers(1, L + 1, size=n), "uniform on [1, L]"),
+    "lognormal": (lambda n, L, rng, median: np.ceil(rng.lognormal(math.log(median or L / 8), 1, n)),
+                  "ceil(lognormal(median L/8, sigma 1)) clipped to [1, L]: a heavy tail, about 2% "
+                  "at L; lognormal:M has median M"),
+    "exponential": (lambda n, L, rng, median: np.ceil(rng.exponential(L / 4, size=n)),
+                    "ceil(exponential(mean L/4)) clipped to [1, L]"),
     "zipf": (_zipf, "P(len = k) proportional to 1/k on [1, L]: mostly short, median about sqrt(L)"),
-    "equal": (_equal, "every row L keys, as kv_offsets: the padded layout's keys, jagged"),
+    "equal": (lambda n, L, rng, median: np.full(n, L),
+              "every row L keys, as kv_offsets: the padded layout's keys, jagged"),
 }
 
 
@@ -87,8 +72,6 @@ def kv_offsets_of(lengths: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{int(offsets[-1])} keys in all: past int32 offsets")
     return offsets.to(torch.int32)
 
-
-# --------------------------------------------------------------------------- workload
 
 def attention_flops(B: int, H: int, S_q: int, L: int, D: int) -> int:
     """QK^T and PV: 2 GEMMs of 2 S_q L D FLOPs per candidate and head."""
@@ -154,7 +137,7 @@ class Problem:
 
     def fields(self) -> dict:
         return {"B": self.B, "ratio": self.ratio, "U": self.U, "S_q": self.S_q, "L": self.L,
-                "H": self.H, "D": self.D, "dtype": _dtype_name(self.dtype),
+                "H": self.H, "D": self.D, "dtype": {v: k for k, v in DTYPES.items()}[self.dtype],
                 "broadcast": self.broadcast, "order": self.order, "jagged": self.jagged,
                 "total_keys": self.total_keys, "max_len": self.max_len,
                 "mean_len": self.total_keys / self.kv_rows, "gflop": self.flops / 1e9}
@@ -172,10 +155,6 @@ class Inputs:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.k, self.v))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}[dtype]
 
 
 def make_problem(B, ratio, S_q, L, H, D, dtype, broadcast, order, rng, device="cuda",
@@ -211,8 +190,6 @@ def kv_row(p: Problem, inp: Inputs, r: int) -> tuple:
     start, end = int(p.kv_offsets_cpu[r]), int(p.kv_offsets_cpu[r + 1])
     return inp.k[start:end], inp.v[start:end]
 
-
-# --------------------------------------------------------------------------- reference check
 
 def check_candidates(B: int, rng, n: int = CHECK_SAMPLE) -> torch.Tensor:
     """The first and the last candidate plus a random sample, sorted (int64, CPU)."""

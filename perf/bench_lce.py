@@ -20,11 +20,13 @@ import torch
 from perf import gemm_bench, harness
 from perf.fp8_peers import FP8, dequantize, pad16, quantize_rows, rows_16_apart, scaled_mm
 from perf.gemm_bench import DTYPES, GemmProvider as Provider, no_setup, torch_path, w_cat
+from perf.harness import per_problem
 from perf.providers import LIBS, select
 
 NAME = "bench_lce"
 IKBO = ("ikbo_gemm.lce",)  # what the ikbo providers need
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
+ROTATIONS = 8  # copies of the activations at most: each is large
 PUBLISHED = {"B": 1024, "ratio": 70, "M": 433, "N": 256, "K_user": 1184, "K_cand": 872}
 SWEEPS = {"B": [256, 512, 1024, 2048, 4096], "ratio": [2, 5, 10, 30, 70, 200, 1000, 10000]}
 SPEEDUP_COLUMNS = {"torch materialize+bmm": "x_mat_bmm", "torch bmm": "x_bmm",
@@ -33,7 +35,10 @@ FP8_SPEEDUP_COLUMNS = {"fp8 materialize+scaled_mm": "x_fp8_mat", "fp8 decomposit
                        "torch.compile fp8 decomposition": "x_fp8_compiled", "fp8 scaled_mm floor": "x_fp8_floor",
                        "fp8 scaled_mm floor, per-tensor": "x_fp8_floor_pt",
                        "ikbo fused": "x_ikbo_bf16"}
+TIMED_COLUMNS = ["ms", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values(),
+                 *FP8_SPEEDUP_COLUMNS.values()]  # per timing mode
 AUTOTUNE_MODE = "max-autotune-no-cudagraphs"
+AUTOTUNE_NOTE = "max-autotune compiles for tens of seconds: at the published shape only (--max-autotune all)"
 
 
 def lce_flops(M: int, N: int, B: int, U: int, K_user: int, K_cand: int) -> int:
@@ -59,7 +64,6 @@ class LceProblem(gemm_bench.GemmProblem):
 class Fp8Operands:
     """The operands in e4m3: w with one scale per row, e K-major ([B, N, K], as ikbo_gemm.lce
     takes it) with one per batch entry, and e again with K padded to 16 for _scaled_mm."""
-
     w_cand: torch.Tensor  # [M, K_cand]
     w_user: torch.Tensor
     e_cand: torch.Tensor  # [B, N, K_cand]
@@ -88,9 +92,6 @@ class Fp8Operands:
         ec_pt, sec_pt = quantize_rows(pad16(pad16(e_cand.transpose(1, 2).contiguous()), 1), dim=(0, 1, 2))
         return Fp8Operands(wc, wu, ec, eu, swc, swu, sec, seu, pad16(pad16(ec), 1), pad16(pad16(eu), 1),
                            sec.repeat_interleave(n16), seu.repeat_interleave(n16), wc_pt, swc_pt, ec_pt, sec_pt)
-
-    def scales(self) -> dict:
-        return {n: getattr(self, n) for n in ("w_cand_scale", "w_user_scale", "e_cand_scale", "e_user_scale")}
 
     def clone_activations(self) -> "Fp8Operands":
         e = {n: getattr(self, n).clone() for n in ("e_cand", "e_user", "e_cand16", "e_user16", "e_cand16_pt")}
@@ -160,8 +161,6 @@ def reference_output(p: LceProblem, inp: LceInputs, chunk: int = 256, user_side:
     return out
 
 
-# --------------------------------------------------------------------------- providers
-
 def _materialize(p: LceProblem, inp: LceInputs) -> torch.Tensor:
     return torch.cat([inp.e_user[p.idx], inp.e_cand], dim=1)  # [B, K_user + K_cand, N]
 
@@ -193,8 +192,6 @@ def _ours(schedule: str) -> Callable:
     return run
 
 
-# --------------------------------------------------------------------------- FP8 providers
-
 def fp8_batched_gemm(w8, sw, e16, se16, n: int) -> torch.Tensor:
     """bf16 [M, b, n]: w8 @ e[i].T for every batch entry i as one row-wise _scaled_mm, e16 [b, N16, K16]
     the rows of its B operand, ``se16`` [b N16] their scales."""
@@ -209,12 +206,11 @@ def fp8_decomposition(wc8, swc, wu8, swu, ec16, sec16, eu16, seu16, idx, n: int)
     return out.add_(user.index_select(1, idx)).permute(1, 0, 2)
 
 
+@per_problem
 def _fp8_weights(p: LceProblem, i: LceInputs) -> tuple:
     """(w_cand8, scale, w_user8, scale), K padded to 16, once per problem (static weights)."""
-    if "w8" not in p.cache:
-        q = i.fp8
-        p.cache["w8"] = (pad16(q.w_cand), q.w_cand_scale, pad16(q.w_user), q.w_user_scale)
-    return p.cache["w8"]
+    q = i.fp8
+    return pad16(q.w_cand), q.w_cand_scale, pad16(q.w_user), q.w_user_scale
 
 
 def _fp8_decomposition_args(p: LceProblem, w, i: LceInputs) -> tuple:
@@ -231,11 +227,10 @@ def quantized_cat(p: LceProblem, e_user: torch.Tensor, e_cand: torch.Tensor) -> 
     return e16, scale.repeat_interleave(e16.shape[1])
 
 
+@per_problem
 def _fp8_cat_weight(p: LceProblem, i: LceInputs) -> tuple:
-    if "w8_cat" not in p.cache:
-        w8, sw = quantize_rows(w_cat(p, i))
-        p.cache["w8_cat"] = (pad16(w8), sw)
-    return p.cache["w8_cat"]
+    w8, sw = quantize_rows(w_cat(p, i))
+    return pad16(w8), sw
 
 
 def fp8_cat_reference(p: LceProblem, i: LceInputs) -> torch.Tensor:
@@ -264,7 +259,8 @@ def _fp8_floor_per_tensor(p: LceProblem, st, i: LceInputs) -> torch.Tensor:
 def _ours_fp8(quantize: bool) -> Callable:
     def run(p: LceProblem, st, i: LceInputs) -> torch.Tensor:
         q, op = i.fp8, LIBS.get(IKBO[0])
-        scales = q.scales()
+        scales = {n: getattr(q, n) for n in ("w_cand_scale", "w_user_scale", "e_cand_scale",
+                                             "e_user_scale")}
         e_cand, e_user = q.e_cand, q.e_user
         if quantize:
             (e_cand, scales["e_cand_scale"]), (e_user, scales["e_user_scale"]) = (
@@ -276,19 +272,7 @@ def _ours_fp8(quantize: bool) -> Callable:
 def providers(fp8: bool = False) -> list:
     """In check order: torch first, ours last (a failure there cannot spoil the baselines); with
     ``fp8`` the FP8 providers too."""
-    fp8_torch = [
-        Provider("fp8 materialize+scaled_mm", _fp8_cat_weight, _fp8_cat, fp8="cat"),
-        torch_path("fp8 decomposition", fp8_decomposition, _fp8_decomposition_args, _fp8_weights, fp8="operands"),
-        torch_path("torch.compile fp8 decomposition", fp8_decomposition, _fp8_decomposition_args, _fp8_weights,
-                   compiled=True, fp8="operands"),
-        Provider("fp8 scaled_mm floor", _fp8_weights, _fp8_floor, fp8="operands", floor=True),
-        Provider("fp8 scaled_mm floor, per-tensor", no_setup, _fp8_floor_per_tensor, fp8="per_tensor", floor=True),
-    ] if fp8 else []
-    fp8_ours = [
-        Provider("ikbo fp8", no_setup, _ours_fp8(False), needs=IKBO, fp8="operands"),
-        Provider("ikbo fp8 + quantize", no_setup, _ours_fp8(True), needs=IKBO, fp8="operands"),
-    ] if fp8 else []
-    return [
+    provs = [
         Provider("torch materialize+bmm", w_cat, lambda p, w, i: torch.matmul(w, _materialize(p, i))),
         Provider("torch bmm", lambda p, i: (w_cat(p, i), _materialize(p, i)), lambda p, st, i: torch.matmul(*st)),
         torch_path("torch decomposition", decomposition, _decomposition_args),
@@ -297,14 +281,19 @@ def providers(fp8: bool = False) -> list:
                    compiled=True, mode=AUTOTUNE_MODE, max_autotune=True),
         torch_path("torch.compile materialize+bmm", materialize_bmm, lambda p, w, i: (w, i.e_cand, i.e_user, p.idx),
                    w_cat, compiled=True),
-        *fp8_torch,
+        Provider("fp8 materialize+scaled_mm", _fp8_cat_weight, _fp8_cat, fp8="cat"),
+        torch_path("fp8 decomposition", fp8_decomposition, _fp8_decomposition_args, _fp8_weights, fp8="operands"),
+        torch_path("torch.compile fp8 decomposition", fp8_decomposition, _fp8_decomposition_args, _fp8_weights,
+                   compiled=True, fp8="operands"),
+        Provider("fp8 scaled_mm floor", _fp8_weights, _fp8_floor, fp8="operands", floor=True),
+        Provider("fp8 scaled_mm floor, per-tensor", no_setup, _fp8_floor_per_tensor, fp8="per_tensor", floor=True),
         Provider("ikbo two_launch", no_setup, _ours("two_launch"), needs=IKBO),
         Provider("ikbo fused", no_setup, _ours("fused"), needs=IKBO),
-        *fp8_ours,
+        Provider("ikbo fp8", no_setup, _ours_fp8(False), needs=IKBO, fp8="operands"),
+        Provider("ikbo fp8 + quantize", no_setup, _ours_fp8(True), needs=IKBO, fp8="operands"),
     ]
+    return [pr for pr in provs if fp8 or not pr.fp8]
 
-
-# --------------------------------------------------------------------------- configurations and the run
 
 def build_configs(args) -> tuple[list, dict]:
     """Unique (B, ratio, dtype) in run order, and group name -> its keys."""
@@ -343,10 +332,12 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-TIMED_COLUMNS = ["ms", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values(),
-                 *FP8_SPEEDUP_COLUMNS.values()]  # per timing mode
-AUTOTUNE_NOTE = "max-autotune compiles for tens of seconds: at the published shape only (--max-autotune all)"
-CHECK = {"reference": reference_output, "cat_reference": fp8_cat_reference}  # gemm_bench.check_providers'
+def _key(r: dict) -> tuple:
+    return r["B"], r["ratio"], r["dtype"]
+
+
+BENCH = gemm_bench.GemmBench(NAME, make_inputs, reference_output, fp8_cat_reference, SPEEDUP_COLUMNS,
+                              FP8_SPEEDUP_COLUMNS, TIMED_COLUMNS, ROTATIONS)
 
 
 @torch.no_grad()  # inference: no autograd bookkeeping in any provider
@@ -357,37 +348,24 @@ def main(argv=None) -> int:
     provs = select(providers(fp8=any(k[2] == "fp8" for k in keys)), args.providers)
     published = set(groups.get("published", []))
 
-    def measure(key, ceilings) -> list:
-        B, ratio, dt = key
-        p = make_problem(B, ratio, DTYPES[dt], shape)
-        skip = {} if key in published or args.max_autotune == "all" else {
-            pr.name: AUTOTUNE_NOTE for pr in provs if pr.max_autotune}
-        rows = gemm_bench.run_problem(p, make_inputs(p, torch.Generator(device=DEVICE).manual_seed(args.seed)),
-                                      provs, args, ceilings[dt], skip=skip, device=DEVICE, **CHECK,
-                                      peers=gemm_bench.peer_columns(p.dtype, SPEEDUP_COLUMNS, FP8_SPEEDUP_COLUMNS))
-        f = p.fields()
-        harness.print_rows(f"B={f['B']} ratio={f['ratio']} (U={f['U']}) M={f['M']} N={f['N']} K_user={f['K_user']} "
-                           f"K_cand={f['K_cand']} {f['dtype']}  [{p.flops / 1e9:.1f} GFLOP; x_* = that torch "
-                           f"provider's ms / this ms, in the same timing]", rows, gemm_bench.COLUMNS, TIMED_COLUMNS,
-                           args.timing)
-        return rows
+    def problem_of(key) -> tuple:
+        everywhere = key in published or args.max_autotune == "all"
+        skip = {} if everywhere else {pr.name: AUTOTUNE_NOTE for pr in provs if pr.max_autotune}
+        return make_problem(key[0], key[1], DTYPES[key[2]], shape), skip
 
-    run, skipped = gemm_bench.run(NAME, args, argv, provs, keys, [k[2] for k in keys], published, measure,
-                                  shape=shape, settings={"max_autotune": args.max_autotune})
+    run, skipped = gemm_bench.run(BENCH, DEVICE, args, argv, provs, keys,
+                                  [k[2] for k in keys], published, problem_of, shape=shape,
+                                  settings={"max_autotune": args.max_autotune})
     for B, ratio, dt in skipped:
         run.note(f"time budget of {args.budget_s:.0f} s spent: skipped B={B} ratio={ratio} {dt}")
+    rows = run.payload["rows"]
     for name, ks in groups.items():  # the sweeps: TFLOP/s of each provider at each point
-        sel = [r for r in run.payload["rows"] if (r["B"], r["ratio"], r["dtype"]) in set(ks)]
-        for mode in harness.TIMINGS[args.timing] if sel and name != "published" else []:
+        if name == "published" or not any(_key(r) in ks for r in rows):
+            continue
+        for mode in harness.TIMINGS[args.timing]:
             print(f"\n{name}: TFLOP/s, {mode}")
-            table = []
-            for k in ks:
-                line = {"B": k[0], "ratio": k[1]}
-                for r in sel:
-                    if (r["B"], r["ratio"], r["dtype"]) == k:
-                        ok = r["status"] == "ok"
-                        line[r["provider"]] = r.get("tflops" + harness.SUFFIX[mode]) if ok else r["status"]
-                table.append(line)
+            table = harness.point_table(rows, ks, _key, "tflops" + harness.SUFFIX[mode],
+                                        lambda k: {"B": k[0], "ratio": k[1]})
             harness.print_table(table, ["B", "ratio"] + [pr.name for pr in provs])
     return gemm_bench.finish(run)
 

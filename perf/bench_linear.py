@@ -24,13 +24,15 @@ import torch
 import torch.nn.functional as F
 
 from perf import gemm_bench, harness
-from perf.fp8_peers import FP8, dequantize, pad16, padded_scale, quantize_rows, scaled_mm
+from perf.fp8_peers import FP8, dequantize, pad16, quantize_rows, scaled_mm
 from perf.gemm_bench import DTYPES, GemmProvider as Provider, no_setup, torch_path, w_cat
+from perf.harness import per_problem
 from perf.providers import LIBS
 
 NAME = "bench_linear"
 IKBO = ("ikbo_gemm.linear",)  # what the ikbo providers need
 DEVICE = "cuda"  # a CPU dry run of the whole script swaps it (tests)
+ROTATIONS = 1024  # the inputs are small: enough copies that 3x L2 lies between two uses of one
 K_PAIRS = [(512, 512), (1024, 2048), (4096, 4096)]  # (K_user, K_cand)
 GROUPS = {
     "headline": {"B": [2048, 8192], "ratio": [70], "K": K_PAIRS, "N": [1024, 4096],
@@ -40,7 +42,9 @@ GROUPS = {
     "grid": {"B": [512, 2048, 8192], "ratio": [10, 70, 1000], "K": K_PAIRS, "N": [256, 1024, 4096],
              "dtype": ["bf16", "fp16"], "activation": ["relu", "none"]},
 }
-ACTIVATIONS = ["none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid"]
+ACTIVATIONS = {"none": lambda x: x, "relu": torch.relu, "gelu": F.gelu,
+               "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "silu": F.silu,
+               "sigmoid": torch.sigmoid}
 OURS = "ikbo linear"
 OURS_FP8 = "ikbo linear fp8"
 # Extra providers: the op under launch-plan rules it leaves off (linear.PlanRules), by the
@@ -62,17 +66,9 @@ def linear_flops(B: int, U: int, N: int, K_user: int, K_cand: int) -> int:
 
 def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
     """``activation`` (a name of ACTIVATIONS) applied to ``x``."""
-    if activation == "none":
-        return x
-    if activation == "relu":
-        return torch.relu(x)
-    if activation in ("gelu", "gelu_tanh"):
-        return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
-    if activation == "silu":
-        return F.silu(x)
-    if activation == "sigmoid":
-        return torch.sigmoid(x)
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    return ACTIVATIONS[activation](x)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -107,9 +103,6 @@ class Fp8Operands:
     def of(x_cand, x_user, w_cand, w_user) -> "Fp8Operands":
         (xc, sxc), (xu, sxu), (wc, swc), (wu, swu) = map(quantize_rows, (x_cand, x_user, w_cand, w_user))
         return Fp8Operands(xc, xu, wc, wu, sxc, sxu, swc, swu)
-
-    def scales(self) -> dict:
-        return {n: getattr(self, n) for n in ("x_cand_scale", "x_user_scale", "w_cand_scale", "w_user_scale")}
 
 
 @dataclasses.dataclass
@@ -165,8 +158,6 @@ def reference_output(p: LinearProblem, inp: LinearInputs, user_side: bool = True
     return activate(out, p.activation)
 
 
-# --------------------------------------------------------------------------- providers
-
 def decomposition(x_cand, x_user, idx, w_cand, w_user, bias, activation: str) -> torch.Tensor:
     user = F.linear(x_user, w_user)  # [U, N]
     out = F.linear(x_cand, w_cand, bias)  # [B, N]
@@ -180,10 +171,6 @@ def _decomposition_args(p: LinearProblem, st, i: LinearInputs) -> tuple:
 def _cat_linear(p: LinearProblem, w: torch.Tensor, i: LinearInputs) -> torch.Tensor:
     x = torch.cat([i.x_user.index_select(0, p.idx), i.x_cand], dim=1)  # [B, K_user + K_cand]
     return activate(F.linear(x, w, i.bias), p.activation)
-
-
-def _floor(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
-    return activate(torch.addmm(i.bias, i.x_cand, i.w_cand.T), p.activation)
 
 
 def _act(p: LinearProblem) -> Optional[str]:
@@ -203,8 +190,6 @@ def _ours(p: LinearProblem, op, i: LinearInputs) -> torch.Tensor:
     return op(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, activation=_act(p), validate=False)
 
 
-# --------------------------------------------------------------------------- FP8 providers
-
 def fp8_decomposition(xc8, sxc, xu8, sxu, idx, wc8, swc, wu8, swu, bias, n: int, activation: str) -> torch.Tensor:
     """Two row-wise _scaled_mm (operands padded to 16), gather, add, bias, activation."""
     user = scaled_mm(xu8, sxu, wu8, swu, n)  # [U, N] bf16
@@ -212,13 +197,12 @@ def fp8_decomposition(xc8, sxc, xu8, sxu, idx, wc8, swc, wu8, swu, bias, n: int,
     return activate(out + user.index_select(0, idx) + bias, activation)
 
 
+@per_problem
 def _fp8_weights(p: LinearProblem, i: LinearInputs) -> tuple:
     """(w_cand8, w_user8, their scales): K and N padded to 16, once per problem (static weights)."""
-    if "w8" not in p.cache:
-        q, n16 = i.fp8, -(-p.N // 16) * 16
-        p.cache["w8"] = (pad16(pad16(q.w_cand), 0), pad16(pad16(q.w_user), 0),
-                         padded_scale(q.w_cand_scale, n16), padded_scale(q.w_user_scale, n16))
-    return p.cache["w8"]
+    q = i.fp8
+    return (pad16(pad16(q.w_cand), 0), pad16(pad16(q.w_user), 0),
+            pad16(q.w_cand_scale, value=1.0), pad16(q.w_user_scale, value=1.0))
 
 
 def _fp8_decomposition_args(p: LinearProblem, w, i: LinearInputs) -> tuple:
@@ -233,12 +217,11 @@ def quantized_cat(p: LinearProblem, x_user: torch.Tensor, x_cand: torch.Tensor) 
     return quantize_rows(pad16(torch.cat([x_user.index_select(0, p.idx), x_cand], dim=1)))
 
 
+@per_problem
 def _fp8_cat_weight(p: LinearProblem, i: LinearInputs) -> tuple:
     """cat(w_user, w_cand) quantized once per problem, K and N padded to 16."""
-    if "w8_cat" not in p.cache:
-        w8, sw = quantize_rows(w_cat(p, i))
-        p.cache["w8_cat"] = (pad16(pad16(w8), 0), padded_scale(sw, -(-p.N // 16) * 16))
-    return p.cache["w8_cat"]
+    w8, sw = quantize_rows(w_cat(p, i))
+    return pad16(pad16(w8), 0), pad16(sw, value=1.0)
 
 
 def fp8_cat_reference(p: LinearProblem, i: LinearInputs) -> torch.Tensor:
@@ -262,7 +245,7 @@ def _ours_fp8(quantize: bool):
     """ikbo_gemm.linear on the FP8 operands; ``quantize``: quantize_fp8 of the features in the call."""
     def run(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
         q, op = i.fp8, LIBS.get(IKBO[0])
-        scales = q.scales()
+        scales = {k: v for k, v in vars(q).items() if k.endswith("_scale")}
         x_cand, x_user = q.x_cand, q.x_user
         if quantize:
             (x_cand, scales["x_cand_scale"]), (x_user, scales["x_user_scale"]) = map(op.quantize_fp8,
@@ -275,36 +258,30 @@ def _ours_fp8(quantize: bool):
 def providers(fp8: bool = False) -> list:
     """In check order: torch first, ours last (a failure there cannot spoil the baselines); with
     ``fp8`` the FP8 providers too."""
-    fp8_torch = [
+    provs = [
+        Provider("torch cat+linear", w_cat, _cat_linear),
+        torch_path("torch decomposition", decomposition, _decomposition_args),
+        torch_path("torch.compile decomposition", decomposition, _decomposition_args, compiled=True),
+        Provider("torch addmm floor", no_setup, floor=True, run=lambda p, st, i: activate(
+            torch.addmm(i.bias, i.x_cand, i.w_cand.T), p.activation)),
         Provider("fp8 cat+scaled_mm", _fp8_cat_weight, _fp8_cat, fp8="cat"),
         torch_path("fp8 decomposition", fp8_decomposition, _fp8_decomposition_args, _fp8_weights, fp8="operands"),
         torch_path("torch.compile fp8 decomposition", fp8_decomposition, _fp8_decomposition_args, _fp8_weights,
                    compiled=True, fp8="operands"),
         Provider("fp8 scaled_mm floor", _fp8_weights, _fp8_floor, floor=True, fp8="operands"),
-    ] if fp8 else []
-    fp8_ours = [
-        Provider(OURS_FP8, no_setup, _ours_fp8(False), needs=IKBO, fp8="operands"),
-        Provider("ikbo linear fp8 + quantize", no_setup, _ours_fp8(True), needs=IKBO, fp8="operands"),
-    ] if fp8 else []
-    return [
-        Provider("torch cat+linear", w_cat, _cat_linear),
-        torch_path("torch decomposition", decomposition, _decomposition_args),
-        torch_path("torch.compile decomposition", decomposition, _decomposition_args, compiled=True),
-        Provider("torch addmm floor", no_setup, _floor, floor=True),
-        *fp8_torch,
         *(Provider(name, _with_rules(rules), _ours, needs=IKBO, extra=True)
           for name, (rules, _) in PLAN_VARIANTS.items()),
         Provider(OURS, lambda p, i: LIBS.get(IKBO[0]).linear, _ours, needs=IKBO),
-        *fp8_ours,
+        Provider(OURS_FP8, no_setup, _ours_fp8(False), needs=IKBO, fp8="operands"),
+        Provider("ikbo linear fp8 + quantize", no_setup, _ours_fp8(True), needs=IKBO, fp8="operands"),
     ]
+    return [pr for pr in provs if fp8 or not pr.fp8]
 
 
 def chosen_providers(names, fp8: bool = False) -> list:
     """The providers ``--providers`` names, or every one but the extra ones (``fp8``: with the FP8 ones)."""
     return [pr for pr in providers(fp8) if (pr.name in names if names else not pr.extra)]
 
-
-# --------------------------------------------------------------------------- configurations
 
 def build_configs(args) -> tuple[list, dict]:
     """Unique (B, ratio, K_user, K_cand, N, dtype, activation) in run order, and group -> its keys."""
@@ -342,8 +319,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-# --------------------------------------------------------------------------- one configuration and the run
-
 TIMED_COLUMNS = ["us", "tflops", "pct_ceiling", *SPEEDUP_COLUMNS.values(),
                  *FP8_SPEEDUP_COLUMNS.values()]  # per timing mode
 KEY_FIELDS = ["B", "ratio", "K_user", "K_cand", "N", "dtype", "activation"]
@@ -353,50 +328,33 @@ def _key(r: dict) -> tuple:
     return tuple(r[f] for f in KEY_FIELDS)
 
 
-def run_problem(p: LinearProblem, inp: LinearInputs, provs: list, args, ceiling: float) -> list:
-    """``gemm_bench.run_problem``, with each time in us too. The inputs are small: enough copies
-    that 3x L2 lies between two uses of one."""
-    rows = gemm_bench.run_problem(p, inp, provs, args, ceiling, rotations=1024, device=DEVICE,
-                                  peers=gemm_bench.peer_columns(p.dtype, SPEEDUP_COLUMNS, FP8_SPEEDUP_COLUMNS),
-                                  reference=reference_output, cat_reference=fp8_cat_reference)
-    for r in rows:
-        for s in harness.mode_suffixes(args.timing):
-            if r.get("ms" + s):
-                r["us" + s] = r["ms" + s] * 1e3
-    f = p.fields()
-    harness.print_rows(f"B={f['B']} ratio={f['ratio']} (U={f['U']}) K_user={f['K_user']} K_cand={f['K_cand']} "
-                       f"N={f['N']} {f['dtype']} {f['activation']}  [{p.flops / 1e9:.1f} GFLOP; x_* = that "
-                       f"torch provider's time / this time, in the same timing]", rows, gemm_bench.COLUMNS,
-                       TIMED_COLUMNS, args.timing)
-    return rows
-
-
 def summary(rows: list, groups: dict, provs: list, timing: str) -> None:
     """Per group and timing mode: each point's us per provider, then ours' ratios (at FP8 points
     those of ikbo linear fp8)."""
+    by = {(_key(r), r["provider"]): r for r in rows}
+    done = {key for key, _ in by}
     for name, keys in groups.items():
         fp8 = any(k[5] == "fp8" for k in keys)
+        names = [pr.name for pr in provs if not pr.fp8 or fp8]
         for s in harness.mode_suffixes(timing):
-            table, ratios = [], list(SPEEDUP_COLUMNS.values())
-            for key in keys:
-                sel = [r for r in rows if _key(r) == key]
-                if not sel:
-                    continue
-                line = dict(zip(KEY_FIELDS, key))
-                columns = gemm_bench.peer_columns(DTYPES[line["dtype"]], SPEEDUP_COLUMNS, FP8_SPEEDUP_COLUMNS)
-                ratios += [c for c in columns.values() if c not in ratios]
-                ours = OURS_FP8 if line["dtype"] == "fp8" else OURS
-                for r in sel:
-                    line[r["provider"]] = r.get("us" + s) if r["status"] == "ok" else r["status"]
-                    if r["provider"] == ours:
-                        line.update({c: r.get(c + s) for c in [*columns.values(), "pct_ceiling"]})
-                table.append(line)
+            table = harness.point_table(rows, [k for k in keys if k in done], _key, "us" + s,
+                                        lambda k: dict(zip(KEY_FIELDS, k)))
+            ratios = list(SPEEDUP_COLUMNS.values())
+            for line in table:
+                columns = gemm_bench.peer_columns(DTYPES[line["dtype"]], SPEEDUP_COLUMNS,
+                                                  FP8_SPEEDUP_COLUMNS).values()
+                ratios += [c for c in columns if c not in ratios]
+                ours = by.get((_key(line), OURS_FP8 if line["dtype"] == "fp8" else OURS), {})
+                line.update({c: ours.get(c + s) for c in [*columns, "pct_ceiling"]})
             if table:
                 mode = {"": "", "_sustained": ", sustained", "_graph": ", CUDA-graph replays"}[s]
                 print(f"\n{name}: us per call{mode} (x_* and pct_ceiling: {OURS}"
                       f"{f'; at fp8 points {OURS_FP8}' if fp8 else ''})")
-                names = [pr.name for pr in provs if not pr.fp8 or fp8]
                 harness.print_table(table, KEY_FIELDS + names + ratios + ["pct_ceiling"])
+
+
+BENCH = gemm_bench.GemmBench(NAME, make_inputs, reference_output, fp8_cat_reference, SPEEDUP_COLUMNS,
+                              FP8_SPEEDUP_COLUMNS, TIMED_COLUMNS, ROTATIONS, in_us=True)
 
 
 @torch.no_grad()  # inference: no autograd bookkeeping in any provider
@@ -404,15 +362,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     keys, groups = build_configs(args)
     provs = chosen_providers(args.providers, fp8=any(k[5] == "fp8" for k in keys))
-
-    def measure(key, ceilings) -> list:
-        B, ratio, K_user, K_cand, N, dt, act = key
-        p = make_problem(B, ratio, K_user, K_cand, N, DTYPES[dt], act)
-        inp = make_inputs(p, torch.Generator(device=DEVICE).manual_seed(args.seed))
-        return run_problem(p, inp, provs, args, ceilings[dt])
-
-    run, skipped = gemm_bench.run(NAME, args, argv, provs, keys, [k[5] for k in keys], set(groups.get("headline", [])),
-                                  measure, groups={n: len(ks) for n, ks in groups.items()}, settings={})
+    run, skipped = gemm_bench.run(
+        BENCH, DEVICE, args, argv, provs, keys, [k[5] for k in keys],
+        set(groups.get("headline", [])), lambda k: (make_problem(*k[:5], DTYPES[k[5]], k[6]), None),
+        groups={n: len(ks) for n, ks in groups.items()}, settings={})
     if skipped:
         run.note(f"time budget of {args.budget_s:.0f} s spent: {len(skipped)} of {len(keys)} points skipped")
     summary(run.payload["rows"], groups, provs, args.timing)

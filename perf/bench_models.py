@@ -4,19 +4,8 @@
     python -m perf.bench_models --configs grid    # every model at B {256, 1024, 4096} x ratio {10, 70, 1000}
     python -m perf.bench_models --models combined --B 1024 --ratio 70
 
-Versions of each model (bf16, inference, candidates sorted by user):
-  eager      the model as written (index_select / [idx], concat, nn.Linear, SDPA)
-  compile    torch.compile(model), as written (default options)
-  rewrite    ikbo_rewrite.compile(model): the IKBO pass inside Inductor
-  hand       torch.compile of the model written by hand with the IKBO ops (same weights)
-
-Each version's output is checked against eager's, then timed as plain calls ("ms") and as
-replays of a CUDA graph captured by hand ("graph_ms", "-" where it cannot be captured; the
-compiled versions use the default mode, so that one capture method serves all four), in turns
-or, ``--timing sustained``, each alone back to back (docs/benchmarks.md); also peak memory beyond
-the inputs and weights ("peak_mib") and the first call, compile included ("first_s"). Per model
-and shape: the rewrite's latency against the hand-written version's and torch.compile's (graph
-replays where captured), and every broadcast the rewrite left, with the pass's reason.
+The versions (eager, compile, rewrite, hand), how each is checked and timed, and the columns:
+docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -99,16 +88,15 @@ def shapes(args) -> list:
     return [HEADLINE]
 
 
-def build(spec: ModelSpec, B: int, ratio: int, seed: int):
-    """(model, hand-written model, inputs, U): weights and inputs on the device, bf16."""
+def build(spec: ModelSpec, B: int, ratio: int, seed: int) -> tuple[Models, tuple, int]:
+    """(models as written and by hand, inputs, U): weights and inputs on the device, bf16."""
     counts = user_counts(B, ratio)
     torch.manual_seed(seed)
     model = spec.model(spec.cfg).to(DEVICE, torch.bfloat16).eval()
-    hand = spec.hand(model)
     gen = torch.Generator().manual_seed(seed)
     inputs = spec.module.make_inputs(spec.cfg, B, len(counts), dtype=torch.bfloat16, device=DEVICE, generator=gen)
     inputs = tuple(inputs[:-1]) + (make_idx(counts, "sorted").to(DEVICE),)
-    return model, hand, inputs, len(counts)
+    return Models(model, spec.hand(model)), inputs, len(counts)
 
 
 def peak_mib(call) -> Optional[float]:
@@ -133,9 +121,9 @@ def left_broadcasts(fn) -> list:
 
 def run_shape(name: str, spec: ModelSpec, B: int, ratio: int, args) -> tuple[list, dict]:
     torch._dynamo.reset()
-    model, hand, inputs, U = build(spec, B, ratio, args.seed)
+    models, inputs, U = build(spec, B, ratio, args.seed)
     fields = {"model": name, "B": B, "ratio": ratio, "U": U}
-    models, rows, timed, ref, made = Models(model, hand), [], {}, None, {}
+    rows, timed, ref, made = [], {}, None, {}
     with torch.no_grad():
         for version in args.versions:  # the first is the reference
             prov = PROVIDERS[version]
@@ -148,8 +136,7 @@ def run_shape(name: str, spec: ModelSpec, B: int, ratio: int, args) -> tuple[lis
                 made[version] = prov.setup(models, inputs)
                 call = functools.partial(prov.run, models, made[version], inputs)
                 row["first_s"], out = harness.first_call_s(call)
-                if ref is None:
-                    ref = out.float()
+                ref = out.float() if ref is None else ref
                 row["rel_err"] = harness.rel_error(out.float(), ref)
                 del out
                 if not row["rel_err"] <= args.tol:

@@ -109,8 +109,6 @@ def _key(r: dict) -> tuple:
             r["D"])
 
 
-# --------------------------------------------------------------------------- one configuration
-
 def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng) -> list:
     """Check every provider, then time those that passed; a row per provider (ContextLost, carrying
     the rows so far, after a sticky CUDA error)."""
@@ -171,16 +169,15 @@ def derive_ratios(rows: list, provs: list, flops: float, ceiling: float, timing:
     best_peer("graph_ms", "graph_", "")
 
 
-def host_overheads(args, provs: list, dtype: torch.dtype, broadcast: str,
-                   jagged: Optional[str] = None, H: int = 2, D: int = 128) -> dict:
+def host_overheads(args, provs: list, key: tuple) -> dict:
     """CPU microseconds per call on a tiny problem (B = 4, ratio 2, L = 128; jagged lengths <= 128)
-    with H heads of dimension D."""
+    of the configuration ``key``'s dtype, direction, lengths, H and D."""
     harness.reset_compiled()
     rng = np.random.default_rng(args.seed)
-    gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
+    dtype, broadcast, jagged, H, D = harness.DTYPES[key[4]], key[5], key[7], key[8], key[9]
     p = make_problem(4, 2, args.S_q[0] if args.S_q else PUBLISHED["S_q"], 128, H, D,
                      dtype, broadcast, "sorted", rng, device=DEVICE, jagged=jagged)
-    inp = make_inputs(p, gen, device=DEVICE)
+    inp = make_inputs(p, torch.Generator(device=DEVICE).manual_seed(args.seed), device=DEVICE)
     result = {}
     for prov in provs:
         if LIBS.skip_note(prov):
@@ -194,8 +191,6 @@ def host_overheads(args, provs: list, dtype: torch.dtype, broadcast: str,
             result[prov.name] = None
     return result
 
-
-# --------------------------------------------------------------------------- configurations
 
 def _grid(options: dict) -> tuple[list, str]:
     """The points of the product of ``options``' lists of GRID, and the variable they vary."""
@@ -326,8 +321,6 @@ def run_settings(args) -> dict:
     return settings
 
 
-# --------------------------------------------------------------------------- output
-
 TABLE_COLUMNS = ["provider", "status", "rel_err", "first_call_s"]
 PLOT_COLUMNS = 8  # sweeps side by side in the PNG; more wrap onto further rows
 TIMED_COLUMNS = ["ms", "graph_ms", "tflops", "pct_cublas", "ikbo_speedup", "best_peer", "x_best_peer",
@@ -348,28 +341,24 @@ def summary(rows: list, sweeps: dict, mode: str = "interleaved") -> None:
     """Per sweep, TFLOP/s of every provider at each point, the best peer and ikbo / best peer."""
     s = harness.SUFFIX[mode]
     print(f"\nTFLOP/s (eager, {mode}):")
-    for name, (x, keys) in sweeps.items():
-        jagged = "jagged" in name
-        table = []
-        for key in keys:
-            sel = [r for r in rows if _key(r) == key]
-            line = {x: sel[0][x] if sel else None}
-            if jagged and sel:
-                line.update(total_keys=sel[0]["total_keys"], max_len=sel[0]["max_len"])
-            for r in sel:
-                if r["provider"] == "materialize":
-                    line["materialize ms"] = r.get("ms" + s)
-                    continue
-                line[r["provider"]] = r.get("tflops" + s) if r["status"] == "ok" else r["status"]
-                if r["provider"] == "ikbo" and r.get("best_peer" + s):
-                    line["best peer"], line["ikbo / best peer"] = r["best_peer" + s], r["x_best_peer" + s]
-                if r["provider"] == "ikbo" and not s and r.get("graph_best_peer"):
-                    line["ikbo / best peer, graph"] = r["graph_x_best_peer"]
-            table.append(line)
-        cols = [x] + (["total_keys", "max_len"] if jagged else [])
-        names = sorted({r["provider"] for r in rows}, key=lambda n: (display_index(n), n))
-        cols += [c for c in names + ["materialize ms", "best peer", "ikbo / best peer", "ikbo / best peer, graph"]
-                 if c != "materialize" and any(c in t for t in table)]
+    by = {(_key(r), r["provider"]): r for r in rows}
+    names = sorted({r["provider"] for r in rows}, key=lambda n: (display_index(n), n))
+    names += ["materialize ms", "best peer", "ikbo / best peer", "ikbo / best peer, graph"]
+    for name, (x, keys) in sweeps.items():  # (every key has rows)
+        point = [x] + (["total_keys", "max_len"] if "jagged" in name else [])
+        table = harness.point_table(rows, keys, _key, "tflops" + s, lambda k: {
+            c: next(r[c] for r in rows if _key(r) == k) for c in point})
+        for key, line in zip(keys, table):
+            ours = by.get((key, "ikbo"), {})
+            if "materialize" in line:  # the copy alone: its time, not a rate
+                del line["materialize"]
+                line["materialize ms"] = by[key, "materialize"].get("ms" + s)
+            if ours.get("best_peer" + s):
+                line.update({"best peer": ours["best_peer" + s],
+                             "ikbo / best peer": ours["x_best_peer" + s]})
+            if not s and ours.get("graph_best_peer"):
+                line["ikbo / best peer, graph"] = ours["graph_x_best_peer"]
+        cols = point + [c for c in names if c != "materialize" and any(c in t for t in table)]
         print(f"sweep {name}")
         harness.print_table(table, cols)
 
@@ -389,10 +378,9 @@ def plot(rows: list, sweeps: dict, ceilings: dict, path: Path, mode: str = "inte
     grid_rows = -(-len(sweeps) // cols)
     fig, axes = plt.subplots(2 * grid_rows, cols, figsize=(6 * cols, 8 * grid_rows), squeeze=False,
                              gridspec_kw={"height_ratios": [2, 1] * grid_rows})
-    for i in range(len(sweeps), grid_rows * cols):
-        row, col = divmod(i, cols)
-        axes[2 * row][col].set_visible(False)
-        axes[2 * row + 1][col].set_visible(False)
+    for i in range(len(sweeps), grid_rows * cols):  # the last row's empty panels
+        for ax in axes[2 * (i // cols):2 * (i // cols) + 2, i % cols]:
+            ax.set_visible(False)
     for i, (name, (x_name, keys)) in enumerate(sweeps.items()):
         row, col = divmod(i, cols)
         top, bottom = axes[2 * row][col], axes[2 * row + 1][col]
@@ -411,17 +399,14 @@ def plot(rows: list, sweeps: dict, ceilings: dict, path: Path, mode: str = "inte
         dtype = name.split("(")[1].split(",")[0]
         if dtype in ceilings:
             top.axhline(ceilings[dtype], color="gray", linestyle="--", label=f"cuBLAS {dtype} GEMM")
-        top.set_title(f"{name}, {mode}")
-        top.set_ylabel("TFLOP/s")
-        top.grid(alpha=0.3)
+        top.set(title=f"{name}, {mode}", ylabel="TFLOP/s")
         top.legend(fontsize=8)
         bottom.axhline(1.0, color="gray", linewidth=0.8)
-        bottom.set_ylabel("ikbo speedup (peer ms / ikbo ms)")
-        bottom.set_xlabel(x_name)
-        bottom.grid(alpha=0.3)
+        bottom.set(ylabel="ikbo speedup (peer ms / ikbo ms)", xlabel=x_name)
         if bottom.lines[1:]:
             bottom.legend(fontsize=8)
         for ax in (top, bottom):
+            ax.grid(alpha=0.3)
             if xs and min(xs) > 0 and max(xs) >= 16 * min(xs):
                 ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [str(x) for x in xs])
@@ -431,8 +416,6 @@ def plot(rows: list, sweeps: dict, ceilings: dict, path: Path, mode: str = "inte
     plt.close(fig)
     return None
 
-
-# --------------------------------------------------------------------------- main
 
 def measure(key: tuple, provs: list, args, ceilings: dict) -> list:
     """One configuration's rows, its table printed."""
@@ -458,9 +441,7 @@ def main(argv=None) -> int:
     with run:
         for key in keys:
             run.add(measure(key, provs, args, ceilings))
-        first = keys[0]
-        payload["host_overhead_us"] = host_overheads(args, provs, harness.DTYPES[first[4]], first[5],
-                                                     first[7], first[8], first[9])
+        payload["host_overhead_us"] = host_overheads(args, provs, keys[0])
     if payload.get("host_overhead_us"):
         jagged = f", jagged {keys[0][7]}" if keys[0][7] else ""
         shape = f", H={keys[0][8]} D={keys[0][9]}" if len(args.H) > 1 or len(args.D) > 1 else ""

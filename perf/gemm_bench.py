@@ -1,8 +1,8 @@
 """What bench_lce and bench_linear share: their problems' users, their providers' kind, the check
 of every provider against the fp32 reference (an FP8 one against its dequantized operands, with
 the quantization's own error beside it), one problem's measurement, and the run over the
-problems within a time budget. A problem's inputs have ``w_user``, ``w_cand``,
-``activation_bytes()`` and ``clone_activations()``.
+problems within a time budget. Each benchmark declares what these need as a ``GemmBench``; its
+inputs have ``w_user``, ``w_cand``, ``activation_bytes()`` and ``clone_activations()``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from perf import harness
 from perf.fp8_peers import FP8
-from perf.harness import make_idx, user_counts
+from perf.harness import make_idx, per_problem, user_counts
 from perf.providers import LIBS, Provider
 
 COLUMNS = ["provider", "status", "rel_err", "quant_err", "compile_s"]
@@ -48,6 +48,29 @@ class GemmProblem:
         return {"B": self.B, "ratio": self.ratio, "U": self.U, **{s: getattr(self, s) for s in sizes},
                 "dtype": dtype, **more}
 
+    def title(self, unit: str) -> str:
+        """The line above the problem's table: its fields (sizes as name=value), GFLOP, and what
+        the x_* columns are, times in ``unit``."""
+        words = [f"{k}={v}" if isinstance(v, int) else str(v) for k, v in self.fields().items()]
+        return (f"{words[0]} {words[1]} ({words[2]}) {' '.join(words[3:])}  "
+                f"[{self.flops / 1e9:.1f} GFLOP; x_* = that torch provider's {unit} / this {unit}, "
+                "in the same timing]")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmBench:
+    """A GEMM benchmark, as the shared run needs it."""
+
+    name: str  # the results' file name stem
+    make_inputs: Callable  # (problem, generator, device) -> inputs
+    reference: Callable  # (problem, inputs) -> the fp32 output
+    cat_reference: Callable  # (problem, inputs) -> the concatenating FP8 peer's own fp32 output
+    speedup_columns: dict  # torch provider -> its ratio column
+    fp8_speedup_columns: dict  # FP8 peer -> its ratio column
+    timed_columns: list  # the table's timed columns
+    rotations: int  # copies of the activations at most
+    in_us: bool = False  # each time in us beside ms (small GEMMs)
+
 
 @dataclasses.dataclass(frozen=True)
 class GemmProvider(Provider):
@@ -78,11 +101,10 @@ def torch_path(name: str, fn: Callable, args_of: Callable, setup: Callable = no_
                         lambda p, st, i: st[1](*args_of(p, st[0], i)), **kw)
 
 
+@per_problem
 def w_cat(p, inp) -> torch.Tensor:
     """cat(w_user, w_cand) along K, made once per problem: weights are static in a deployed model."""
-    if "w" not in p.cache:
-        p.cache["w"] = torch.cat([inp.w_user, inp.w_cand], dim=1).contiguous()
-    return p.cache["w"]
+    return torch.cat([inp.w_user, inp.w_cand], dim=1).contiguous()
 
 
 def check_providers(p, inp, provs: Sequence[GemmProvider], tol: float, *, reference: Callable,
@@ -123,19 +145,29 @@ def peer_columns(dtype: torch.dtype, columns: dict, fp8_columns: dict) -> dict:
     return {**columns, **fp8_columns} if dtype == FP8 else columns
 
 
-def run_problem(p, inp, provs: Sequence[GemmProvider], args, ceiling: float, *, peers: dict,
-                rotations: int = 8, device="cuda", **check) -> list:
-    """Check every provider (``check_providers``, ``check`` its keywords), then time those that
-    passed (``--timing``), calls cycling through up to ``rotations`` copies of the activations;
-    one row per provider, with TFLOP/s and the ratios to ``peers`` (name -> column)."""
-    n_rot = harness.rotation_count(inp.activation_bytes(), harness.l2_bytes(), cap=rotations)
+def run_problem(p, provs: Sequence[GemmProvider], args, ceiling: float, bench: GemmBench, device,
+                skip: Optional[dict] = None) -> list:
+    """Check every provider (``check_providers``), then time those that passed (``--timing``),
+    calls cycling through up to ``bench.rotations`` copies of the activations; one row per
+    provider, with TFLOP/s and the ratios to the peers (``peer_columns``), printed."""
+    inp = bench.make_inputs(p, torch.Generator(device=device).manual_seed(args.seed), device)
+    n_rot = harness.rotation_count(inp.activation_bytes(), harness.l2_bytes(), cap=bench.rotations)
     sets = [inp] + [inp.clone_activations() for _ in range(n_rot - 1)]
     harness.reset_compiled()
-    rows, timed = check_providers(p, inp, provs, args.tol, device=device, **check)
-    harness.time_checked(timed, rows, rotate=sets, device=device, **harness.timing_settings(args))
+    rows, timed = check_providers(p, inp, provs, args.tol, reference=bench.reference,
+                                  cat_reference=bench.cat_reference, skip=skip, device=device)
+    harness.time_checked(timed, rows, rotate=sets, device=device,
+                         **harness.timing_settings(args))
     timed.clear()
     harness.compile_seconds(rows)
-    harness.derive_rates(rows, args.timing, flops=p.flops, ceiling=ceiling, peers=peers)
+    harness.derive_rates(rows, args.timing, flops=p.flops, ceiling=ceiling,
+                         peers=peer_columns(p.dtype, bench.speedup_columns, bench.fp8_speedup_columns))
+    for r in rows if bench.in_us else []:
+        for s in harness.mode_suffixes(args.timing):
+            if r.get("ms" + s):
+                r["us" + s] = r["ms" + s] * 1e3
+    harness.print_rows(p.title("time" if bench.in_us else "ms"), rows, COLUMNS, bench.timed_columns,
+                       args.timing)
     p.cache.clear()
     return rows
 
@@ -148,12 +180,12 @@ def add_args(ap: argparse.ArgumentParser, names: Sequence[str], budget_help: str
     harness.add_common_args(ap)
 
 
-def run(name: str, args, argv, provs: Sequence[GemmProvider], keys: list, dtypes: list, always: set,
-        measure: Callable, *, settings: dict, **fields) -> tuple[harness.Run, list]:
-    """The run (``harness.Run``) with the same-run ceilings of ``dtypes``: ``measure(key, ceilings)
-    -> rows`` for each key, those past --budget-s skipped (not those in ``always``). Returns
-    (the run, the keys skipped)."""
-    run = harness.Run(name, args, argv, provs)
+def run(bench: GemmBench, device, args, argv, provs: Sequence[GemmProvider], keys: list, dtypes: list,
+        always: set, problem_of: Callable, *, settings: dict, **fields) -> tuple[harness.Run, list]:
+    """The run (``harness.Run``) with the same-run ceilings of ``dtypes``: ``run_problem`` of
+    ``problem_of(key) -> (problem, providers it skips: name -> why)`` for each key, those past
+    --budget-s skipped (not those in ``always``). Returns (the run, the keys skipped)."""
+    run = harness.Run(bench.name, args, argv, provs)
     ceilings = harness.ceilings_tflops(dtypes)
     run.begin({"tol": args.tol, **settings}, ceiling_tflops=ceilings, **fields)
     skipped = []
@@ -162,7 +194,8 @@ def run(name: str, args, argv, provs: Sequence[GemmProvider], keys: list, dtypes
             if key not in always and time.perf_counter() - run.start > args.budget_s:
                 skipped.append(key)
                 continue
-            run.add(measure(key, ceilings))
+            p, skip = problem_of(key)
+            run.add(run_problem(p, provs, args, ceilings[p.fields()["dtype"]], bench, device, skip))
     return run, skipped
 
 

@@ -59,11 +59,9 @@ def start_benchmark(name: str) -> None:
     os.environ["CUTE_KERNELS_CACHE_DIR"] = ""
     torch.backends.cuda.matmul.allow_tf32 = False
     for module in ("torch.compiler.config", "torch._inductor.config"):  # the newer home first
-        try:
+        with contextlib.suppress(ImportError, AttributeError):
             setattr(importlib.import_module(module), "force_disable_caches", True)
             return
-        except (ImportError, AttributeError):
-            continue
 
 
 # --------------------------------------------------------------------------- workloads
@@ -75,9 +73,8 @@ def user_counts(B: int, ratio: int, rng=None) -> list[int]:
         raise ValueError(f"need B >= 1 and ratio >= 1, got B={B}, ratio={ratio}")
     counts, left = [], B
     while left > 0:
-        c = min(left, ratio if rng is None else ratio + int(rng.integers(0, 2)))
-        counts.append(c)
-        left -= c
+        counts.append(min(left, ratio if rng is None else ratio + int(rng.integers(0, 2))))
+        left -= counts[-1]
     return counts
 
 
@@ -92,6 +89,17 @@ def make_idx(counts: Sequence[int], order: str = "sorted", rng=None) -> torch.Te
     return idx.to(torch.int32)
 
 
+def per_problem(make: Callable) -> Callable:
+    """``make(p, ...)`` run once per problem, its result kept in ``p.cache`` (cleared at the
+    problem's end): static weights, index metadata, copies made beforehand."""
+    @functools.wraps(make)
+    def once(p, *args):
+        if make not in p.cache:
+            p.cache[make] = make(p, *args)
+        return p.cache[make]
+    return once
+
+
 # --------------------------------------------------------------------------- timing
 
 def _caller(fn: Callable, rotate: Optional[Sequence]) -> tuple[Callable[[int], Any], int]:
@@ -102,21 +110,12 @@ def _caller(fn: Callable, rotate: Optional[Sequence]) -> tuple[Callable[[int], A
     return (lambda i: fn(sets[i % len(sets)])), len(sets)
 
 
-def bench_ms(fn: Callable, *, warmup: int = 5, rep: int = 30, rotate: Optional[Sequence] = None) -> float:
-    """Median milliseconds of one call of ``fn`` (``fn(x)`` for x cycling over ``rotate``)."""
-    ms = bench_interleaved({"fn": fn}, warmup=warmup, rep=rep, rotate=rotate)["fn"]
+def bench_ms(fn: Callable, *, warmup: int = 5, rep: int = 30) -> float:
+    """Median milliseconds of one call of ``fn``."""
+    ms = bench_interleaved({"fn": fn}, warmup=warmup, rep=rep)["fn"]
     if isinstance(ms, BaseException):
         raise ms
     return ms
-
-
-def _round_robin(names: list, rep: int, step: Callable[[str, int], None]) -> None:
-    """``rep`` rounds of ``step(name, i)`` for every name, each round starting one further along,
-    so that no name always follows the same neighbour."""
-    for i in range(rep if names else 0):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
-            step(name, i)
 
 
 def bench_interleaved(fns: dict, *, warmup: int = 5, rep: int = 30, rotate: Optional[Sequence] = None) -> dict:
@@ -125,32 +124,22 @@ def bench_interleaved(fns: dict, *, warmup: int = 5, rep: int = 30, rotate: Opti
     the next input set of ``rotate``, so none finds its inputs in L2. A function that raises is
     dropped from later rounds; its entry is the exception."""
     calls = {name: _caller(fn, rotate)[0] for name, fn in fns.items()}
-    result: dict = {}
-    count = itertools.count()
-
-    def guarded(name, i):
-        if name in result:
-            return
-        try:
-            calls[name](next(count))
-        except Exception as e:  # reported by the caller
-            result[name] = e
-
-    _round_robin(list(calls), warmup, guarded)
-    torch.cuda.synchronize()
-    events = {name: [] for name in calls}
-
-    def timed(name, i):
-        if name in result:
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        guarded(name, warmup + i)
-        end.record()
-        events[name].append((start, end))
-
-    _round_robin(list(calls), rep, timed)
-    torch.cuda.synchronize()
+    names, result, events, count = list(calls), {}, {name: [] for name in calls}, itertools.count()
+    new_event = functools.partial(torch.cuda.Event, enable_timing=True)
+    for rounds, timed in ((warmup, False), (rep, True)):
+        for i in range(rounds if names else 0):
+            k = i % len(names)  # each round starts one further along: no fixed neighbour
+            for name in [n for n in names[k:] + names[:k] if n not in result]:
+                if timed:
+                    events[name].append((new_event(), new_event()))
+                    events[name][-1][0].record()
+                try:
+                    calls[name](next(count))
+                except Exception as e:  # reported by the caller
+                    result[name] = e
+                if timed:
+                    events[name][-1][1].record()
+        torch.cuda.synchronize()
     for name, pairs in events.items():
         if name not in result:
             result[name] = statistics.median(s.elapsed_time(e) for s, e in pairs)
@@ -224,18 +213,14 @@ def l2_bytes() -> int:
     return int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
 
 
-def rotation_count(set_bytes: int, cache_bytes: int, *, factor: int = 3, cap: int = 8) -> int:
-    """Input copies to cycle through so that ``factor`` x the cache lies between two uses of one copy."""
-    if set_bytes <= 0:
-        return cap
-    return max(1, min(cap, math.ceil(factor * cache_bytes / set_bytes)))
+def rotation_count(set_bytes: int, cache_bytes: int, *, cap: int = 8) -> int:
+    """Input copies to cycle through so that 3x the cache lies between two uses of one copy."""
+    return max(1, min(cap, math.ceil(3 * cache_bytes / set_bytes))) if set_bytes > 0 else cap
 
 
 def tflops(flops: float, ms: Optional[float]) -> Optional[float]:
     """10^12 ``flops`` (or bytes) per second at ``ms`` a call."""
-    if ms is None or ms <= 0:
-        return None
-    return flops / (ms * 1e-3) / 1e12
+    return flops / (ms * 1e-3) / 1e12 if ms is not None and ms > 0 else None
 
 
 # --------------------------------------------------------------------------- ceilings
@@ -283,23 +268,20 @@ def _power_field(index: str) -> str:
 
 
 class PowerSampler:
-    """(watts, SM MHz, throttle-reason bits) from nvidia-smi every ``period_ms`` while the ``with``
+    """(watts, SM MHz, throttle-reason bits) from nvidia-smi every 100 ms while the ``with``
     block runs, in ``samples`` afterwards (none without nvidia-smi)."""
 
-    def __init__(self, period_ms: int = 100):
-        self.period_ms = period_ms
+    def __init__(self):
         self.samples: list[tuple[float, float, int]] = []
         self._proc = None
 
     def __enter__(self) -> "PowerSampler":
         index = _smi_index()
-        query = f"--query-gpu={_power_field(index)},clocks.sm,clocks_throttle_reasons.active"
-        try:
-            self._proc = subprocess.Popen(
-                ["nvidia-smi", f"--id={index}", query, "--format=csv,noheader,nounits", "-lms", str(self.period_ms)],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        except OSError:
-            self._proc = None
+        query = [f"--query-gpu={_power_field(index)},clocks.sm,clocks_throttle_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", "100"]
+        with contextlib.suppress(OSError):
+            self._proc = subprocess.Popen(["nvidia-smi", f"--id={index}", *query], text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -312,19 +294,17 @@ class PowerSampler:
             out = ""
         for line in out.splitlines():
             parts = line.split(",")
-            try:
+            with contextlib.suppress(IndexError, ValueError):  # a line cut short by the kill
                 self.samples.append((float(parts[0]), float(parts[1]), int(parts[2], 16)))
-            except (IndexError, ValueError):  # a line cut short by the kill
-                continue
 
 
 def sustained(fn: Callable, seconds: float, *, warm_s: float = 1.5, rotate: Optional[Sequence] = None,
-              device="cuda", chunk_ms: float = 10.0, lead_s: float = 0.3, trim: int = 1) -> dict:
+              device="cuda") -> dict:
     """``fn`` (``fn(x)`` for x cycling over ``rotate``) back to back: ``warm_s`` untimed, for clocks
-    and power to settle, then ``seconds`` timed in chunks of about ``chunk_ms`` between CUDA events
+    and power to settle, then ``seconds`` timed in chunks of about 10 ms between CUDA events
     (wall clock on a CPU ``device``), the host waiting two chunks back so the GPU never runs dry.
-    Returns ms (median per call over the chunks), ms_mean, W, MHz, power_capped (from nvidia-smi
-    samples, the first and last ``trim`` dropped), mJ per call, samples and calls."""
+    Returns ms (median per call over the chunks), ms_mean, W, MHz, power_capped (nvidia-smi
+    samples from 0.3 s before, the first and last dropped), mJ per call, samples and calls."""
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     call, _ = _caller(fn, rotate)
     if cuda:
@@ -341,7 +321,7 @@ def sustained(fn: Callable, seconds: float, *, warm_s: float = 1.5, rotate: Opti
     start = time.perf_counter()
     call(0)  # sizes the chunks
     _sync()
-    chunk = max(1, min(100_000, round(chunk_ms / max((time.perf_counter() - start) * 1e3, 1e-3))))
+    chunk = max(1, min(100_000, round(10.0 / max((time.perf_counter() - start) * 1e3, 1e-3))))
     marks, i, sampler, first = [], 1, None, None
     t_timed = time.perf_counter() + warm_s
     try:
@@ -354,7 +334,7 @@ def sustained(fn: Callable, seconds: float, *, warm_s: float = 1.5, rotate: Opti
             now = time.perf_counter()
             if cuda and len(marks) > 2:
                 marks[-3].synchronize()
-            if sampler is None and now >= t_timed - lead_s:
+            if sampler is None and now >= t_timed - 0.3:
                 sampler = PowerSampler().__enter__()
             if first is None and now >= t_timed:
                 first = len(marks) - 1  # chunks from this mark on are timed
@@ -368,8 +348,7 @@ def sustained(fn: Callable, seconds: float, *, warm_s: float = 1.5, rotate: Opti
     calls = chunk * len(chunks)
     ms_mean = sum(chunks) / calls
     samples = sampler.samples if sampler is not None else []
-    if len(samples) > 4 * trim:
-        samples = samples[trim:len(samples) - trim]
+    samples = samples[1:-1] if len(samples) > 4 else samples
     watts = statistics.fmean(s[0] for s in samples) if samples else None
     return {"ms": statistics.median(c / chunk for c in chunks), "ms_mean": ms_mean, "W": watts,
             "MHz": statistics.median(s[1] for s in samples) if samples else None,
@@ -377,18 +356,11 @@ def sustained(fn: Callable, seconds: float, *, warm_s: float = 1.5, rotate: Opti
             "mJ": watts * ms_mean if watts is not None else None, "samples": len(samples), "calls": calls}
 
 
-def sustained_graph(fn: Callable, seconds: float, *, warm_s: float = 1.5,
-                    rotate: Optional[Sequence] = None) -> Optional[dict]:
-    """``sustained`` on replays of a CUDA graph holding a call per input set (ms and mJ per call), as
-    a serving stack that captures its model runs; None where ``fn`` cannot be captured."""
-    captured = _capture(fn, rotate)
-    if captured is None:
-        return None
-    graph, n = captured
-    r = sustained(lambda: graph.replay(), seconds, warm_s=warm_s)
-    for key in ("ms", "ms_mean", "mJ"):
-        r[key] = r[key] / n if r[key] is not None else None
-    return r
+def sustained_graph(fn: Callable, seconds: float, *, warm_s: float = 1.5) -> Optional[dict]:
+    """``sustained`` on replays of a CUDA graph of ``fn``, as a serving stack that captures its
+    model runs; None where ``fn`` cannot be captured."""
+    captured = _capture(fn, None)
+    return None if captured is None else sustained(captured[0].replay, seconds, warm_s=warm_s)
 
 
 # --------------------------------------------------------------------------- accuracy
@@ -467,10 +439,6 @@ def environment() -> dict:
 
 # --------------------------------------------------------------------------- results
 
-def utc_stamp() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-
-
 def _jsonable(x):
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)  # "inf" / "nan": strict JSON has no spelling for them
@@ -478,19 +446,17 @@ def _jsonable(x):
         return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
-    if isinstance(x, (torch.dtype, Path)):
-        return str(x)
-    return x
+    return str(x) if isinstance(x, (torch.dtype, Path)) else x
 
 
-def result_paths(name: str, suffix: str, out_dir=None, stamp: Optional[str] = None) -> tuple[Path, Path]:
+def result_paths(name: str, suffix: str, out_dir, stamp: str) -> tuple[Path, Path]:
     """(``<name>-<stamp><suffix>``, ``<name>-latest<suffix>``) under ``out_dir`` (created)."""
-    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return out / f"{name}-{stamp or utc_stamp()}{suffix}", out / f"{name}-latest{suffix}"
+    return out / f"{name}-{stamp}{suffix}", out / f"{name}-latest{suffix}"
 
 
-def write_results(name: str, payload: dict, out_dir=None, stamp: Optional[str] = None) -> Path:
+def write_results(name: str, payload: dict, out_dir, stamp: str) -> Path:
     """Write ``payload`` (plus ``environment()`` unless present) as JSON; returns the stamped path."""
     payload = dict(payload)
     payload.setdefault("environment", environment())
@@ -517,7 +483,8 @@ class Run:
 
     def __init__(self, name: str, args, argv, provs, libraries: Sequence[str] = ("nvidia-cutlass-dsl",)):
         start_benchmark(name)
-        self.name, self.out_dir, self.stamp = name, args.out_dir, utc_stamp()
+        self.name, self.out_dir = name, args.out_dir
+        self.stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         self.timing = timing_settings(args)
         self.notes = LIBS.load(needed(provs))
         for note in self.notes:
@@ -607,9 +574,7 @@ def fmt(v) -> str:
         return "-"
     if isinstance(v, bool):
         return "yes" if v else "no"
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return str(v)
+    if isinstance(v, float) and math.isfinite(v):
         return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}"
     return str(v)
 
@@ -626,6 +591,14 @@ def print_table(rows: list[dict], columns: list[str], *, file=None) -> str:
     text = "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])
     print(text, file=file or sys.stdout, flush=True)
     return text
+
+
+def point_table(rows: list, keys: Sequence, key_of: Callable, field: str,
+                first: Callable[[tuple], dict]) -> list:
+    """A line per key: ``first(key)``, then the ``field`` of each row at that key (``key_of(row)``)
+    under its provider's name, or the row's status where it was not timed."""
+    return [{**first(key), **{r["provider"]: r.get(field) if r["status"] == "ok" else r["status"]
+                              for r in rows if key_of(r) == key}} for key in keys]
 
 
 SUSTAINED_FIELDS = ["W", "MHz"]  # printed on sustained lines
@@ -740,8 +713,7 @@ def time_checked(timed: dict, rows: list, *, warmup: int, rep: int, rotate: Opti
     "W", "MHz", "power_capped" and "mJ"; graph into "ms_graph" (a note where it cannot be
     captured). A provider whose call fails gets its row marked by ``record_failure`` and is
     left out. Returns the providers timed in every mode."""
-    done = dict(timed)
-    modes = TIMINGS[timing]
+    done, modes = dict(timed), TIMINGS[timing]
     if "interleaved" in modes:
         times = bench_interleaved({n: fn for n, (_, fn) in done.items()}, warmup=warmup, rep=rep, rotate=rotate)
         for name, ms in times.items():

@@ -186,8 +186,10 @@ def test_lce_compiled_providers_are_listed_and_checked(compile_eagerly):
     assert bl.SPEEDUP_COLUMNS["torch.compile decomposition"] == "x_compiled"
     p = bl.make_problem(10, 4, torch.float16, shape=SMALL, device="cpu")
     inp = bl.make_inputs(p, torch.Generator().manual_seed(0), device="cpu")
-    rows, timed = gemm_bench.check_providers(p, inp, [pr for pr in bl.providers() if pr.name in compiled], 1e-2,
-                                             skip={AUTOTUNED: "not here"}, device="cpu", **bl.CHECK)
+    provs = [pr for pr in bl.providers() if pr.name in compiled]
+    rows, timed = gemm_bench.check_providers(p, inp, provs, 1e-2, skip={AUTOTUNED: "not here"},
+                                             device="cpu", reference=bl.reference_output,
+                                             cat_reference=bl.fp8_cat_reference)
     assert [r["status"] for r in rows] == ["ok", "skipped", "ok"] and rows[1]["note"] == "not here"
     assert set(timed) == {compiled[0], compiled[2]} and all(r["rel_err"] < 1e-2 for r in (rows[0], rows[2]))
     assert [(c["fn"], c["mode"]) for c in compile_eagerly] == [(bl.decomposition, None), (bl.materialize_bmm, None)]
