@@ -195,6 +195,38 @@ def test_staged_plan(G, R, C, elt, transposed, plan):
     assert staged_plan(G, R, C, elt, transposed, data_ptr=264) is None  # x not 16-byte aligned
 
 
+def test_staged_plan_covers_every_group_it_takes():
+    """Random group shapes: a plan's chunks (multiples of 16 elements, of 16 rows where
+    transposed) fit its stage and cover the group; it is the first option that fits, in the
+    order the plan documents (the first stage alone, then each other stage over 1, 2, 4 and 8
+    CTAs); no plan where none fits, where the groups are not 16 bytes apart, or under 2 KB."""
+    from ikbo_gemm.quantize import MIN_STAGED_BYTES, staged_plan
+    from ikbo_gemm.quantize_staged_sm90 import MAX_CTAS
+
+    options = [(STAGE_BYTES[0], 1)] + [(s, c) for s in STAGE_BYTES[1:] for c in (1, 2, 4, MAX_CTAS)]
+    g = torch.Generator().manual_seed(5)
+    draw = lambda hi: int(torch.randint(1, hi, (1,), generator=g))
+    seen = set()
+    for _ in range(3000):
+        elt, transposed = (2, 4)[draw(3) - 1], draw(3) == 1
+        R, C = (draw(5000), draw(600)) if transposed else (1, draw(600000))
+        E = R * C
+        chunks = [(-(-(-(-R // c)) // 16) * 16 * C if transposed else -(-(-(-E // c)) // 16) * 16)
+                  for _, c in options]
+        fits = [i for i, ((stage, _), chunk) in enumerate(zip(options, chunks)) if chunk * elt <= stage]
+        aligned = E * elt % 16 == 0 and (transposed or E % 16 == 0) and E * elt >= MIN_STAGED_BYTES
+        plan = staged_plan(7, R, C, elt, transposed, data_ptr=512)
+        if not aligned or not fits:
+            assert plan is None
+            continue
+        stage, ctas, chunk = plan
+        assert (stage, ctas, chunk) == (*options[fits[0]], chunks[fits[0]])
+        assert chunk * elt <= stage and ctas * chunk >= E and chunk * elt % 16 == 0
+        assert chunk % (16 * C if transposed else 16) == 0
+        seen.add((stage, ctas))
+    assert len(seen) >= 6  # most options drawn (112 KB over 1 or 2 CTAs: only few, wide rows)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("transposed", [False, True], ids=["same", "transposed"])
 def test_kernel_compiles_for_sm90a(dtype, transposed):
