@@ -595,10 +595,18 @@ def split_cost(work: int, keys: int, sms: int, n: int, policy: AttentionPolicy =
     from ``policy``; inf where a split would hold fewer than ``policy.split_min_keys`` keys."""
     if n > 1 and keys // n < policy.split_min_keys:
         return math.inf
-    blocks = -(-keys // 128)
     rounds = -(-work * n // sms)
-    merge = 0 if n == 1 else policy.pair_merge_blocks if n == 2 and policy.split_pair else policy.merge_blocks
-    return rounds * (-(-blocks // n) + policy.tile_blocks) + merge
+    return rounds * (_piece_blocks(keys, n) + policy.tile_blocks) + _merge_blocks(n, policy)
+
+
+def _piece_blocks(keys: int, n: int) -> int:
+    """Key blocks (128 keys) of one of n splits of ``keys`` keys."""
+    return -(-(-(-keys // 128)) // n)
+
+
+def _merge_blocks(n: int, policy: AttentionPolicy) -> int:
+    """The merge of n splits: none, in the cluster (a split pair), or a second launch."""
+    return 0 if n == 1 else policy.pair_merge_blocks if n == 2 and policy.split_pair else policy.merge_blocks
 
 
 def uneven_split_cost(work: int, rows: int, total_keys: int, keys: int, sms: int, n: int,
@@ -609,12 +617,11 @@ def uneven_split_cost(work: int, rows: int, total_keys: int, keys: int, sms: int
     fixed cost, and at least the longest piece (the walk takes the longest first)."""
     if n > 1 and keys // n < policy.split_min_keys:
         return math.inf
-    piece = -(-(-(-keys // 128)) // n)  # key blocks of a full piece
+    piece = _piece_blocks(keys, n)
     per_row = work / rows  # tiles over one row's keys
     pieces = per_row * (rows + total_keys / (piece * 128))  # a row's pieces: at most one past its share
     mean = (per_row * total_keys / 128 + pieces * policy.tile_blocks) / sms
-    merge = 0 if n == 1 else policy.pair_merge_blocks if n == 2 and policy.split_pair else policy.merge_blocks
-    return max(mean, piece + policy.tile_blocks) + merge
+    return max(mean, piece + policy.tile_blocks) + _merge_blocks(n, policy)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:

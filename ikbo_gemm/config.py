@@ -61,6 +61,11 @@ def _ceil_div(a, b):
     return (a + b - 1) // b
 
 
+def round_up(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m`` (the ops' padded sizes)."""
+    return _ceil_div(x, m) * m
+
+
 @dataclasses.dataclass(frozen=True)
 class LceGeometry:
     """How one launch tiles its problem. The same arithmetic serves the host plan (Python ints)

@@ -56,7 +56,7 @@ from cute_kernels.checks import (
 
 from .checks import FP8, check_lce_inputs, check_out_dtype, check_schedule
 from .compile import compile_lce_config
-from .config import CLUSTERS, LOAD_BOUND_COST, TILES, LceConfig, LceGeometry, pick_config
+from .config import CLUSTERS, LOAD_BOUND_COST, TILES, LceConfig, LceGeometry, pick_config, round_up
 from .lce_sm90 import LceEpilogue, LceLaunch, LceOperands
 from .linear import _scale_vector
 from .reference import lce_reference
@@ -98,10 +98,6 @@ DEFAULT_POLICY = LcePolicy()
 
 def _kernel(cfg: LceConfig) -> CompiledKernel:
     return kernel_cache.get(("ikbo_gemm.lce", cfg), lambda: compile_lce_config(cfg), package="ikbo_gemm")
-
-
-def _ceil(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
@@ -184,7 +180,7 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy: LcePolicy,
     if on_gpu(e_cand):
         require_sm90(device, "lce")
         cfg = policy.config(e_cand.dtype, idx.dtype, M, N, B, result_dtype if fp8 else None)
-        n8 = _ceil(N, 8)
+        n8 = round_up(N, 8)
 
         def geometry(c: LceConfig, batch: int) -> LceGeometry:
             return LceGeometry.of(c, M=M, N=n8, U=U, B=batch, K_user=K_user, K_cand=K_cand)
@@ -225,8 +221,8 @@ def _plan(w_cand, w_user, e_cand, e_user, idx, out, schedule, policy: LcePolicy,
             dtype=result_dtype,
             fp8=fp8,
             n8=n8,
-            k8_cand=_ceil(K_cand, k_align),
-            k8_user=_ceil(K_user, k_align),
+            k8_cand=round_up(K_cand, k_align),
+            k8_user=round_up(K_user, k_align),
             # fp32 user tiles, in the kernel's fragment order, and their ready flags.
             ws_shape=(geom.workspace_tiles(), cfg.tile_n * cfg.tile_w),
             n_flags=geom.workspace_tiles(),

@@ -62,6 +62,7 @@ from .config import (
     pick_cand_split,
     pick_cand_tile,
     pick_linear_tile,
+    round_up,
 )
 from .linear_sm90 import LinearEpilogue, LinearLaunch, LinearOperands
 from .reference import linear_reference
@@ -144,10 +145,6 @@ def _kernel(cfg: LinearConfig) -> CompiledKernel:
     return kernel_cache.get(("ikbo_gemm.linear", cfg), lambda: compile_linear_config(cfg), package="ikbo_gemm")
 
 
-def _ceil(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """Everything a call needs that depends only on shapes, dtypes, options and device."""
@@ -204,11 +201,11 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: Pla
             user=_kernel(user_cfg),
             cand=_kernel(cand_cfg),
             out_shape=(B, N),
-            n8=_ceil(N, 8),
-            k8_cand=_ceil(K_cand, k_align),
-            k8_user=_ceil(K_user, k_align),
-            ws_shape=(grids.splits, _ceil(U, grids.tile_user[0]), max(_ceil(N, grids.tile_user[1]),
-                                                                      _ceil(N, grids.tile_cand[1]))),
+            n8=round_up(N, 8),
+            k8_cand=round_up(K_cand, k_align),
+            k8_user=round_up(K_user, k_align),
+            ws_shape=(grids.splits, round_up(U, grids.tile_user[0]), max(round_up(N, grids.tile_user[1]),
+                                                                      round_up(N, grids.tile_cand[1]))),
             n_users=U,
             splits=grids.splits,
             grid_user=grids.grid_user,

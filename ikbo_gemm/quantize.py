@@ -25,6 +25,7 @@ import torch
 from cute_kernels import on_device, on_gpu, require_sm90
 
 from .checks import FP8
+from .config import round_up
 from .quantize_sm90 import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, quantize_kernel
 from .quantize_staged_sm90 import MAX_CTAS, STAGE_BYTES, QuantizeArgs, quantize_staged_kernel
 
@@ -129,19 +130,15 @@ def staged_plan(G: int, R: int, C: int, elt: int, transposed: bool, data_ptr: in
         return None
     for stage_bytes in stages:
         for ctas in (1,) if stage_bytes == stages[0] else (1, 2, 4, MAX_CTAS):
-            chunk = _round16(-(-R // ctas)) * C if transposed else _round16(-(-E // ctas))
+            chunk = round_up(-(-R // ctas), 16) * C if transposed else round_up(-(-E // ctas), 16)
             if chunk * elt <= stage_bytes and G * ctas < 2**31:
                 return stage_bytes, ctas, chunk
     return None
 
 
-def _round16(n: int) -> int:
-    return -(-n // 16) * 16
-
-
 def _padded_rows(shape, device) -> torch.Tensor:
     """An FP8 tensor of ``shape`` with its last dimension padded to a multiple of 16."""
-    return torch.empty((*shape[:-1], _round16(shape[-1])), dtype=FP8, device=device)
+    return torch.empty((*shape[:-1], round_up(shape[-1], 16)), dtype=FP8, device=device)
 
 
 def _pitched_empty(shape, device) -> torch.Tensor:

@@ -3,8 +3,9 @@ two-pass kernel) against the two-pass kernel on the same groups.
 
     python -m tools.quantize_timing [--out perf/results/quantize-h100-<date>.json]
 
-CUDA-graph replays, the two in turns, each over copies of x enough to leave L2 cold (400 MB at
-most); the median of 30 rounds. GB/s counts x read once and x8 written once.
+CUDA-graph replays, the two in turns (``perf.harness.bench_graph_interleaved``), each graph over
+copies of x enough to leave L2 cold (400 MB at most); the median of 30 rounds. GB/s counts x
+read once and x8 written once.
 """
 from __future__ import annotations
 
@@ -17,35 +18,13 @@ import torch
 import ikbo_gemm
 from ikbo_gemm.quantize import _padded_rows, staged_plan
 from ikbo_gemm.quantize_sm90 import quantize_kernel
+from perf import harness
 
 SHAPES = [  # x's shape, dim, layout: linear's x rows, and lce's e at its published K
     ((2048, 2048), -1, "same"), ((8192, 4096), -1, "same"), ((2048, 8192), -1, "same"), ((4096, 1024), -1, "same"),
     ((16384, 512), -1, "same"), ((64, 200000), -1, "same"),
     ((512, 1184, 256), (1, 2), "transposed"), ((1024, 872, 256), (1, 2), "transposed"),
 ]
-
-
-def _graph(fn) -> torch.cuda.CUDAGraph:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def _time_in_turns(graphs: dict, rounds: int = 30) -> dict:
-    times = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, copies in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for graph in copies:
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3 / len(copies))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def time_shape(shape, dim, layout, dtype=torch.bfloat16) -> dict:
@@ -59,12 +38,12 @@ def time_shape(shape, dim, layout, dtype=torch.bfloat16) -> dict:
     def two_pass_call(x):
         x8 = _padded_rows((G, C, R), x.device)[..., :R] if transposed else torch.empty(
             (G, R, C), dtype=torch.float8_e4m3fn, device=x.device)
-        scale = torch.empty(G, device=x.device)
-        return lambda: two_pass(x.view(G, R, C), x8, scale)
+        two_pass(x.view(G, R, C), x8, torch.empty(G, device=x.device))
 
-    graphs = {"op": [_graph(lambda x=x: ikbo_gemm.quantize_fp8(x, dim=dim, layout=layout)) for x in xs],
-              "two-pass": [_graph(two_pass_call(x)) for x in xs]}
-    us = _time_in_turns(graphs)
+    ms = harness.bench_graph_interleaved(
+        {"op": lambda x: ikbo_gemm.quantize_fp8(x, dim=dim, layout=layout), "two-pass": two_pass_call},
+        rep=30, rotate=xs)
+    us = {k: v * 1e3 for k, v in ms.items()}
     moved = nbytes + nbytes // xs[0].element_size()
     return dict(shape=list(shape), dim=dim, layout=layout, dtype=str(dtype).replace("torch.", ""),
                 plan=staged_plan(G, R, C, xs[0].element_size(), transposed, xs[0].data_ptr()),
@@ -83,12 +62,8 @@ def main() -> None:
         print(f"{str(tuple(shape)):>18} {layout:>10} {str(row['plan']):>22} {row['us']['op']:>8} "
               f"{row['us']['two-pass']:>12} {row['gb_per_s']['op']:>8}", flush=True)
     if args.out:
-        from importlib.metadata import version
-
-        env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                   cutlass_dsl=version("nvidia-cutlass-dsl"))
         with open(args.out, "w") as f:
-            json.dump(dict(environment=env, rows=rows), f, indent=1)
+            json.dump(dict(environment=harness.environment(), rows=rows), f, indent=1, default=str)
 
 
 if __name__ == "__main__":
