@@ -203,10 +203,11 @@ class LceSm90:
 
     Timelines. Producer warp 0, per cluster tile: for each k-block, wait for a free stage,
     load its e slice and its w chunks (multicast). Consumer c, per tile of its lane of the walk:
-    add the poison to the accumulator (it holds the user tile already) -> wait for its
-    MMA_ORDER turn -> main loop (wgmma one group in flight, stages released one behind) ->
-    hand the turn over -> user tile: store it to the workspace, set its flag; candidate tile:
-    staged TMA-store epilogue, loading the next tile's user tile into the freed registers.
+    load the next tile's idx (read after the main loop: its latency hidden) -> add the poison
+    to the accumulator (it holds the user tile already) -> wait for its MMA_ORDER turn -> main
+    loop (wgmma one group in flight, stages released one behind) -> hand the turn over -> user
+    tile: store it to the workspace, set its flag; candidate tile: staged TMA-store epilogue,
+    loading the next tile's user tile into the freed registers.
 
     Launch: programmatic dependent launch. With ``wait_prior`` 1 the CTAs set up
     their barriers while the previous grid on the stream finishes, then wait for it
@@ -227,11 +228,17 @@ class LceSm90:
     e). A product's scale differs between the user and the candidate term, so the candidate main
     loop starts from zero instead of from the user tile: the user epilogue stores its tile already
     scaled, ``sw_u[m] * se_u[u] * sum``, and the candidate epilogue computes ``sw_c[m] * se_c[b] *
-    sum + ws[idx[b]]`` per staged sub-tile, reading its user tile there (its flag was waited for,
-    as above, before the previous tile's epilogue), then rounds once to ``cfg.out_dtype``. Starting
-    from the user tile divided by the candidate scale would keep the 16-bit overlap of those loads
-    with the main loop, but a zero or tiny scale would turn it into inf or NaN; the epilogue add is
-    exact in that respect and its loads are a few KB per tile.
+    sum + ws[idx[b]]`` per staged sub-tile, then rounds once to ``cfg.out_dtype``. The user tile
+    reaches it through shared memory: each consumer thread copies its own fragment of the next
+    sub-tiles' user values with cp.async (16 bytes, L1 bypassed) into USER_BUFFERS buffers of its
+    consumer, the first ones before its main loop (the flag was waited for, as above, before the
+    previous tile's epilogue), each later one as soon as a sub-tile has read its buffer, so the
+    L2 reads overlap the main loop and the sub-tiles before. A thread reads back only what it
+    copied: cp.async.wait_group orders it, no barrier. Each row's scale (its w row's times the
+    batch entry's) is loaded before the main loop, one row a thread, and staged in shared memory
+    after it, so no sub-tile waits on a global load. Starting the main loop from the user tile
+    divided by the candidate scale (the 16-bit overlap) would make a zero or tiny scale inf or
+    NaN, and would add the user term into the 8-bit wgmma's narrow accumulation.
 
     Arguments (cute_kernels.arguments): the host passes LceOperands, LceEpilogue and LceLaunch;
     the kernel hands each phase's loads to the producer (PhaseLoads) and the epilogue's tensors
@@ -242,6 +249,7 @@ class LceSm90:
     TILE_K = 64  # elements of a 16-bit k-block; FP8 k-blocks hold 128 (the same bytes, LceConfig.tile_k)
     EPI_W = 32  # output rows per staged epilogue sub-tile
     EPI_STAGES = 2
+    USER_BUFFERS = 2  # FP8: shared-memory buffers of a consumer for its tile's user sub-tiles (cp.async)
     REGISTERS = RegisterSplit(producer=24, consumer=240)
     THREADS = REGISTERS.threads
     # Each named barrier's threads, and its ids (one per consumer warpgroup), as the docstring states.
@@ -278,7 +286,7 @@ class LceSm90:
         # from accumulator values epi_acc[s] + [0, ATOM_N * EPI_W / 128); after it the 4-value
         # chunks epi_freed[s] are read by no later sub-tile (they take the next user tile).
         last_row = tile_w - self.EPI_W  # the last sub-tile may overlap the one before
-        per_sub = self.ATOM_N * self.EPI_W // 128
+        self.per_sub = per_sub = self.ATOM_N * self.EPI_W // 128  # accumulator values of a sub-tile
         self.epi_rows = [min(s % self.subs_per_atom * self.EPI_W, last_row) for s in range(self.epi_subtiles)]
         # The rows of sub-tile s that the one before it (same atom) already stored.
         self.epi_skip = [
@@ -296,9 +304,12 @@ class LceSm90:
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.stage_bytes = (tile_n + tile_w) * self.tile_k * dtype.width // 8
         epi_bytes = 2 * self.EPI_STAGES * self.ATOM_N * self.EPI_W * self.out_dtype.width // 8
-        # As many stages as fit beside the staging buffers and the barriers (1024 bytes: the
-        # operands are 1024-byte aligned); 128 x 152 tiles take 6, filling the 227 KB exactly.
-        self.ab_stages = min(12, (smem - epi_bytes - 1024) // self.stage_bytes)
+        # FP8: each consumer's user-tile buffers, one sub-tile's fp32 values each.
+        self.user_floats = 2 * self.USER_BUFFERS * per_sub * 128 if self.fp8 else 0
+        # As many stages as fit beside the staging and user buffers and the barriers (1024 bytes:
+        # the operands are 1024-byte aligned); 16-bit 128 x 152 tiles take 6, filling the 227 KB
+        # exactly, FP8 ones 5.
+        self.ab_stages = min(12, (smem - epi_bytes - 4 * self.user_floats - 1024) // self.stage_bytes)
         self.ab = PipelineSpec("ab", "producer warp 0", "the consumer warpgroup owning the tile", self.ab_stages,
                                self.stage_bytes, 1, 4 * cluster).check(
             "LceSm90", releasing_threads=self.TILE_OWNER_THREADS, multicast_ctas=cluster)
@@ -381,7 +392,16 @@ class LceSm90:
             sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(b_smem)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
 
-        self.shared_storage = SharedStorage
+        @cute.struct
+        class SharedStorageFp8:  # ... and the consumers' user-tile buffers and row scales
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(b_smem)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[Float32, max(1, self.user_floats)], 128]
+            sS: cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.tile_w], 16]
+
+        self.shared_storage = SharedStorageFp8 if const_expr(self.fp8) else SharedStorage
 
         self.kernel(
             PhaseLoads(tma_a_user, ta_user, tma_b_user, tma_b_user_last, tb_user),
@@ -424,6 +444,15 @@ class LceSm90:
         sA = storage.sA.get_tensor(layouts.a.outer, swizzle=layouts.a.inner)
         sB = storage.sB.get_tensor(layouts.b.outer, swizzle=layouts.b.inner)
         sC = storage.sC.get_tensor(layouts.epi.outer, swizzle=layouts.epi.inner)
+        sU, sS = None, None
+        if const_expr(self.fp8):
+            # (4 values, chunk, thread, buffer, consumer): each thread's 16-byte slots side by side.
+            per_sub = self.per_sub
+            sU = storage.sU.get_tensor(cute.make_layout(
+                (4, per_sub // 4, 128, self.USER_BUFFERS, 2),
+                stride=(1, 512, 4, per_sub * 128, per_sub * 128 * self.USER_BUFFERS)))
+            # (row, consumer): the scale of each row of the consumer's tile.
+            sS = storage.sS.get_tensor(cute.make_layout((self.tile_w, 2)))
         geom = self.geometry(user, cand, stores)
         pipelines_init_wait(self.cluster)
         # Launched with programmatic dependent launch: the setup above overlaps the previous
@@ -440,7 +469,8 @@ class LceSm90:
                 self.producer(ab_pipeline, sA, sB, geom, cluster_layout, rank, user, cand, tiles)
         else:
             self.REGISTERS.enter_consumer()
-            self.consumer(warpgroup_idx - 1, rank, ab_pipeline, layouts.tiled_mma, sA, sB, sC, geom, stores, tiles)
+            self.consumer(warpgroup_idx - 1, rank, ab_pipeline, layouts.tiled_mma, sA, sB, sC, sU, sS, geom,
+                          stores, tiles)
 
     def geometry(self, user: PhaseLoads, cand: PhaseLoads, stores: LceStores) -> LceGeometry:
         """The launch's tiling, from the (GEMM-view) tensors' shapes."""
@@ -539,7 +569,7 @@ class LceSm90:
 
     # ----------------------------------------------------------- consumers
     @cute.jit
-    def consumer(self, consumer_idx: Int32, rank: Int32, ab_pipeline, tiled_mma, sA, sB, sC, geom,
+    def consumer(self, consumer_idx: Int32, rank: Int32, ab_pipeline, tiled_mma, sA, sB, sC, sU, sS, geom,
                  stores: LceStores, tiles: TileRange):
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx % 128
@@ -564,6 +594,9 @@ class LceSm90:
         # FP8: each accumulator value's (output column, output row) within the tile (its scales).
         coords = thr_mma.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_w))) if const_expr(
             self.fp8) else None
+        # FP8: this consumer's user-tile buffers, this thread's slots ((4, chunk, buffer)).
+        my_sU = sU[(None, None, tidx, None, consumer_idx)] if const_expr(self.fp8) else None
+        my_sS = sS[(None, consumer_idx)] if const_expr(self.fp8) else None
 
         tile_end = tiles.end
         walk = strided_tiles(tiles.begin, cluster=self.cluster, lanes=2, lane=consumer_idx)
@@ -579,16 +612,26 @@ class LceSm90:
 
         epi_count = Int32(0)
         # The first tile's user tile; later ones are loaded during the previous tile's epilogue.
-        src = self.user_tile_source(stores, self.decode(t, rank, geom), t < tile_end, geom, tidx)
+        first = self.decode(t, rank, geom)
+        u_first = self.load_idx(stores, first, t < tile_end, geom)
+        src = self.user_tile_source(stores, first, t < tile_end, geom, tidx, u_first)
         # Carried through the walk as plain values (the DSL carries no objects through loops).
         ws_tile, poison, do_load = src.index, src.poison, src.load
         self.load_user_tile(acc, stores.workspace, ws_tile, do_load, consumer_idx, tidx)
         while t < tile_end:
             tile = self.decode(t, rank, geom)
             own = UserTileSource(ws_tile, poison, do_load)  # FP8: the epilogue adds it
+            # The next tile's idx, loaded while the main loop runs (the wait for its user tile follows it).
+            t_next = t + stride
+            tile_next = self.decode(t_next, rank, geom)
+            u_next = self.load_idx(stores, tile_next, t_next < tile_end, geom)
             zero_init = tile.is_user
+            row_scales = None
             if const_expr(self.fp8):
                 zero_init = True  # the sum is scaled before the user tile is added (in the epilogue)
+                row_scales = self.load_row_scales(stores, tile, tidx)
+                for s in cutlass.range_constexpr(min(self.USER_BUFFERS, self.epi_subtiles)):
+                    self.prefetch_user_subtile(my_sU, stores.workspace, own, s, tidx)
             else:
                 # A bad index adds NaN; this also waits for the user-tile loads.
                 for i in cutlass.range(cute.size(acc), unroll_full=True):
@@ -596,15 +639,15 @@ class LceSm90:
             self.ping_pong.wait(consumer_idx)
             state = pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_blocks, zero_init,
                                       self.ping_pong, consumer_idx)
-            t_next = t + stride
-            tile_next = self.decode(t_next, rank, geom)
+            if const_expr(self.fp8):
+                self.stage_row_scales(my_sS, row_scales, consumer_idx, tidx)
             if tile.is_user:
                 if const_expr(self.fp8):
-                    self.scale_tile(acc, coords, stores.w_user_scale, stores.e_user_scale, tile)
+                    self.scale_tile(acc, coords, my_sS)
                 self.store_user_tile(acc, stores, tile, geom, consumer_idx, tidx)
             # Thread 0 waits for the next tile's user tile (after a user tile is stored: it may
             # be that one); a warpgroup barrier then orders every thread's loads after the wait.
-            src = self.user_tile_source(stores, tile_next, t_next < tile_end, geom, tidx)
+            src = self.user_tile_source(stores, tile_next, t_next < tile_end, geom, tidx, u_next)
             ws_tile, poison, do_load = src.index, src.poison, src.load
             if tile.is_user:
                 self.load_user_tile(acc, stores.workspace, ws_tile, do_load, consumer_idx, tidx)
@@ -612,7 +655,7 @@ class LceSm90:
                 # The epilogue's first barrier orders the loads; each sub-tile frees registers for them.
                 self.store_output_tile(
                     acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, stores,
-                    tile, epi_count, consumer_idx, warp_in_wg, ws_tile, do_load, tidx, coords, own,
+                    tile, epi_count, consumer_idx, warp_in_wg, ws_tile, do_load, tidx, coords, own, my_sU, my_sS,
                 )
                 epi_count += self.epi_subtiles
             # Skip the other consumer's next tile in the ring.
@@ -646,16 +689,30 @@ class LceSm90:
             cute.arch.store(stores.flags.iterator + index, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def user_tile_source(self, stores: LceStores, tile: LceTile, exists, geom: LceGeometry, tidx) -> UserTileSource:
-        """The user tile that ``tile`` adds: a candidate tile adds ws[idx[b]] once that user
-        tile's flag is set (thread 0 waits for it here; the caller's warpgroup barrier then
-        orders every thread's loads after the flag). A bad index reads nothing and adds NaN;
-        user tiles and past-the-end tiles load nothing."""
-        is_user, b = tile.is_user, tile.batch
+    def reads_idx(self, tile: LceTile, exists, geom: LceGeometry):
+        """Whether ``tile`` is a candidate tile of a batch entry of e (a cluster tile can reach
+        cluster_b - 1 batches past B)."""
+        return exists & (not tile.is_user) & (tile.batch < geom.n_cands)
+
+    @cute.jit
+    def load_idx(self, stores: LceStores, tile: LceTile, exists, geom: LceGeometry):
+        """idx[b] of a candidate tile, in idx's own width (0 where ``reads_idx`` is false)."""
+        u_raw = self.idx_dtype(0)
+        if self.reads_idx(tile, exists, geom):
+            u_raw = stores.idx[tile.batch]
+        return u_raw
+
+    @cute.jit
+    def user_tile_source(self, stores: LceStores, tile: LceTile, exists, geom: LceGeometry, tidx,
+                         u_raw) -> UserTileSource:
+        """The user tile that ``tile`` adds (``u_raw``: its ``load_idx``): a candidate tile adds
+        ws[idx[b]] once that user tile's flag is set (thread 0 waits for it here; the caller's
+        warpgroup barrier then orders every thread's loads after the flag). A bad index reads
+        nothing and adds NaN; user tiles and past-the-end tiles load nothing."""
         u = Int32(0)
-        valid = is_user | (not exists)
-        if exists & (not is_user) & (b < geom.n_cands):  # a cluster tile can reach cluster_b - 1 batches past B
-            u_raw = stores.idx[b]  # compared in its own width: an int64 index must not wrap into range
+        valid = tile.is_user | (not exists)
+        if self.reads_idx(tile, exists, geom):
+            # Compared in its own width: an int64 index must not wrap into range.
             valid = (u_raw >= 0) & (u_raw < geom.n_users)
             if valid:
                 u = Int32(u_raw)
@@ -663,7 +720,7 @@ class LceSm90:
         if not valid:
             poison = Float32(math.nan)
         index = geom.user_tile_index(u, tile.w, tile.n)
-        do_load = valid & exists & (not is_user)
+        do_load = valid & exists & (not tile.is_user)
         if do_load & (tidx == 0):
             while cute.arch.load(stores.flags.iterator + index, Int32, sem="acquire", scope="gpu") == 0:
                 pass
@@ -679,24 +736,43 @@ class LceSm90:
                 self.load_user_chunks(acc, mWs, tile, tidx, list(range(cute.size(acc) // 4)))
 
     @cute.jit
-    def batch_scale(self, e_scale, tile: LceTile) -> Float32:
-        """FP8: the scale of the tile's batch entry of e (batches past e take the last one's:
-        their values are never stored)."""
-        return Float32(e_scale[cutlass.min(tile.batch, cute.size(e_scale) - 1)])
+    def row_scale(self, w_scale, e_scale, tile: LceTile, r) -> Float32:
+        """FP8: the scale of the tile's row r, its w row's times its batch entry's (rows past w and
+        batches past e take the last one's: their values are never stored)."""
+        row = cutlass.min(tile.w * self.tile_w + r, cute.size(w_scale) - 1)
+        return Float32(w_scale[row]) * Float32(e_scale[cutlass.min(tile.batch, cute.size(e_scale) - 1)])
 
     @cute.jit
-    def scale_of(self, coords, w_scale, batch_scale: Float32, tile: LceTile, i: int) -> Float32:
-        """FP8: accumulator value i's scale, its w row's times its batch entry's (rows past w take
-        the last one's: never stored)."""
-        row = cutlass.min(tile.w * self.tile_w + coords[i][1], cute.size(w_scale) - 1)
-        return Float32(w_scale[row]) * batch_scale
+    def load_row_scales(self, stores: LceStores, tile: LceTile, tidx) -> list:
+        """FP8: the scales of the tile's rows tidx, tidx + 128, ... (those below tile_w), of the
+        tile's phase. Loaded before the main loop, staged in shared memory after it."""
+        scales = []
+        for j in cutlass.range_constexpr(-(-self.tile_w // 128)):
+            r = tidx + 128 * j
+            scale = Float32(0.0)
+            if r < self.tile_w:
+                if tile.is_user:
+                    scale = self.row_scale(stores.w_user_scale, stores.e_user_scale, tile, r)
+                else:
+                    scale = self.row_scale(stores.w_cand_scale, stores.e_cand_scale, tile, r)
+            scales.append(scale)
+        return scales
 
     @cute.jit
-    def scale_tile(self, acc, coords, w_scale, e_scale, tile: LceTile):
-        """FP8, user tile: each fp32 sum times its scale before the workspace store."""
-        se = self.batch_scale(e_scale, tile)
+    def stage_row_scales(self, my_sS, scales: list, consumer_idx, tidx):
+        """FP8: ``load_row_scales``' values -> the consumer's row scales, then a warpgroup barrier
+        (the previous tile's readers passed its last one)."""
+        for j in cutlass.range_constexpr(len(scales)):
+            r = tidx + 128 * j
+            if r < self.tile_w:
+                my_sS[r] = scales[j]
+        self.epi_sync(consumer_idx)
+
+    @cute.jit
+    def scale_tile(self, acc, coords, my_sS):
+        """FP8, user tile: each fp32 sum times its row's scale before the workspace store."""
         for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = acc[i] * self.scale_of(coords, w_scale, se, tile, i)
+            acc[i] = acc[i] * my_sS[coords[i][1]]
 
     @cute.jit
     def load_user_chunks(self, acc, mWs, tile, tidx, chunks):
@@ -706,19 +782,32 @@ class LceSm90:
             cute.autovec_copy(ws[(None, chunks[k])], frag[(None, chunks[k])])
 
     @cute.jit
+    def prefetch_user_subtile(self, my_sU, mWs, own: UserTileSource, s: int, tidx):
+        """FP8: this thread's user values of epilogue sub-tile ``s`` -> its buffer s % USER_BUFFERS
+        (cp.async, one commit group per sub-tile, empty where the tile loads no user tile)."""
+        if own.load:
+            ws = mWs[(None, None, tidx, own.index)]
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
+                                       num_bits_per_copy=128)
+            for c in cutlass.range_constexpr(self.per_sub // 4):
+                cute.copy(atom, ws[(None, self.epi_acc[s] // 4 + c)], my_sU[(None, c, s % self.USER_BUFFERS)])
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
     def store_output_tile(
         self, acc, tRS_rD, tRS_rOut, tRS_sC, r2s, sC, stores: LceStores,
         tile: LceTile, epi_count, consumer_idx, warp_in_wg, next_tile, do_load, tidx, coords, own: UserTileSource,
+        my_sU, my_sS,
     ):
         """Round once, stage 64 x EPI_W sub-tiles in shared memory, TMA-store them. With
         ``do_load`` the accumulator chunks a sub-tile frees take the next tile's user tile.
-        FP8: each value is the scaled sum plus ``own``, this tile's user tile (and poison)."""
+        FP8: each value is the scaled sum plus ``own``, this tile's user tile (and poison), read
+        from the buffers ``prefetch_user_subtile`` fills."""
         gOut = cute.local_tile(stores.out, (self.tile_n, self.tile_w), (tile.n, tile.w, tile.batch))
         per_sub = cute.size(tRS_rD)
-        user, se = None, None
+        user = None
         if const_expr(self.fp8):
             user = cute.make_rmem_tensor(cute.make_layout((4, per_sub // 4)), Float32)
-            se = self.batch_scale(stores.e_cand_scale, tile)
         # acc holds each atom's fragment whole (tile_w / 2 values), its rows (the wgmma N
         # side) outermost, 4 values per 8 rows.
         for s in cutlass.range_constexpr(self.epi_subtiles):
@@ -726,14 +815,16 @@ class LceSm90:
             if const_expr(self.fp8):
                 for v in cutlass.range_constexpr(per_sub):
                     i = self.epi_acc[s] + v
-                    scale = self.scale_of(coords, stores.w_cand_scale, se, tile, i)
-                    tRS_rD[v] = acc[i] * scale + own.poison
+                    tRS_rD[v] = acc[i] * my_sS[coords[i][1]] + own.poison
+                # Sub-tile s's group is done once at most (groups issued) - (s + 1) are pending.
+                issued = min(self.USER_BUFFERS + s, self.epi_subtiles)
+                cute.arch.cp_async_wait_group(issued - s - 1)
                 if own.load:
-                    ws, _ = self.fragment_view(acc, stores.workspace, own.index, tidx)
-                    for c in cutlass.range_constexpr(per_sub // 4):
-                        cute.autovec_copy(ws[(None, self.epi_acc[s] // 4 + c)], user[(None, c)])
+                    cute.autovec_copy(my_sU[(None, None, s % self.USER_BUFFERS)], user)
                     for v in cutlass.range_constexpr(per_sub):
                         tRS_rD[v] = tRS_rD[v] + user[v]
+                if const_expr(s + self.USER_BUFFERS < self.epi_subtiles):  # its buffer is read: refill it
+                    self.prefetch_user_subtile(my_sU, stores.workspace, own, s + self.USER_BUFFERS, tidx)
             else:
                 for v in cutlass.range_constexpr(per_sub):
                     tRS_rD[v] = acc[self.epi_acc[s] + v]

@@ -9,6 +9,7 @@ import torch
 import ikbo_fa
 import ikbo_gemm
 from ikbo_fa.config import AttentionConfig
+from ikbo_gemm.lce_sm90 import LceSm90
 
 # Warp-specialized TMA -> wgmma pipelines with a register split, and programmatic dependent
 # launch (each kernel waits for the grid before it on the stream).
@@ -40,6 +41,12 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
         assert instruction in kernel.ptx, f"{op} {cfg}: no {instruction} in the PTX"
     if getattr(cfg, "dtype", None) == torch.float8_e4m3fn:  # 8-bit wgmma, both operands K-major
         assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", kernel.ptx), f"{op} {cfg}"
+    if op == "lce" and cfg.dtype == torch.float8_e4m3fn:
+        # The candidate epilogue's user values come through shared memory: cp.async of 16 bytes past
+        # L1, a commit group and a wait per staged sub-tile.
+        subtiles = LceSm90(cfg).epi_subtiles
+        assert kernel.ptx.count("cp.async.cg.shared.global") == 4 * subtiles, f"{op} {cfg}"
+        assert kernel.ptx.count("cp.async.wait_group") == subtiles, f"{op} {cfg}"
     if op == "linear" and cfg.phase == "cand":
         assert "cp.async.bulk.tensor.2d.global.shared" in kernel.ptx, f"{op} {cfg}: no TMA store of the output"
     if op == "linear" and cfg.split_k > 1:
