@@ -1,4 +1,6 @@
 import contextlib
+import fcntl
+import functools
 import os
 import tempfile
 import time
@@ -18,6 +20,7 @@ if _WORKER and os.environ["CUTE_KERNELS_CACHE_DIR"].strip():
     os.environ["CUTE_KERNELS_CACHE_DIR"] = os.path.join(os.environ["CUTE_KERNELS_CACHE_DIR"], _WORKER)
 
 
+@functools.lru_cache(maxsize=None)
 def _sm90_available() -> bool:
     try:
         import torch
@@ -33,6 +36,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# GPU tests of every worker (and of any other session on the machine) share the device's memory.
+_GPU_LOCK = os.path.join(tempfile.gettempdir(), f"ikbo-gpu-tests-{os.getuid()}.lock")
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_turns(request):
+    """A GPU test holds a shared lock on the device while it runs and returns the allocator's
+    cached blocks after it; one marked ``gpu_exclusive`` holds the lock alone, so that memory
+    other workers' tests hold does not make it fail for want of memory."""
+    if "gpu" not in request.keywords or not _sm90_available():
+        yield
+        return
+    import torch
+
+    with open(_GPU_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if "gpu_exclusive" in request.keywords else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def cpu_bench_ms(fn, *, warmup=1, rep=3, rotate=None):

@@ -146,6 +146,7 @@ def test_non_contiguous_inputs():
     assert_matches_reference(out, args)
 
 
+@pytest.mark.gpu_exclusive  # about 15 GB
 def test_output_and_workspace_past_2_31_elements():
     """20,000 users and candidates at M 433, N 256: the output holds 2.2e9 elements and the
     fp32 user tiles 2.3e9, so any 32-bit element offset would wrap (K is small to keep it quick)."""

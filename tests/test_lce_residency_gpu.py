@@ -13,7 +13,8 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+# The child processes need GPU memory and SMs that other workers' tests would hold.
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_exclusive]
 
 _COMMON = """
 import math, time, torch
