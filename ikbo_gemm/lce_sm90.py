@@ -187,8 +187,10 @@ class LceSm90:
         other consumer arrives on it after issuing its last wgmma (consumer 0 arrives once on
         its own at the start), so the consumers walk the ring in tile order.
       EPILOGUE + c (128 threads, per-consumer staging buffers):
-        the consumer's warp 0 TMA-stores each staged 64 x 32 sub-tile and reuses
-        a buffer only after the bulk group that read it completed. A tile_w that
+        one barrier a staged 64 x 32 sub-tile (epi_stages buffers a consumer):
+        after the sub-tile's stmatrix, warp 0 waits until the bulk store that last
+        read the next sub-tile's buffer is done reading, all sync, then warp 0
+        TMA-stores the sub-tile. A tile_w that
         32 does not divide ends on a sub-tile that overlaps the one before it (the
         4-matrix stmatrix stages 32 rows); only its new rows are stored, with a TMA
         atom of their height.
@@ -248,7 +250,8 @@ class LceSm90:
     ATOM_N = 64  # output columns of one wgmma (its M side)
     TILE_K = 64  # elements of a 16-bit k-block; FP8 k-blocks hold 128 (the same bytes, LceConfig.tile_k)
     EPI_W = 32  # output rows per staged epilogue sub-tile
-    EPI_STAGES = 2
+    EPI_STAGES = 2  # staging buffers per consumer (16-bit operands)
+    EPI_STAGES_FP8 = 4  # ... FP8: its shorter main loop leaves the stores less time
     USER_BUFFERS = 2  # FP8: shared-memory buffers of a consumer for its tile's user sub-tiles (cp.async)
     REGISTERS = RegisterSplit(producer=24, consumer=240)
     THREADS = REGISTERS.threads
@@ -303,13 +306,16 @@ class LceSm90:
 
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.stage_bytes = (tile_n + tile_w) * self.tile_k * dtype.width // 8
-        epi_bytes = 2 * self.EPI_STAGES * self.ATOM_N * self.EPI_W * self.out_dtype.width // 8
-        # FP8: each consumer's user-tile buffers, one sub-tile's fp32 values each.
+        self.epi_stages = self.EPI_STAGES_FP8 if self.fp8 else self.EPI_STAGES
+        epi_bytes = 2 * self.epi_stages * self.ATOM_N * self.EPI_W * self.out_dtype.width // 8
+        # FP8: each consumer's user-tile buffers (one sub-tile's fp32 values each) and row scales.
         self.user_floats = 2 * self.USER_BUFFERS * per_sub * 128 if self.fp8 else 0
-        # As many stages as fit beside the staging and user buffers and the barriers (1024 bytes:
-        # the operands are 1024-byte aligned); 16-bit 128 x 152 tiles take 6, filling the 227 KB
-        # exactly, FP8 ones 5.
-        self.ab_stages = min(12, (smem - epi_bytes - 4 * self.user_floats - 1024) // self.stage_bytes)
+        self.scale_floats = 2 * tile_w if self.fp8 else 0
+        # As many stages as fit beside the staging, user and scale buffers and the barriers (1024
+        # bytes: the operands are 1024-byte aligned); 128 x 152 tiles take 6 (16-bit, filling the
+        # 227 KB exactly) or 5 (FP8).
+        self.ab_stages = min(12, (smem - epi_bytes - 4 * (self.user_floats + self.scale_floats) - 1024)
+                             // self.stage_bytes)
         self.ab = PipelineSpec("ab", "producer warp 0", "the consumer warpgroup owning the tile", self.ab_stages,
                                self.stage_bytes, 1, 4 * cluster).check(
             "LceSm90", releasing_threads=self.TILE_OWNER_THREADS, multicast_ctas=cluster)
@@ -354,7 +360,7 @@ class LceSm90:
         a_smem = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, self.dtype, self.ab_stages)
         b_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
         epi_smem = sm90_utils.make_smem_layout_epi(self.out_dtype, LayoutEnum.COL_MAJOR, self.epi_tile,
-                                                   2 * self.EPI_STAGES)
+                                                   2 * self.epi_stages)
 
         a_one = cute.select(a_smem, mode=[0, 1])
         a_box = (self.tile_n, self.tile_k)
@@ -399,7 +405,7 @@ class LceSm90:
             sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(b_smem)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(epi_smem)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[Float32, max(1, self.user_floats)], 128]
-            sS: cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.tile_w], 16]
+            sS: cute.struct.Align[cute.struct.MemRange[Float32, max(1, self.scale_floats)], 16]
 
         self.shared_storage = SharedStorageFp8 if const_expr(self.fp8) else SharedStorage
 
@@ -736,36 +742,33 @@ class LceSm90:
                 self.load_user_chunks(acc, mWs, tile, tidx, list(range(cute.size(acc) // 4)))
 
     @cute.jit
-    def row_scale(self, w_scale, e_scale, tile: LceTile, r) -> Float32:
-        """FP8: the scale of the tile's row r, its w row's times its batch entry's (rows past w and
-        batches past e take the last one's: their values are never stored)."""
-        row = cutlass.min(tile.w * self.tile_w + r, cute.size(w_scale) - 1)
-        return Float32(w_scale[row]) * Float32(e_scale[cutlass.min(tile.batch, cute.size(e_scale) - 1)])
-
-    @cute.jit
     def load_row_scales(self, stores: LceStores, tile: LceTile, tidx) -> list:
-        """FP8: the scales of the tile's rows tidx, tidx + 128, ... (those below tile_w), of the
-        tile's phase. Loaded before the main loop, staged in shared memory after it."""
+        """FP8: (w row scale, batch entry scale) of the tile's rows tidx, tidx + 128, ... (those
+        below tile_w), of the tile's phase; rows past w and batches past e take the last one's
+        (their values are never stored). Loaded before the main loop, multiplied and staged in
+        shared memory after it (a product taken here would wait for the loads)."""
+        w_scale, e_scale = stores.w_cand_scale, stores.e_cand_scale
+        if tile.is_user:
+            w_scale, e_scale = stores.w_user_scale, stores.e_user_scale
+        se = Float32(e_scale[cutlass.min(tile.batch, cute.size(e_scale) - 1)])
         scales = []
         for j in cutlass.range_constexpr(-(-self.tile_w // 128)):
             r = tidx + 128 * j
-            scale = Float32(0.0)
+            sw = Float32(0.0)
             if r < self.tile_w:
-                if tile.is_user:
-                    scale = self.row_scale(stores.w_user_scale, stores.e_user_scale, tile, r)
-                else:
-                    scale = self.row_scale(stores.w_cand_scale, stores.e_cand_scale, tile, r)
-            scales.append(scale)
+                sw = Float32(w_scale[cutlass.min(tile.w * self.tile_w + r, cute.size(w_scale) - 1)])
+            scales.append((sw, se))
         return scales
 
     @cute.jit
     def stage_row_scales(self, my_sS, scales: list, consumer_idx, tidx):
-        """FP8: ``load_row_scales``' values -> the consumer's row scales, then a warpgroup barrier
-        (the previous tile's readers passed its last one)."""
+        """FP8: each row's scale, its w row's times its batch entry's (``load_row_scales``) ->
+        the consumer's row scales, then a warpgroup barrier (the previous tile's readers passed
+        the last barrier of its epilogue)."""
         for j in cutlass.range_constexpr(len(scales)):
             r = tidx + 128 * j
             if r < self.tile_w:
-                my_sS[r] = scales[j]
+                my_sS[r] = scales[j][0] * scales[j][1]
         self.epi_sync(consumer_idx)
 
     @cute.jit
@@ -829,9 +832,13 @@ class LceSm90:
                 for v in cutlass.range_constexpr(per_sub):
                     tRS_rD[v] = acc[self.epi_acc[s] + v]
             tRS_rOut.store(tRS_rD.load().to(self.out_dtype))
-            buf = consumer_idx * self.EPI_STAGES + (epi_count + s) % self.EPI_STAGES
+            buf = consumer_idx * self.epi_stages + (epi_count + s) % self.epi_stages
             cute.copy(r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
             cute.arch.fence_proxy("async.shared", space="cta")
+            if warp_in_wg == 0:
+                # The next sub-tile's buffer was last read by the store of sub-tile s + 1 - stages:
+                # with at most stages - 2 of the stores issued so far pending, it is free after the barrier.
+                cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
             self.epi_sync(consumer_idx)
             if const_expr(not self.fp8):  # FP8: each tile's epilogue reads its own user tile
                 if do_load:
@@ -849,8 +856,6 @@ class LceSm90:
                 )
                 cute.copy(atom, tS, tG)
                 cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(self.EPI_STAGES - 1, read=True)
-            self.epi_sync(consumer_idx)
 
     def epi_sync(self, consumer_idx):
         """The 128 threads of consumer ``consumer_idx`` (its epilogue's staging buffers)."""

@@ -461,10 +461,12 @@ def test_each_w_row_is_loaded_and_each_output_row_stored_exactly_once(cfg):
     # Second TMA atoms are built only where 32 does not divide the tile (w: only in clusters).
     assert k.w_last_atom == (k.cluster > 1 and cfg.tile_w % 32 != 0)
     assert k.out_last_atom == (cfg.tile_w % k.EPI_W != 0)
-    epi_bytes = 2 * k.EPI_STAGES * k.ATOM_N * k.EPI_W * 2
-    # FP8: each consumer's user-tile buffers, one sub-tile's fp32 values each.
-    user_bytes = 2 * k.USER_BUFFERS * k.ATOM_N * k.EPI_W * 4 if cfg.dtype == torch.float8_e4m3fn else 0
-    assert k.user_floats * 4 == user_bytes
+    fp8 = cfg.dtype == torch.float8_e4m3fn
+    assert k.epi_stages == (k.EPI_STAGES_FP8 if fp8 else k.EPI_STAGES) >= 2  # the one-barrier epilogue needs two
+    epi_bytes = 2 * k.epi_stages * k.ATOM_N * k.EPI_W * 2
+    # FP8: each consumer's user-tile buffers (one sub-tile's fp32 values each) and row scales.
+    user_bytes = 2 * k.USER_BUFFERS * k.ATOM_N * k.EPI_W * 4 + 2 * cfg.tile_w * 4 if fp8 else 0
+    assert 4 * (k.user_floats + k.scale_floats) == user_bytes
     assert 1024 + k.ab_stages * k.stage_bytes + epi_bytes + user_bytes <= cutlass.memory.get_smem_capacity_in_bytes(
         "sm_90")
     assert k.ab_stages >= 4
