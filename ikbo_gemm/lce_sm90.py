@@ -819,9 +819,7 @@ class LceSm90:
                 for v in cutlass.range_constexpr(per_sub):
                     i = self.epi_acc[s] + v
                     tRS_rD[v] = acc[i] * my_sS[coords[i][1]] + own.poison
-                # Sub-tile s's group is done once at most (groups issued) - (s + 1) are pending.
-                issued = min(self.USER_BUFFERS + s, self.epi_subtiles)
-                cute.arch.cp_async_wait_group(issued - s - 1)
+                cute.arch.cp_async_wait_group(self.user_groups_pending(s))
                 if own.load:
                     cute.autovec_copy(my_sU[(None, None, s % self.USER_BUFFERS)], user)
                     for v in cutlass.range_constexpr(per_sub):
@@ -836,9 +834,7 @@ class LceSm90:
             cute.copy(r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
             cute.arch.fence_proxy("async.shared", space="cta")
             if warp_in_wg == 0:
-                # The next sub-tile's buffer was last read by the store of sub-tile s + 1 - stages:
-                # with at most stages - 2 of the stores issued so far pending, it is free after the barrier.
-                cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
+                cute.arch.cp_async_bulk_wait_group(self.stores_pending(), read=True)
             self.epi_sync(consumer_idx)
             if const_expr(not self.fp8):  # FP8: each tile's epilogue reads its own user tile
                 if do_load:
@@ -856,6 +852,18 @@ class LceSm90:
                 )
                 cute.copy(atom, tS, tG)
                 cute.arch.cp_async_bulk_commit_group()
+
+    def user_groups_pending(self, s: int) -> int:
+        """FP8: the cp.async groups that may still be pending when sub-tile ``s`` reads its user
+        values: USER_BUFFERS groups are issued before the main loop and one more after each sub-tile
+        that leaves one to issue, so sub-tile s's group is done once at most (issued) - (s + 1) are."""
+        return min(self.USER_BUFFERS + s, self.epi_subtiles) - s - 1
+
+    def stores_pending(self) -> int:
+        """The output stores that may still be reading shared memory at a sub-tile's barrier: the
+        next sub-tile's buffer was last read by the store epi_stages - 1 sub-tiles back, so with at
+        most epi_stages - 2 of those issued so far pending, it is free after the barrier."""
+        return self.epi_stages - 2
 
     def epi_sync(self, consumer_idx):
         """The 128 threads of consumer ``consumer_idx`` (its epilogue's staging buffers)."""

@@ -470,3 +470,38 @@ def test_each_w_row_is_loaded_and_each_output_row_stored_exactly_once(cfg):
     assert 1024 + k.ab_stages * k.stage_bytes + epi_bytes + user_bytes <= cutlass.memory.get_smem_capacity_in_bytes(
         "sm_90")
     assert k.ab_stages >= 4
+
+
+@pytest.mark.parametrize("cfg", [c for c in SHIPPED_CONFIGS if c.dtype == torch.float8_e4m3fn] + SHIPPED_CONFIGS[:4],
+                         ids=str)
+def test_epilogue_waits_free_each_buffer_before_its_reuse(cfg):
+    """The epilogue's async groups, played in order over three tiles of one consumer, with every
+    group completing as late as its waits allow: each sub-tile's user values (FP8) have landed
+    when it reads them and no pending copy targets the buffer it reads; each staging buffer's
+    previous store is done reading it before a sub-tile writes it."""
+    k = LceSm90(cfg)
+    S = k.epi_subtiles
+    # cp.async groups (FP8): (buffer, sub-tile) in issue order; a wait leaves the newest n pending.
+    if cfg.dtype == torch.float8_e4m3fn:
+        for _tile in range(3):
+            pending = [(s % k.USER_BUFFERS, s) for s in range(min(k.USER_BUFFERS, S))]  # before the main loop
+            for s in range(S):
+                n = k.user_groups_pending(s)
+                assert n >= 0
+                pending = pending[max(0, len(pending) - n):] if n else []
+                assert all(sub != s for _, sub in pending), f"sub-tile {s} reads before its group landed"
+                assert all(buf != s % k.USER_BUFFERS for buf, _ in pending)
+                if s + k.USER_BUFFERS < S:
+                    pending.append(((s + k.USER_BUFFERS) % k.USER_BUFFERS, s + k.USER_BUFFERS))
+            assert not pending  # the tile's groups were all waited for
+    # Bulk stores: store j reads buffer j % epi_stages; before sub-tile j's barrier at most
+    # stores_pending() of stores 0 .. j - 1 remain; sub-tile j + 1 then writes buffer (j + 1) % stages.
+    stages, reading = k.epi_stages, []
+    for j in range(3 * S):
+        assert all(buf != j % stages for buf in reading), f"sub-tile {j} overwrites a buffer being stored"
+        n = k.stores_pending()
+        assert n >= 0
+        reading = reading[max(0, len(reading) - n):] if n else []
+        # after the barrier: no store still pending may read the buffer the next sub-tile writes
+        assert all(buf != (j + 1) % stages for buf in reading)
+        reading.append(j % stages)
