@@ -313,7 +313,7 @@ class LceSm90:
         self.scale_floats = 2 * tile_w if self.fp8 else 0
         # As many stages as fit beside the staging, user and scale buffers and the barriers (1024
         # bytes: the operands are 1024-byte aligned); 128 x 152 tiles take 6 (16-bit, filling the
-        # 227 KB exactly) or 5 (FP8).
+        # 227 KB exactly) or 4 (FP8: 7 k-blocks a tile).
         self.ab_stages = min(12, (smem - epi_bytes - 4 * (self.user_floats + self.scale_floats) - 1024)
                              // self.stage_bytes)
         self.ab = PipelineSpec("ab", "producer warp 0", "the consumer warpgroup owning the tile", self.ab_stages,
