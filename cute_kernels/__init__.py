@@ -4,7 +4,8 @@ guard, torch.library registration for torch.compile), launch-plan cache,
 persistent tile scheduling, and the warp-specialized skeleton every kernel is written on
 (``warp_specialized``: register split, named barriers, ping-pong turns, pipeline contracts;
 ``accumulator``: wgmma accumulator views; ``cluster_reduce``: a tile's K split over a cluster,
-its partial sums added in shared memory). Importing it changes no process-wide setting:
+its partial sums added in shared memory; ``staged_stores``: output staged through shared memory
+and TMA-stored, one barrier a sub-tile). Importing it changes no process-wide setting:
 kernels are compiled for sm_90a by naming the target in each compile.
 
 Nothing here knows about IKBO; the kernels in ``ikbo_gemm`` and ``ikbo_fa`` build on it.

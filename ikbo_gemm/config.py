@@ -184,6 +184,9 @@ class LinearConfig:
     # FP8 operands (dtype float8_e4m3fn): the output's dtype, bf16 or fp16 (the user phase's
     # staging layout only: bf16); 16-bit operands: None, the output is theirs.
     out_dtype: Optional[torch.dtype] = None
+    # Consumer warpgroups on one tile: 1, ping-pong (each runs whole tiles in turn); 2, both on
+    # every tile, tile_m / 2 rows each (candidate phase, 16-bit operands, no split_k).
+    consumers_per_tile: int = 1
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16, FP8):
@@ -198,9 +201,17 @@ class LinearConfig:
             raise ValueError(f"LinearConfig.tile_m must be 64 or 128, got {self.tile_m}")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             raise ValueError(f"LinearConfig.tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
-        if self.tile_m * self.tile_n > 128 * 192:
-            raise ValueError(f"LinearConfig: tile_m x tile_n = {self.tile_m} x {self.tile_n} holds more than the "
-                             f"192 fp32 accumulator registers per consumer thread that fit without spills")
+        if self.consumers_per_tile not in (1, 2):
+            raise ValueError(f"LinearConfig.consumers_per_tile must be 1 or 2, got {self.consumers_per_tile!r}")
+        if self.tile_m * self.tile_n // self.consumers_per_tile > 128 * 192:
+            raise ValueError(f"LinearConfig: tile_m x tile_n = {self.tile_m} x {self.tile_n} on "
+                             f"{self.consumers_per_tile} consumer(s) holds more than the 192 fp32 accumulator "
+                             f"registers per consumer thread that fit without spills")
+        if self.consumers_per_tile == 2 and (self.tile_m != 128 or self.phase != "cand" or self.split_k > 1
+                                             or self.dtype == FP8):
+            raise ValueError(f"LinearConfig: two consumers on one tile need tile_m 128, the candidate phase, no "
+                             f"split_k and 16-bit operands; got tile_m {self.tile_m}, phase {self.phase!r}, "
+                             f"split_k {self.split_k}, {self.dtype}")
         if self.phase not in PHASES:
             raise ValueError(f"LinearConfig.phase must be 'user' or 'cand', got {self.phase!r}")
         if self.activation not in ACTIVATIONS:
@@ -223,12 +234,18 @@ class LinearConfig:
     def __str__(self) -> str:
         extra = "".join(f"-{x}" for x in (self.activation, "bias" if self.has_bias else None) if x)
         split = f"-k{self.split_k}" if self.split_k > 1 else ""
+        split += "-shared" if self.consumers_per_tile == 2 else ""
         out = f"-out_{str(self.out_dtype)[6:]}" if self.out_dtype else ""
         return (f"linear-{self.phase}-{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-m{self.tile_m}-n{self.tile_n}"
                 f"-c{self.cluster_m}{split}{extra}{out}")
 
 
 LINEAR_TILES = ((128, 128), (128, 192), (128, 64), (64, 256), (64, 128))
+# The candidate tile both consumer warpgroups share (LinearConfig.consumers_per_tile = 2), 64 x 256
+# each: per MAC its shared memory takes in 3/4 of the operand bytes of a 128 x 128 ping-pong tile
+# and its wgmmas read 5/6 of them (docs/perf/2026-12-06-linear-h100-grid.md), but its epilogue no
+# longer overlaps another tile's main loop.
+LINEAR_SHARED_TILE = (128, 256)
 
 
 def pick_linear_tile(rows: int, n: int, tiles: tuple = LINEAR_TILES) -> tuple[int, int]:
@@ -288,11 +305,13 @@ def pick_cand_split(rows: int, n: int, k_blocks: int, sms: int, clusters,
 
 def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1, split_cand=1,
                    split_user=1, out_dtype=None) -> tuple:
-    """(user phase, candidate phase) configurations of one call (``out_dtype``: FP8's output)."""
+    """(user phase, candidate phase) configurations of one call (``out_dtype``: FP8's output). The
+    candidate tile LINEAR_SHARED_TILE is both consumers' (``consumers_per_tile`` 2)."""
     user_out = torch.bfloat16 if dtype == FP8 else None  # the user phase stores fp32 either way
+    consumers = 2 if tuple(tile_cand) == LINEAR_SHARED_TILE else 1
     return (LinearConfig(dtype, idx_dtype, *tile_user, "user", split_k=split_user, out_dtype=user_out),
             LinearConfig(dtype, idx_dtype, *tile_cand, "cand", activation, has_bias, cluster_cand, split_cand,
-                         out_dtype))
+                         out_dtype, consumers_per_tile=consumers))
 
 
 LINEAR_SHIPPED_CONFIGS = [
@@ -303,6 +322,9 @@ LINEAR_SHIPPED_CONFIGS = [
     for act, bias in ((None, False), ("relu", True))
 ] + [
     LinearConfig(torch.float16, torch.int64, 128, 128, "cand", None, False, cluster) for cluster in (1, 2)
+] + [
+    LinearConfig(dtype, torch.int32, *LINEAR_SHARED_TILE, "cand", act, bias, cluster, consumers_per_tile=2)
+    for dtype in (torch.float16, torch.bfloat16) for cluster in (1, 2) for act, bias in ((None, False), ("relu", True))
 ] + [
     LinearConfig(torch.bfloat16, torch.int32, 128, 128, "cand", act, True, 2) for act in ACTIVATIONS[2:]
 ] + [

@@ -25,6 +25,7 @@ from cute_kernels.arguments import GemmSmemLayouts, kernel_arguments
 from cute_kernels.interop import cutlass_dtype
 from cute_kernels.mainloop import pingpong_mainloop
 from cute_kernels.scheduler import strided_tiles
+from cute_kernels.staged_stores import StagedStores
 from cute_kernels.warp_specialized import (
     Barrier,
     PingPong,
@@ -187,8 +188,8 @@ class LceSm90:
         other consumer arrives on it after issuing its last wgmma (consumer 0 arrives once on
         its own at the start), so the consumers walk the ring in tile order.
       EPILOGUE + c (128 threads, per-consumer staging buffers):
-        one barrier a staged 64 x 32 sub-tile (epi_stages buffers a consumer):
-        after the sub-tile's stmatrix, warp 0 waits until the bulk store that last
+        one barrier a staged 64 x 32 sub-tile (epi_stages buffers a consumer;
+        cute_kernels.staged_stores): after the sub-tile's stmatrix, warp 0 waits until the bulk store that last
         read the next sub-tile's buffer is done reading, all sync, then warp 0
         TMA-stores the sub-tile. A tile_w that
         32 does not divide ends on a sub-tile that overlaps the one before it (the
@@ -307,6 +308,7 @@ class LceSm90:
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.stage_bytes = (tile_n + tile_w) * self.tile_k * dtype.width // 8
         self.epi_stages = self.EPI_STAGES_FP8 if self.fp8 else self.EPI_STAGES
+        self.staged = StagedStores(self.epi_stages)  # each consumer's staging buffers, one barrier a sub-tile
         epi_bytes = 2 * self.epi_stages * self.ATOM_N * self.EPI_W * self.out_dtype.width // 8
         # FP8: each consumer's user-tile buffers (one sub-tile's fp32 values each) and row scales.
         self.user_floats = 2 * self.USER_BUFFERS * per_sub * 128 if self.fp8 else 0
@@ -830,11 +832,10 @@ class LceSm90:
                 for v in cutlass.range_constexpr(per_sub):
                     tRS_rD[v] = acc[self.epi_acc[s] + v]
             tRS_rOut.store(tRS_rD.load().to(self.out_dtype))
-            buf = consumer_idx * self.epi_stages + (epi_count + s) % self.epi_stages
+            buf = self.staged.buffer(epi_count + s, consumer_idx)
             cute.copy(r2s, tRS_rOut, tRS_sC[(None, None, None, buf)])
             cute.arch.fence_proxy("async.shared", space="cta")
-            if warp_in_wg == 0:
-                cute.arch.cp_async_bulk_wait_group(self.stores_pending(), read=True)
+            self.staged.free_next(warp_in_wg == 0)
             self.epi_sync(consumer_idx)
             if const_expr(not self.fp8):  # FP8: each tile's epilogue reads its own user tile
                 if do_load:
@@ -858,12 +859,6 @@ class LceSm90:
         values: USER_BUFFERS groups are issued before the main loop and one more after each sub-tile
         that leaves one to issue, so sub-tile s's group is done once at most (issued) - (s + 1) are."""
         return min(self.USER_BUFFERS + s, self.epi_subtiles) - s - 1
-
-    def stores_pending(self) -> int:
-        """The output stores that may still be reading shared memory at a sub-tile's barrier: the
-        next sub-tile's buffer was last read by the store epi_stages - 1 sub-tiles back, so with at
-        most epi_stages - 2 of those issued so far pending, it is free after the barrier."""
-        return self.epi_stages - 2
 
     def epi_sync(self, consumer_idx):
         """The 128 threads of consumer ``consumer_idx`` (its epilogue's staging buffers)."""

@@ -12,6 +12,12 @@ start 16 bytes apart (TMA reads zeros past K), else copied into rows padded alon
 each: for x_cand a slow path); an N that is not a multiple of 8 stores into a padded buffer
 that is then copied into the output, and inputs not 16-byte aligned are copied.
 
+Candidate tiles. Ping-pong tiles (``config.pick_linear_tile``: the least padded output), or,
+with 16-bit operands, 128 x 256 tiles both consumer warpgroups share where K_cand and the grid
+are large enough and N not (``PlanRules.shared_tile_min_k``, ``shared_tile_max_n``): per MAC
+they move fewer operand bytes through L2 and shared memory, but their epilogue no longer
+overlaps another tile's main loop.
+
 Grids of few tiles. Where the candidate tiles fill at most half the SMs, each CTA runs one
 tile and the phase takes one tile's time: the op then takes a smaller tile
 (``config.pick_cand_tile``). Where the candidate grid is one partial wave, the user phase runs
@@ -56,6 +62,7 @@ from .checks import FP8, check_linear_inputs, check_out_dtype
 from .compile import compile_linear_config
 from .config import (
     LINEAR_FP8_CAND_TILES,
+    LINEAR_SHARED_TILE,
     LINEAR_TILES,
     LinearConfig,
     linear_configs,
@@ -63,6 +70,7 @@ from .config import (
     pick_cand_tile,
     pick_linear_tile,
     round_up,
+    tile_cost,
 )
 from .linear_sm90 import LinearEpilogue, LinearLaunch, LinearOperands
 from .reference import linear_reference
@@ -94,6 +102,14 @@ class PlanRules:
     # 70, graph) N 4096 ran 0.88x to 1.02x the time without it over B 512 to 8192 and both K
     # pairs, N 1024 and 256 up to 1.38x: docs/perf/2026-12-06-linear-h100-grid.md.
     wide_user_min_n: Optional[int] = 4096
+    # The candidate phase in 128 x 256 tiles both consumers share (LINEAR_SHARED_TILE) where K_cand
+    # is at least shared_tile_min_k, N at most shared_tile_max_n, the tiles fill every SM at least
+    # once and pad N no more than the usual tile (16-bit operands; None turns a bound off, and a
+    # min_k of None the shared tile). On the H100 (bf16, ratio 70, graph, B 4096 to 16384) it ran
+    # 0.91 to 1.01x the ping-pong time at N 1024, 0.95 to 1.13x at N 2048 and up to 1.18x at
+    # N 4096: docs/perf/2026-12-06-linear-shared-tile.md.
+    shared_tile_min_k: Optional[int] = 1024
+    shared_tile_max_n: Optional[int] = 1024
     cand_split: Optional[tuple] = None  # ((tile_m, tile_n), split_k) of the candidate phase
     cand_clusters: Optional[int] = None  # at most this many candidate clusters (each then walks more tiles)
     user_tile: Optional[tuple] = None  # (tile_m, tile_n) of the user phase (where wide_user does not pick)
@@ -103,16 +119,17 @@ class PlanRules:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PlanRules.{name} must be a bool, got {getattr(self, name)!r}")
         split = self.cand_split
-        if split is not None and not (isinstance(split, tuple) and len(split) == 2 and split[0] in LINEAR_TILES
-                                      and split[1] in (1, 2, 4)):
-            raise ValueError(f"PlanRules.cand_split must be ((tile_m, tile_n) of {LINEAR_TILES}, 1, 2 or 4), "
-                             f"got {split!r}")
+        if split is not None and not (isinstance(split, tuple) and len(split) == 2 and (
+                (split[0] in LINEAR_TILES and split[1] in (1, 2, 4)) or (split[0] == LINEAR_SHARED_TILE and split[1] == 1))):
+            raise ValueError(f"PlanRules.cand_split must be ((tile_m, tile_n) of {LINEAR_TILES}, 1, 2 or 4) or "
+                             f"({LINEAR_SHARED_TILE}, 1), got {split!r}")
         if self.cand_clusters is not None and (isinstance(self.cand_clusters, bool)
                                                or not isinstance(self.cand_clusters, int) or self.cand_clusters < 1):
             raise ValueError(f"PlanRules.cand_clusters must be a positive int, got {self.cand_clusters!r}")
-        if self.wide_user_min_n is not None and (isinstance(self.wide_user_min_n, bool)
-                                                 or not isinstance(self.wide_user_min_n, int) or self.wide_user_min_n < 1):
-            raise ValueError(f"PlanRules.wide_user_min_n must be a positive int or None, got {self.wide_user_min_n!r}")
+        for name in ("wide_user_min_n", "shared_tile_min_k", "shared_tile_max_n"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"PlanRules.{name} must be a positive int or None, got {v!r}")
         if self.user_tile is not None and self.user_tile not in LINEAR_TILES:
             raise ValueError(f"PlanRules.user_tile must be one of {LINEAR_TILES}, got {self.user_tile!r}")
 
@@ -122,6 +139,8 @@ SMALL_GRID_RULES = PlanRules(split_k=True, user_pairs=True)
 # Not timed yet (docs/perf/2026-12-05-linear-wide-user-phase.md).
 WIDE_USER_RULES = PlanRules(wide_user=True)
 SPLIT_WIDE_USER_RULES = PlanRules(split_k=True, wide_user=True)
+# The candidate phase in ping-pong tiles only.
+NO_SHARED_TILE_RULES = PlanRules(shared_tile_min_k=None)
 
 
 def split_weight(weight: torch.Tensor, k_user: int, user_first: bool = True):
@@ -236,14 +255,15 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
            fp8: bool = False) -> _Grids:
     """Both phases' grids. ``clusters(size)``: clusters of that many CTAs resident at once. FP8:
     the candidate tiles of LINEAR_FP8_CAND_TILES."""
-    g = _chosen_grids(B, U, N, K_cand, K_user, sms, clusters, rules, LINEAR_FP8_CAND_TILES if fp8 else LINEAR_TILES)
+    g = _chosen_grids(B, U, N, K_cand, K_user, sms, clusters, rules, LINEAR_FP8_CAND_TILES if fp8 else LINEAR_TILES,
+                      shared_tile=not fp8)
     if rules.cand_clusters is not None:
         g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster))
     return g
 
 
 def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,
-                  cand_tile_set: tuple) -> _Grids:
+                  cand_tile_set: tuple, shared_tile: bool = True) -> _Grids:
     kb_cand, kb_user = -(-K_cand // 64), -(-K_user // 64)
     tile_user = rules.user_tile or pick_linear_tile(U, N)
     if rules.cand_split is not None:
@@ -252,6 +272,9 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
         tile_cand, split_cand = pick_cand_split(B, N, kb_cand, sms, clusters, cand_tile_set)
     else:
         tile_cand, split_cand = pick_cand_tile(B, N, sms, cand_tile_set), 1
+    if split_cand == 1 and rules.cand_split is None and shared_tile and _takes_shared_tile(B, N, K_cand, sms,
+                                                                                          tile_cand, rules):
+        tile_cand = LINEAR_SHARED_TILE
     cand_tiles, user_tiles = _tiles(B, N, tile_cand), _tiles(U, N, tile_user)
     splits = _user_splits(user_tiles, kb_user, sms)
     base = dict(tile_user=tile_user, tile_cand=tile_cand, split_cand=split_cand, split_user=1, splits=splits,
@@ -291,6 +314,15 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
     if spare:
         return _Grids(**dict(base, splits=1, grid_user=spare), **cand_grid)
     return _Grids(**ahead, **cand_grid)
+
+
+def _takes_shared_tile(B: int, N: int, K_cand: int, sms: int, tile: tuple, rules: PlanRules) -> bool:
+    """Whether the candidate phase runs LINEAR_SHARED_TILE instead of ``tile`` (``PlanRules.shared_tile_min_k``,
+    ``shared_tile_max_n``): K_cand and N in bounds, a shared tile per SM or more, no more padded output."""
+    shared = LINEAR_SHARED_TILE
+    return (rules.shared_tile_min_k is not None and K_cand >= rules.shared_tile_min_k
+            and (rules.shared_tile_max_n is None or N <= rules.shared_tile_max_n)
+            and _tiles(B, N, shared) >= sms and tile_cost(*shared, N, B) <= tile_cost(*tile, N, B))
 
 
 def _tiles(rows: int, n: int, tile: tuple) -> int:

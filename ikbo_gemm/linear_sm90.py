@@ -134,7 +134,7 @@ class LinearWork:
 
 
 class LinearSm90:
-    """Persistent warp-specialized ping-pong GEMM, ``C = A @ B^T`` with both operands K-major,
+    """Persistent warp-specialized GEMM (ping-pong, or both consumers on one tile), ``C = A @ B^T`` with both operands K-major,
     and one of two epilogues (``cfg.phase``):
       "user": C in fp32 into the workspace ws [U_pad, N_pad] (no rounding);
       "cand": C + ws[idx[row]] + bias, the activation, all in fp32, rounded once into out [B, N].
@@ -161,36 +161,43 @@ class LinearSm90:
         x 64, multicast to the cluster); K tails and rows past the tensors load as zeros.
       warpgroups 1, 2, consumers (setmaxnreg 240): each runs whole tiles, alternating (tile t
         of this CTA's walk on consumer t % 2): the wgmma main loop, then its epilogue while
-        the other consumer runs its main loop. With split_k consumer 0 runs every tile.
+        the other consumer runs its main loop. With split_k consumer 0 runs every tile. With
+        ``cfg.consumers_per_tile`` = 2 (a shared tile, 128 x 256: LINEAR_SHARED_TILE) both run
+        every tile, consumer c its rows [64 c, 64 c + 64) (m64n256 wgmmas: each k-step reads
+        the B tile once for 64 rows a consumer, where ping-pong 128 x 128 reads it twice),
+        and the epilogues of both follow the main loop.
 
     Pipelines (PipelineTmaAsync; checked in ``__init__``):
 
         | pipeline | producer -> consumer | full / empty arrives | stages |
         | --- | --- | --- | --- |
-        | ab | producer warp 0 -> the consumer warpgroup owning the tile | 1 / 4 x cluster_m | ab_stages |
+        | ab | producer warp 0 -> the consumer warpgroups owning the tile | 1 / 4 x cluster_m x consumers_per_tile | ab_stages |
 
       One ring shared by both consumers. Full: one elected producer thread with the stage's TMA
-      bytes (the A tile and the whole B tile, its halves from both CTAs). Empty: each of the
-      owning consumer's 4 warps releases the stage in every CTA of the cluster (their B halves
-      land in it). Each consumer skips the other consumer's k-blocks in its ring state.
+      bytes (the A tile and the whole B tile, its halves from both CTAs). Empty: each warp of
+      the tile's consumers (one; both on a shared tile) releases the stage in every CTA of the
+      cluster (their B halves land in it). Ping-pong: each consumer skips the other consumer's
+      k-blocks in its ring state.
       split_k adds the exchange's two mbarriers (``ClusterReduce``: full, 1 arrive + the bytes
       of the other CTAs' partial sums; free, split_k - 1 remote arrives).
 
     Named barriers (LinearBarrier):
       MMA_ORDER + c (256 threads; PingPong): consumer c waits on it before its main loop; the
         other consumer arrives on it once its last wgmma is issued (consumer 0 opens the first
-        turn), so the consumers walk the ring in tile order. Not used with split_k.
+        turn), so the consumers walk the ring in tile order. Not used with split_k or a
+        shared tile.
       EPILOGUE + c (128 threads): consumer c around each staged sub-tile of its output
         (candidate phase): its warp 0 TMA-stores the sub-tile and reuses a staging buffer
         only once the bulk store that read it is done; with split_k also once per tile, after
         it has read the other CTAs' partial sums.
 
     Timelines. Producer warp 0, per tile: for each k-block, wait for a free stage, load A and B.
-    Consumer c, per tile of its lane of the walk: wait for its MMA_ORDER turn -> main loop
+    Consumer c, per tile of its lane of the walk (shared tile: every tile, no turns): wait
+    for its MMA_ORDER turn -> main loop
     (wgmma one group in flight, stages released one behind) -> hand the turn over ->
     (split_k: send the sub-tiles other CTAs own, add the partial sums of its own) -> epilogue:
     user phase: fp32 stores of its fragment into ws; candidate phase: (first tile: wait for the
-    user grid) per row the user index, then per 128 x EPI_N sub-tile: + ws row + bias,
+    user grid) per row the user index, then per sub-tile of its rows x EPI_N: + ws row + bias,
     activation, round, stmatrix into its staging buffer, TMA store.
 
     Tile order: cluster tiles (cluster_m row tiles x one column tile) numbered column tile
@@ -224,7 +231,6 @@ class LinearSm90:
     # Each named barrier's threads, and its ids (one per consumer warpgroup), as the docstring states.
     BARRIER_THREADS = {"EPILOGUE": WARPGROUP, "MMA_ORDER": 2 * WARPGROUP}
     BARRIER_SPANS = {"EPILOGUE": 2, "MMA_ORDER": 2}
-    TILE_OWNER_THREADS = 128
 
     def __init__(self, cfg: LinearConfig):
         self.cfg = cfg
@@ -239,7 +245,11 @@ class LinearSm90:
         self.split = cfg.split_k  # CTAs sharing one tile's K loop
         self.launch_cluster = cfg.cluster_m * cfg.split_k
         self.b_rows = cfg.tile_n // cfg.cluster_m  # rows of the B tile each CTA of a cluster loads
-        self.epi_tile = (cfg.tile_m, self.EPI_N)
+        # Rows of each tile a consumer computes: all of them (ping-pong), or its half of a tile
+        # both consumers share (consumers_per_tile = 2; consumer c takes rows [64 c, 64 c + 64)).
+        self.shared_tile = cfg.consumers_per_tile == 2
+        self.consumer_rows = cfg.tile_m // cfg.consumers_per_tile
+        self.epi_tile = (self.consumer_rows, self.EPI_N)
         self.epi_subtiles = cfg.tile_n // self.EPI_N
         # The exchange of a K-split cluster: 2 accumulator rows per 64 tile rows a thread holds.
         self.reduce = ClusterReduce(self.split, self.epi_subtiles, 2 * cfg.tile_m // 64) if self.split > 1 else None
@@ -249,7 +259,7 @@ class LinearSm90:
         # Staging buffers: EPI_STAGES per consumer (the user phase stores from registers; it
         # keeps one unused buffer so that both phases share one shared-memory layout).
         self.epi_buffers = 2 * self.EPI_STAGES if cfg.phase == "cand" else 1
-        epi_bytes = self.epi_buffers * cfg.tile_m * self.EPI_N * (self.out_dtype.width // 8)
+        epi_bytes = self.epi_buffers * self.consumer_rows * self.EPI_N * (self.out_dtype.width // 8)
         # As many stages as fit beside the staging buffers, the exchange's receive buffer and the
         # barriers (1024 bytes: the operands are 1024-byte aligned).
         red_bytes = self.reduce.tx_bytes if self.reduce else 0
@@ -257,9 +267,9 @@ class LinearSm90:
         if self.ab_stages < 2:
             raise ValueError(f"LinearSm90: a {cfg.tile_m} x {cfg.tile_n} tile leaves room for "
                              f"{self.ab_stages} pipeline stages; at least 2 are needed")
-        self.ab = PipelineSpec("ab", "producer warp 0", "the consumer warpgroup owning the tile", self.ab_stages,
-                               self.stage_bytes, 1, 4 * self.cluster).check(
-            "LinearSm90", releasing_threads=self.TILE_OWNER_THREADS, multicast_ctas=self.cluster)
+        self.ab = PipelineSpec("ab", "producer warp 0", "the consumer warpgroups owning the tile", self.ab_stages,
+                               self.stage_bytes, 1, 4 * self.cluster * cfg.consumers_per_tile).check(
+            "LinearSm90", releasing_threads=WARPGROUP * cfg.consumers_per_tile, multicast_ctas=self.cluster)
         self.ping_pong = PingPong(int(LinearBarrier.MMA_ORDER), self.BARRIER_THREADS["MMA_ORDER"])
         check_barriers("LinearSm90", LinearBarrier, self.BARRIER_SPANS)
 
@@ -270,9 +280,10 @@ class LinearSm90:
         a, b, out = operands.a, operands.b, epilogue.out
         mA = cute.make_tensor(a.iterator, cute.append(a.layout, cute.make_layout(1)))
         mB = cute.make_tensor(b.iterator, cute.append(b.layout, cute.make_layout(1)))
+        # One wgmma row of 64 per consumer on a shared tile (each consumer slices its own).
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
-            tiler_mn=(64, self.tile_n))
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (self.cfg.consumers_per_tile, 1, 1), tiler_mn=(64, self.tile_n))
         a_smem = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
         b_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
         load = cpasync.CopyBulkTensorTileG2SOp()
@@ -442,19 +453,24 @@ class LinearSm90:
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx % 128
         warp_in_wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
-        thr_mma = tiled_mma.get_slice(tidx)
+        # A shared tile's MMA spans both consumers: each takes the slice of its 64 rows.
+        thr_mma = tiled_mma.get_slice(consumer_idx * WARPGROUP + tidx if const_expr(self.shared_tile) else tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         # (row, col) within the tile of each accumulator register.
         coords = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
 
-        lanes = 2 if const_expr(self.split == 1) else 1
-        ping_pong = self.ping_pong if const_expr(self.split == 1) else None
-        walk = strided_tiles(Int32(0), cluster=self.launch_cluster, lanes=lanes, lane=consumer_idx)
+        # Ping-pong: the consumers take the CTA's tiles in turn. A K split or a shared tile: each
+        # consumer that runs takes every tile.
+        turns = self.split == 1 and not self.shared_tile
+        lanes = 2 if const_expr(turns) else 1
+        ping_pong = self.ping_pong if const_expr(turns) else None
+        walk = strided_tiles(Int32(0), cluster=self.launch_cluster, lanes=lanes,
+                             lane=consumer_idx if const_expr(turns) else 0)
         t = walk.first
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        if const_expr(self.split == 1):
+        if const_expr(turns):
             if consumer_idx == 0:
                 self.ping_pong.open_first_turn()
             else:
@@ -465,7 +481,7 @@ class LinearSm90:
         tile_i = Int32(0)
         while t < work.size():
             tile = self.decode(t, work, rank)
-            if const_expr(self.split == 1):
+            if const_expr(turns):
                 self.ping_pong.wait(consumer_idx)
             state = pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_count, True,
                                       ping_pong, consumer_idx)
@@ -480,7 +496,7 @@ class LinearSm90:
                 self.store_output_tile(acc, coords, tiled_mma, sC, stores, tile, n_rows, n_cols, epi_count,
                                        consumer_idx, warp_in_wg, tidx, rank)
                 epi_count += self.epi_subtiles // self.split
-            if const_expr(self.split == 1):
+            if const_expr(turns):
                 # Skip the other consumer's next tile in the ring.
                 if t + walk.clusters < work.size():
                     state.advance(self.decode(t + walk.clusters, work, rank).k_count)
@@ -526,7 +542,7 @@ class LinearSm90:
     def store_output_tile(self, acc, coords, tiled_mma, sC, stores: LinearStores, tile: LinearTile, n_rows: Int32,
                           n_cols: Int32, epi_count: Int32, consumer_idx: Int32, warp_in_wg: Int32, tidx: Int32,
                           rank: Int32):
-        """+ ws[idx[row]] (its slabs in order) + bias, activation, round once; staged tile_m x EPI_N
+        """+ ws[idx[row]] (its slabs in order) + bias, activation, round once; staged (its rows) x EPI_N
         sub-tiles (split_k: those this CTA owns), TMA-stored (rows and columns past the output are
         clipped by the store)."""
         acc_mn = acc_mn_view(acc)
@@ -580,9 +596,11 @@ class LinearSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 self.epi_sync(consumer_idx)
                 if warp_in_wg == 0:
+                    # The consumer's rows of the tile: a shared tile's are its half.
+                    m_sub = tile.m * self.cfg.consumers_per_tile + (consumer_idx if const_expr(self.shared_tile) else 0)
                     tS, tG = cpasync.tma_partition(stores.out_atom, 0, cute.make_layout(1),
                                                    cute.group_modes(sC[(None, None, buf)], 0, 2),
-                                                   cute.group_modes(gOut[(None, None, tile.m,
+                                                   cute.group_modes(gOut[(None, None, m_sub,
                                                                           tile.n * self.epi_subtiles + s)], 0, 2))
                     cute.copy(stores.out_atom, tS, tG)
                     cute.arch.cp_async_bulk_commit_group()
@@ -590,7 +608,7 @@ class LinearSm90:
                 self.epi_sync(consumer_idx)
 
     def sub_mma(self, tiled_mma):
-        """The tiled MMA of one epilogue sub-tile (tile_m x EPI_N): its accumulator fragment is the
+        """The tiled MMA of one epilogue sub-tile (the consumer's rows x EPI_N): its accumulator fragment is the
         full tile's fragment restricted to those columns, in the same register order."""
         return sm90_utils.make_trivial_tiled_mma(
             self.out_dtype, self.out_dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),

@@ -49,6 +49,11 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
         assert kernel.ptx.count("cp.async.wait_group") == subtiles, f"{op} {cfg}"
     if op == "linear" and cfg.phase == "cand":
         assert "cp.async.bulk.tensor.2d.global.shared" in kernel.ptx, f"{op} {cfg}: no TMA store of the output"
+    if op == "linear" and cfg.consumers_per_tile == 2:
+        # A shared tile: each consumer's 64 rows in m64n256 wgmmas (one 128 x 256 tile, no
+        # ping-pong turns: no named-barrier arrive).
+        assert "wgmma.mma_async.sync.aligned.m64n256k16" in kernel.ptx, f"{op} {cfg}"
+        assert "bar.arrive" not in kernel.ptx, f"{op} {cfg}"
     if op == "linear" and cfg.split_k > 1:
         # The K-split exchange: 16-byte stores into the peers' shared memory that complete on their
         # mbarrier, the buffer released remotely, the cluster barrier before exit.

@@ -460,3 +460,28 @@ def test_disk_cache_default_directory(monkeypatch, tmp_path):
     monkeypatch.delenv("CUTE_KERNELS_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert compile_mod.cache_dir() == tmp_path / "cute_kernels"
+
+
+@pytest.mark.parametrize("buffers", [2, 3, 4, 6])
+def test_staged_stores_free_each_buffer_before_its_reuse(buffers):
+    from cute_kernels.staged_stores import StagedStores
+
+    staged = StagedStores(buffers)
+    assert staged.pending_at_sync == buffers - 2
+    assert [staged.buffer(j, 1) for j in range(buffers + 1)] == [buffers + j % buffers for j in range(buffers + 1)]
+    staged.replay(5 * buffers + 3)
+
+
+def test_staged_stores_replay_catches_a_wait_too_loose():
+    from cute_kernels.staged_stores import StagedStores
+
+    class Loose(StagedStores):
+        @property
+        def pending_at_sync(self):
+            return self.buffers - 1
+
+    with pytest.raises(AssertionError, match="read after the barrier"):
+        Loose(3).replay(10)
+    with pytest.raises(ValueError, match="at least 2 buffers"):
+        StagedStores(1)
+

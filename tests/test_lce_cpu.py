@@ -494,14 +494,6 @@ def test_epilogue_waits_free_each_buffer_before_its_reuse(cfg):
                 if s + k.USER_BUFFERS < S:
                     pending.append(((s + k.USER_BUFFERS) % k.USER_BUFFERS, s + k.USER_BUFFERS))
             assert not pending  # the tile's groups were all waited for
-    # Bulk stores: store j reads buffer j % epi_stages; before sub-tile j's barrier at most
-    # stores_pending() of stores 0 .. j - 1 remain; sub-tile j + 1 then writes buffer (j + 1) % stages.
-    stages, reading = k.epi_stages, []
-    for j in range(3 * S):
-        assert all(buf != j % stages for buf in reading), f"sub-tile {j} overwrites a buffer being stored"
-        n = k.stores_pending()
-        assert n >= 0
-        reading = reading[max(0, len(reading) - n):] if n else []
-        # after the barrier: no store still pending may read the buffer the next sub-tile writes
-        assert all(buf != (j + 1) % stages for buf in reading)
-        reading.append(j % stages)
+    # Bulk stores: each consumer's staging buffers, one barrier a sub-tile (cute_kernels.staged_stores).
+    assert k.staged.buffers == k.epi_stages
+    k.staged.replay(3 * S)

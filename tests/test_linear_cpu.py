@@ -253,6 +253,47 @@ def test_split_config_errors(kwargs, match):
         LinearConfig(**dict(base, **kwargs))
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(consumers_per_tile=3), "consumers_per_tile must be 1 or 2"),
+    (dict(tile_m=64, consumers_per_tile=2), "two consumers on one tile need tile_m 128"),
+    (dict(phase="user", consumers_per_tile=2), "two consumers on one tile need"),
+    (dict(split_k=2, consumers_per_tile=2), "two consumers on one tile need"),
+    (dict(dtype=torch.float8_e4m3fn, out_dtype=BF16, consumers_per_tile=2), "two consumers on one tile need"),
+    (dict(consumers_per_tile=1), "more than the 192 fp32 accumulator registers"),
+])
+def test_shared_tile_config_errors(kwargs, match):
+    base = dict(dtype=BF16, idx_dtype=torch.int32, tile_m=128, tile_n=256, phase="cand", consumers_per_tile=2)
+    with pytest.raises(ValueError, match=match):
+        LinearConfig(**dict(base, **kwargs))
+
+
+def test_shared_tile_plan():
+    """The candidate phase takes the 128 x 256 shared tile where K_cand >= shared_tile_min_k (1024),
+    N <= shared_tile_max_n (1024), its tiles fill every SM at least once and it pads N no more
+    than the usual tile; never in FP8."""
+    from ikbo_gemm.config import LINEAR_SHARED_TILE, linear_configs
+    from ikbo_gemm.linear import DEFAULT_RULES, _grids as plan_grids
+
+    shared = LINEAR_SHARED_TILE
+    assert _grids(8192, 117, 1024, 2048, 1024).tile_cand == shared  # 256 tiles
+    assert _grids(8192, 117, 1024, 4096, 4096).tile_cand == shared
+    assert _grids(16384, 234, 1024, 1024, 1024).tile_cand == shared
+    assert _grids(16384, 234, 2048, 1024, 1024).tile_cand == (128, 128)  # N above 1024
+    assert _grids(8192, 117, 1024, 1024, 512).tile_cand == (128, 128)  # K_cand below 1024
+    assert _grids(2048, 29, 1024, 4096, 4096).tile_cand == (128, 128)  # 64 shared tiles < 132 SMs
+    assert _grids(8192, 117, 4096, 1024, 2048).tile_cand == (128, 128)  # N above 1024
+    assert _grids(8192, 117, 4096, 1024, 2048, shared_tile_max_n=None).tile_cand == shared
+    assert _grids(8192, 117, 1000, 4096, 4096).tile_cand == shared  # N 1024 either way
+    assert _grids(8192, 117, 1100, 4096, 4096).tile_cand != shared  # N 1280, where 128-column tiles run 1152
+    assert _grids(8192, 117, 1024, 4096, 4096, shared_tile_min_k=None).tile_cand == (128, 128)
+    assert _grids(8192, 117, 1024, 4096, 4096, shared_tile_min_k=8192).tile_cand == (128, 128)
+    assert plan_grids(8192, 117, 1024, 1024, 1024, 132, H200_CLUSTERS, DEFAULT_RULES, fp8=True).tile_cand != shared
+    user, cand = linear_configs(BF16, torch.int32, (128, 128), shared, "relu", True, 2)
+    assert (cand.consumers_per_tile, user.consumers_per_tile) == (2, 1)
+    assert linear_configs(BF16, torch.int32, (128, 128), (128, 128), None, False)[1].consumers_per_tile == 1
+    assert _grids(300, 3, 200, 64, 1000, cand_split=(shared, 1)).tile_cand == shared
+
+
 def test_a_split_with_an_empty_slice_is_refused():
     forced = dict(cand_split=((128, 128), 4))
     with pytest.raises(ValueError, match="3 k-blocks leave a CTA of a 4-way K split none"):
@@ -303,6 +344,9 @@ def test_wide_user_phase_by_size():
     (dict(cand_split=((128, 128), 3)), ValueError, "PlanRules.cand_split must be"),
     (dict(cand_clusters=0), ValueError, "PlanRules.cand_clusters must be a positive int"),
     (dict(wide_user_min_n=0), ValueError, "PlanRules.wide_user_min_n must be a positive int or None"),
+    (dict(shared_tile_min_k=True), ValueError, "PlanRules.shared_tile_min_k must be a positive int or None"),
+    (dict(shared_tile_max_n=0), ValueError, "PlanRules.shared_tile_max_n must be a positive int or None"),
+    (dict(cand_split=((128, 256), 2)), ValueError, "PlanRules.cand_split must be"),
     (dict(user_tile=(32, 128)), ValueError, "PlanRules.user_tile must be one of"),
     (dict(split_k=1), TypeError, "PlanRules.split_k must be a bool"),
 ])
