@@ -39,7 +39,7 @@ from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import AddressSpace, Float32, Int32, const_expr
+from cutlass import AddressSpace, Float32, Int32
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, nvvm, vector
 from cutlass.cute.typing import Pointer

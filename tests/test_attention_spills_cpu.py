@@ -3,7 +3,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from ikbo_fa.config import AttentionConfig

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ikbo_fa
-from attention_emulation import attention_mod, install
+from attention_emulation import install
 from attention_inputs import random_jagged_problem, random_problem
 from ikbo_fa.worklist import kv_tile_order, kv_worklist
 
