@@ -11,6 +11,10 @@ resident at once and no more than there are tiles, so a problem with fewer
 tiles than SMs still processes every tile, and the device is never queried
 while tracing.
 
+``TileCounter`` hands tiles out at run time instead: CTA ``c`` takes tile ``c`` first, then
+``G`` plus what a counter in global memory returns, each time it asks. Tiles of unequal work,
+numbered longest first, then go each to the first CTA free to take it.
+
 ``warp_search`` finds a tile's group among the groups' first tiles with every lane of a warp.
 """
 from __future__ import annotations
@@ -38,6 +42,40 @@ def strided_tiles(begin: Int32, cluster: int = 1, lanes: int = 1, lane=0) -> Til
     clusters = Int32(grid) // cluster
     first = begin + Int32(bid) // cluster + lane * clusters
     return TileWalk(first, clusters * lanes, clusters)
+
+
+class TileCounter(NamedTuple):
+    """Tiles handed out by an atomic counter: ``words`` [2] int32 in global memory, zero at launch
+    (the tiles handed out past the grid's first G, and the CTAs done). The last CTA to finish
+    zeroes both again, so one buffer serves launches in stream order, never two at once."""
+
+    words: cute.Tensor
+
+    @cute.jit
+    def first(self) -> Int32:
+        bid, _, _ = cute.arch.block_idx()
+        return Int32(bid)
+
+    @cute.jit
+    def next(self) -> Int32:
+        """The calling CTA's next tile (every lane of the calling warp calls it and gets it; lane 0
+        asks the counter)."""
+        grid, _, _ = cute.arch.grid_dim()
+        t = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            t = cute.arch.atomic_add(self.words.iterator, Int32(1))
+        return cute.arch.shuffle_sync(t, 0) + Int32(grid)
+
+    @cute.jit
+    def finish(self):
+        """Once per CTA, by the warp that called ``next``, after its last call: the last CTA resets
+        the counter (every CTA has taken its last tile by then)."""
+        grid, _, _ = cute.arch.grid_dim()
+        if cute.arch.lane_idx() == 0:
+            done = cute.arch.atomic_add(self.words.iterator + 1, Int32(1))
+            if done == Int32(grid) - 1:
+                self.words[0] = Int32(0)
+                self.words[1] = Int32(0)
 
 
 @cute.jit

@@ -88,7 +88,7 @@ from .fwd_args import FwdScalars, FwdTensors, FwdWorkList, WorkListScalars
 from .fwd_compile import compile_config
 from .policy import DEFAULT_POLICY, AttentionPolicy
 from .reference import evaluate, jagged_rows
-from .worklist import WorkList, kv_tile_order, kv_worklist, max_tiles_per_head
+from .worklist import WALK_WORDS, WorkList, kv_tile_order, kv_worklist, max_tiles_per_head
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +308,9 @@ def work_list(
     With validation on (``validate=True`` or ``IKBO_VALIDATE=1``), an index outside [0, U) raises
     IndexError, as attention does; otherwise its candidates form the group that writes NaN.
 
+    Calls that share a work list built with lengths or offsets take their tiles from a counter
+    it holds: run them one after another on a stream (as layers do), not on two streams at once.
+
     It holds the grouping of idx's values now: rebuild it after writing idx. A call checks that
     it was not built from the same tensor before an in-place write (where torch counts versions)
     and, with validation on, that it groups idx as idx holds then. Asynchronous, no host
@@ -340,7 +343,8 @@ def work_list(
         rows32, parts = rows, None
         if kernel is not None:
             # Separate tensors (no views of one buffer): the registered op returns them as they are.
-            sizes = [b, n_users + 2, n_users + 2, 1] + ([] if rows is None else [n_users + 1, rows.shape[0]])
+            sizes = [b, n_users + 2, n_users + 2, 1] + ([] if rows is None else [n_users + 1 + WALK_WORDS,
+                                                                                 rows.shape[0]])
             parts = [torch.empty(n, dtype=torch.int32, device=idx.device) for n in sizes]
             if rows is not None:  # the kernel takes int32 (values only order the tiles)
                 rows32 = parts[-1]
@@ -383,7 +387,7 @@ def _attention_shapes(q, kv, idx, scale=None, kv_lengths=None, broadcast=None, r
 def _work_list_shapes(idx, num_users, s_q, kv_lengths=None, kv_offsets=None, max_kv_len=None, validate=None):
     ordered = kv_lengths is not None or kv_offsets is not None
     return tuple(idx.new_empty((n,), dtype=torch.int32)
-                 for n in (idx.shape[0], num_users + 2, num_users + 2, 1, num_users + 1 if ordered else 0))
+                 for n in (idx.shape[0], num_users + 2, num_users + 2, 1, num_users + 1 + WALK_WORDS if ordered else 0))
 
 
 @library_op("ikbo_fa::work_list", "ikbo_fa.work_list", "ikbo_fa.worklist.kv_worklist", _work_list_shapes)
@@ -490,8 +494,9 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     workspace = plan.merge is not None
     dest, dest_lse = _split_workspace(plan) if workspace else (target, lse)
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
+    walk = perm[plan.n_users + 1:] if plan.config.dynamic_walk else None
     plan.kernel(FwdTensors(q, k, v, dest, dest_lse, kvl, offsets),
-                FwdWorkList(cand, cand_start, tile_start, grouped, perm),
+                FwdWorkList(cand, cand_start, tile_start, grouped, perm, walk),
                 FwdScalars(int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys, plan.prefetch_blocks,
                            scale * LOG2E, scale),
                 plan.n_ctas)
@@ -506,10 +511,12 @@ def _group(idx, n_users: int, rows_per_cand: int, kernel, parts, rows, lengths: 
     """(order, cand_start, tile_start, grouped, perm) of a contiguous idx: by the work-list kernel
     into the int32 ``parts`` (order, cand_start, tile_start, grouped[, perm]), else (``kernel``
     None) by the torch definition. ``rows`` (int32 kv_lengths, or kv_offsets with ``lengths``
-    False): the tiles longest first by them; None: in user order (perm None)."""
+    False): the tiles longest first by them, perm then followed by the tile counter's two words,
+    zero; None: in user order (perm None)."""
     if kernel is not None:
         perm = parts[4] if rows is not None else None
-        kernel(idx, FwdWorkList(parts[0], parts[1], parts[2], parts[3], perm), rows,
+        groups, walk = (None, None) if perm is None else (perm[:n_users + 1], perm[n_users + 1:])
+        kernel(idx, FwdWorkList(parts[0], parts[1], parts[2], parts[3], groups, walk), rows,
                WorkListScalars(n_users, rows_per_cand, total_keys, max_keys))
         return parts[0], parts[1], parts[2], parts[3], perm
     order, cand_start, tile_start, grouped = kv_worklist(idx, n_users, rows_per_cand)
@@ -517,6 +524,7 @@ def _group(idx, n_users: int, rows_per_cand: int, kernel, parts, rows, lengths: 
     if rows is not None:
         keys = rows if lengths else jagged_rows(rows, total_keys, max_keys)[1]
         perm, tile_start = kv_tile_order(cand_start, keys, rows_per_cand)
+        perm = torch.cat([perm, perm.new_zeros(WALK_WORDS)])  # the tile counter, zero
     return order, cand_start, tile_start, grouped, perm
 
 
@@ -537,14 +545,17 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: t
                  lse: Optional[torch.Tensor] = None) -> None:
     """The outputs of a row's key splits merged: out = sum_i exp(lse_i - lse) o_i, in fp32, with
     lse = logsumexp_i lse_i (``ws_o`` [B, S_q, n x H, D], ``ws_lse`` [B, n x H, S_q], split-major
-    heads). A row with no key in any split gets 0 and -inf; NaN stays NaN. The definition the
-    merge kernel (merge_sm90.py) is tested against."""
+    heads). A row with no key in any split gets 0 and -inf; NaN stays NaN; the output of a split
+    of lse -inf is not read (it may never have been written). The definition the merge kernel
+    (merge_sm90.py) is tested against."""
     B, S, nH, D = ws_o.shape
     H = nH // n_splits
     parts = ws_lse.view(B, n_splits, H, S)
     total = torch.logsumexp(parts, dim=1)  # [B, H, S]
     w = torch.exp(parts - total[:, None]).masked_fill_(torch.isneginf(total)[:, None], 0.0)
-    merged = torch.einsum("bnhs,bsnhd->bshd", w, ws_o.view(B, S, n_splits, H, D).float())
+    o = ws_o.view(B, S, n_splits, H, D).float()
+    o = o.masked_fill(torch.isneginf(parts).permute(0, 3, 1, 2)[..., None], 0.0)  # splits of no key
+    merged = torch.einsum("bnhs,bsnhd->bshd", w, o)
     out.copy_(merged)
     if lse is not None:
         lse.copy_(total)
@@ -552,15 +563,19 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: t
 
 def problem_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms: int,
                    policy: AttentionPolicy = DEFAULT_POLICY, total_keys: Optional[int] = None) -> tuple:
-    """``kv_splits`` of a KV-broadcast problem: ``batch`` candidates of ``users`` users, ``s_q``
-    queries each, rows of up to ``keys`` keys (``total_keys`` together, where the rows are jagged).
-    Tiles per head lie between the dense count and its bound (a partly filled tile per user): the
-    plan takes their mean."""
+    """(splits, keys per split, split pair?) of a KV-broadcast problem: ``kv_splits`` for ``batch``
+    candidates of ``users`` users, ``s_q`` queries each, rows of up to ``keys`` keys (``total_keys``
+    together, where the rows are jagged). Tiles per head lie between the dense count and its bound
+    (a partly filled tile per user): the plan takes their mean. Jagged rows shorter than ``keys``
+    on average under ``policy.dynamic_walk`` split without pairs (whose walk is static)."""
     tiles = (-(-batch * s_q // 128) + max_tiles_per_head(batch, users, s_q)) // 2
     uneven = None
     if total_keys is not None and policy.split_by_total_keys and total_keys < users * keys:
         uneven = (users, total_keys)
-    return kv_splits(tiles, heads, keys, sms, policy, uneven)
+        if policy.dynamic_walk:
+            policy = dataclasses.replace(policy, split_pair=False)
+    n, per = kv_splits(tiles, heads, keys, sms, policy, uneven)
+    return n, per, policy.split_pair and n == 2
 
 
 def kv_splits(tiles: int, heads: int, keys: int, sms: int, policy: AttentionPolicy = DEFAULT_POLICY,
@@ -569,17 +584,19 @@ def kv_splits(tiles: int, heads: int, keys: int, sms: int, policy: AttentionPoli
     whose rows have up to ``keys`` keys: where the tiles fill at most half the SMs, each row's
     keys go over as many CTAs as fill them, each with at least ``policy.split_min_keys`` keys.
     With ``policy.split_by_cost``, the split count of least ``split_cost`` instead; for ``uneven``
-    = (rows, their total keys), the fewer of that and the count of least ``uneven_split_cost``:
-    split only as far as both see a gain (on the H100 that took the faster of the two counts at
-    each of seven jagged shapes timed, docs/perf/2026-12-06-attention-uneven-splits.md)."""
+    = (rows, their total keys), the count of least ``uneven_split_cost`` under
+    ``policy.dynamic_walk`` (each piece to the first CTA free: the cost's two bounds are what that
+    walk reaches), else the fewer of that and the other (the static walk can hand one CTA two
+    long pieces: docs/perf/2026-12-06-attention-uneven-splits.md)."""
     work = max(1, tiles * heads)
     if not policy.split_kv:
         return 1, 0
     if policy.split_by_cost:
         n = min(range(1, MAX_SPLITS + 1), key=lambda n: (split_cost(work, keys, sms, n, policy), n))
         if uneven is not None:
-            n = min(n, min(range(1, MAX_SPLITS + 1),
-                           key=lambda n: (uneven_split_cost(work, *uneven, keys, sms, n, policy), n)))
+            least = min(range(1, MAX_SPLITS + 1),
+                        key=lambda n: (uneven_split_cost(work, *uneven, keys, sms, n, policy), n))
+            n = least if policy.dynamic_walk else min(n, least)
     else:
         n = 1 if 2 * work > sms else min(sms // work, keys // policy.split_min_keys, MAX_SPLITS)
     if n < 2:
@@ -667,16 +684,16 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
     if p.batch * p.s_q >= 2**31 or p.total_kv >= 2**31:
         raise ValueError(f"attention indexes query rows (B * S_q = {p.batch * p.s_q}) and key rows "
                          f"({p.total_kv}) with int32: each must stay below 2**31")
-    n_splits, split_keys = 1, 0
+    n_splits, split_keys, pair = 1, 0, False
     if p.direction == "kv" and (not p.jagged or max_kv_len is not None):
-        n_splits, split_keys = problem_splits(p.batch, p.broadcast_batch, p.s_q, p.heads, p.kv_len,
-                                              sm_count(device), policy, p.total_kv if p.jagged else None)
+        n_splits, split_keys, pair = problem_splits(p.batch, p.broadcast_batch, p.s_q, p.heads, p.kv_len,
+                                                    sm_count(device), policy, p.total_kv if p.jagged else None)
     n_users = p.broadcast_batch
     use_worklist_kernel = (p.direction == "kv" and work_list is None and policy.worklist_kernel
                            and _worklist_fits(n_users))
-    pair = policy.split_pair and n_splits == 2
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
-                        jagged=p.jagged, split_kv=n_splits > 1 and not pair, split_pair=pair)
+                        jagged=p.jagged, split_kv=n_splits > 1 and not pair, split_pair=pair,
+                        dynamic_walk=policy.dynamic_walk and p.kv_len >= policy.dynamic_min_keys)
     _, _, chunks = row_packing(p.s_q)
     idx_contiguous = p.idx.is_contiguous()
     idx_int32 = p.idx.dtype == torch.int32
@@ -689,7 +706,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
                                         if cfg.ordered else None)
             sizes += [p.batch, n_users + 2, n_users + 2, 1]  # order, cand_start, tile_start, grouped
             if cfg.ordered:
-                sizes.append(n_users + 1)  # perm
+                sizes.append(n_users + 1 + WALK_WORDS)  # perm, then the tile counter
     else:
         bound = p.batch * chunks
         if not (idx_int32 and idx_contiguous):

@@ -391,7 +391,7 @@ def check_work_list_values(work_list: WorkList, idx: torch.Tensor) -> None:
         counts = (cand_start[1:] - cand_start[:-1]).long()
         tiles = (counts * work_list.rows_per_cand + (TILE_ROWS - 1)) // TILE_ROWS
         if work_list.perm is not None:
-            perm = work_list.perm.long()
+            perm = work_list.perm[:n_users + 1].long()
             if not torch.equal(perm.sort().values, torch.arange(n_users + 1, device=perm.device)):
                 problem = "its perm is not a permutation of the groups"
             else:

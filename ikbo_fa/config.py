@@ -42,6 +42,10 @@ class AttentionConfig:
     # workspace and no second launch. The op takes it for two splits where
     # AttentionPolicy.split_pair says so.
     split_pair: bool = False
+    # Ordered tiles (KV broadcast over histories of their own lengths) handed out by a counter in
+    # global memory, longest first, each to the first CTA free to take it, instead of the static
+    # strided walk (AttentionPolicy.dynamic_walk; not with split_pair, whose two CTAs share tiles).
+    dynamic_walk: bool = False
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -58,6 +62,9 @@ class AttentionConfig:
             raise ValueError("AttentionConfig: jagged (kv_offsets) and has_kv_lengths exclude each other")
         if self.split_pair and (self.direction != "kv" or self.split_kv):
             raise ValueError("AttentionConfig: split_pair needs direction 'kv' and excludes split_kv")
+        if self.dynamic_walk and (not self.ordered or self.split_pair):
+            raise ValueError("AttentionConfig: dynamic_walk needs ordered tiles (direction 'kv' with kv_lengths or "
+                             "jagged) and excludes split_pair")
 
     @property
     def ordered(self) -> bool:
@@ -68,7 +75,8 @@ class AttentionConfig:
     def __str__(self) -> str:
         flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-jagged", self.jagged),
                                           ("-lse", self.return_lse), ("-serial", not self.overlap),
-                                          ("-split", self.split_kv), ("-pair", self.split_pair)) if on)
+                                          ("-split", self.split_kv), ("-pair", self.split_pair),
+                                          ("-dyn", self.dynamic_walk)) if on)
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -94,10 +102,13 @@ def row_packing(s_q: int):
 
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
                   return_lse: bool, jagged: bool = False, split_kv: bool = False,
-                  split_pair: bool = False) -> AttentionConfig:
-    """The configuration the op compiles for a problem."""
+                  split_pair: bool = False, dynamic_walk: bool = False) -> AttentionConfig:
+    """The configuration the op compiles for a problem (``dynamic_walk``: where the tiles are ordered
+    and not split in pairs)."""
+    ordered = direction == "kv" and (jagged or has_kv_lengths)
     return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
-                           split_kv=split_kv, split_pair=split_pair)
+                           split_kv=split_kv, split_pair=split_pair,
+                           dynamic_walk=dynamic_walk and ordered and not split_pair)
 
 
 SHIPPED_CONFIGS = tuple(
@@ -129,5 +140,9 @@ SHIPPED_CONFIGS = tuple(
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, True, split_pair=True),
         AttentionConfig(torch.float16, 64, 17, "kv", True, False, split_pair=True),
         AttentionConfig(torch.bfloat16, 128, 1, "kv", False, False, jagged=True, split_pair=True),
+        # ordered tiles from a counter: jagged, split over a workspace, and with kv_lengths
+        AttentionConfig(torch.bfloat16, 128, 4, "kv", False, False, jagged=True, dynamic_walk=True),
+        AttentionConfig(torch.bfloat16, 128, 2, "kv", False, True, jagged=True, split_kv=True, dynamic_walk=True),
+        AttentionConfig(torch.float16, 64, 17, "kv", True, True, split_kv=True, dynamic_walk=True),
     ]
 )

@@ -40,6 +40,9 @@ class FwdWorkList(NamedTuple):
     tile_start: Optional[cute.Tensor]  # kv: [U + 2] first tile of each group (ordered: by position)
     grouped: Optional[cute.Tensor]  # kv: [1] int32, 1 where the work list's order is 0, 1, ...
     perm: Optional[cute.Tensor]  # ordered: [U + 1] the groups longest first
+    # dynamic_walk: [2] the tiles handed out past the grid's first ones, and the CTAs done; zero
+    # between launches (the work-list kernel zeroes it, the last CTA of a launch resets it).
+    walk: Optional[cute.Tensor]
 
 
 class WorkListScalars(NamedTuple):
@@ -92,6 +95,7 @@ class GlobalTensors(NamedTuple):
     grouped: Optional[cute.Tensor]
     kv_offsets: Optional[cute.Tensor]
     perm: Optional[cute.Tensor]
+    walk: Optional[cute.Tensor]
     k: cute.Tensor  # (L, D, H_kv, batch) view of K, for the exact recompute
     v: cute.Tensor  # ... and of V
     out: Optional[cute.Tensor]  # direct_rows: (S_q, D, H, B) view of out, for store_rows

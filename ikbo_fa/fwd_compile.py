@@ -30,7 +30,8 @@ def compile_config(cfg: AttentionConfig, *, keep_ptx: bool = False, ptxas_report
         kv_offsets=vec() if cfg.jagged else None,
     )
     wl = FwdWorkList(cand=vec(), cand_start=vec() if kv else None, tile_start=vec() if kv else None,
-                     grouped=fake_tensor(Int32, (1,), align=4) if kv else None, perm=vec() if cfg.ordered else None)
+                     grouped=fake_tensor(Int32, (1,), align=4) if kv else None, perm=vec() if cfg.ordered else None,
+                     walk=fake_tensor(Int32, (2,), align=4) if cfg.dynamic_walk else None)
     scalars = FwdScalars(q_flat=Int32(0), max_keys=Int32(0), n_splits=Int32(1), split_keys=Int32(0),
                          prefetch_blocks=Int32(0), scale_log2=Float32(1.0), scale=Float32(1.0))
     return compile_kernel(IkboAttentionFwdSm90(cfg), tensors, wl, scalars, Int32(1), fake_stream(),

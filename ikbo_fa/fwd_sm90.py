@@ -15,7 +15,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cute_kernels.accumulator import acc_as_frag_a, acc_mn_view, warpgroup_gemm
 from cute_kernels.cluster_reduce import cluster_end, init_exchange, release_peers, store_remote
 from cute_kernels.interop import cutlass_dtype
-from cute_kernels.scheduler import strided_tiles
+from cute_kernels.scheduler import TileCounter, strided_tiles
 from cute_kernels.warp_specialized import (
     Barrier,
     PingPong,
@@ -106,9 +106,13 @@ class IkboAttentionFwdSm90:
       warpgroup 0, producer (setmaxnreg 24): warp 0 walks the tile list (its 32 lanes find
         each tile's user together: warp_search) and issues every TMA load; warps 1-3 idle.
         Per tile: wait for a free Q stage, write the tile's TileInfo beside it, load the Q
-        slots; then K/V blocks last to first, K one block ahead of V.
+        slots; then K/V blocks last to first, K one block ahead of V. ``dynamic_walk``: once
+        a tile's loads are issued, lane 0 takes the next tile from the work list's counter
+        (TileCounter); a split with no key is written as its rows' lse alone (empty_piece);
+        past the last tile, the END mark goes into the next Q stage (its full barrier arrived
+        on with no bytes), and the last CTA to finish zeroes the counter.
       warpgroups 1, 2, consumers (setmaxnreg 240): 64 query rows each of the 128-row tile.
-        Per tile: read the TileInfo, S = Q K^T and O += P V on wgmma (P from registers), the
+        Per tile (``dynamic_walk``: until a Q stage holds the END mark): read the TileInfo, S = Q K^T and O += P V on wgmma (P from registers), the
         online softmax in exp2 on fp32 row max / sum (ikbo_fa.softmax); with ``overlap`` the S
         of block j is issued before the P V of block j-1 and the softmax of j runs while that
         P V is in flight, the two warpgroups taking turns on the tensor cores (PingPong); rows
@@ -194,8 +198,11 @@ class IkboAttentionFwdSm90:
     decreasing key count and ``tile_start`` their tiles in that order; heads run fastest, and
     the walk turns back every other round (round r of the grid's G CTAs hands CTA c position
     r G + c, or r G + n - 1 - c on odd rounds of n positions), so the CTAs that took the
-    longest tiles of one round take the shortest of the next. Split-KV (``split_kv``, KV
-    broadcast): every tile runs ``n_splits`` times, split slowest, split i over keys
+    longest tiles of one round take the shortest of the next; with ``dynamic_walk`` there are no
+    rounds: each CTA takes its first tile by its index and every later one from the counter, in
+    the order group, tile, split, head (a row's pieces together, longest rows first). Split-KV
+    (``split_kv``, KV broadcast): every tile runs ``n_splits`` times (split slowest in the static
+    walk), split i over keys
     i * split_keys : (i + 1) * split_keys of its row (K/V offset by kv_base, the keys past the
     row's end masked as above), writing its output and lse as head i * H + h of a workspace the
     op merges (``ikbo_fa.attention.merge_splits``).
@@ -238,6 +245,8 @@ class IkboAttentionFwdSm90:
         # Histories of different lengths (KV broadcast): the work list orders the groups longest
         # first, so that the walk's last rounds hold the short tiles.
         self.ordered = cfg.ordered
+        # Ordered tiles from a counter (TileCounter), each to the first CTA free for it.
+        self.dynamic = cfg.dynamic_walk
         self.scheduler = AttentionTileScheduler(cfg)
         # KV broadcast over padded K/V: every row's first blocks (the last of each split) are
         # known from the shapes alone, so they can be prefetched into L2 while the work list runs.
@@ -340,8 +349,8 @@ class IkboAttentionFwdSm90:
         self.kernel(
             TmaOperands(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
                         tma_atom_Qf, tma_Qf, tma_atom_Of, tma_Of),
-            GlobalTensors(mLSE, wl.cand, wl.cand_start, wl.tile_start, mKvLen, wl.grouped, mKvOffsets, wl.perm, mK, mV,
-                          mO if const_expr(self.direct_rows) else None),
+            GlobalTensors(mLSE, wl.cand, wl.cand_start, wl.tile_start, mKvLen, wl.grouped, mKvOffsets, wl.perm,
+                          wl.walk, mK, mV, mO if const_expr(self.direct_rows) else None),
             ProblemDims(mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
                         mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3]),
             scalars,
@@ -465,12 +474,45 @@ class IkboAttentionFwdSm90:
         group = sched.group()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.Q_STAGES)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.KV_STAGES)
-        walk = strided_tiles(Int32(0), cluster=self.cluster_size)
-        t = walk.first
-        while t < sched.total_tiles:
-            info = self.scheduler.tile_info(t, g, sched)
-            q_state, kv_state = self.load_tile(info, q_state, kv_state, tma, smem, pipes, g.cand, group)
-            t += walk.stride
+        if const_expr(self.dynamic):
+            # The next tile is asked for once this one's loads are all issued (its consumers are
+            # then on its last blocks), so a CTA holds at most the tile in its other Q stage.
+            counter = TileCounter(g.walk)
+            t = counter.first()
+            while t < sched.total_tiles:
+                info = self.scheduler.tile_info(t, g, sched)
+                if const_expr(self.cfg.split_kv):
+                    if info.n_keys == 0:
+                        self.empty_piece(info, g)
+                    else:
+                        q_state, kv_state = self.load_tile(info, q_state, kv_state, tma, smem, pipes, g.cand,
+                                                           group)
+                else:
+                    q_state, kv_state = self.load_tile(info, q_state, kv_state, tma, smem, pipes, g.cand, group)
+                t = counter.next()
+            # The END mark in the next Q stage, with an arrive of no bytes on its full barrier.
+            pipeline.PipelineAsync.producer_acquire(pipes.q, q_state)
+            TileInfo.store_end(smem.meta, q_state.index)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(pipes.q.producer_get_barrier(q_state))
+            counter.finish()
+        else:
+            walk = strided_tiles(Int32(0), cluster=self.cluster_size)
+            t = walk.first
+            while t < sched.total_tiles:
+                info = self.scheduler.tile_info(t, g, sched)
+                q_state, kv_state = self.load_tile(info, q_state, kv_state, tma, smem, pipes, g.cand, group)
+                t += walk.stride
+
+    @cute.jit
+    def empty_piece(self, info: TileInfo, g: GlobalTensors):
+        """split_kv under the dynamic walk: a split with no key of its row (or of an out-of-range
+        index) is written here as lse alone, -inf (NaN), for the merge, which then reads none of its
+        output; no Q load, nothing for the consumers."""
+        value = Float32.nan if info.invalid else -Float32.inf
+        for row in cutlass.range(cute.arch.lane_idx(), info.n_valid, 32, unroll=1):
+            b, q_row = self.dense_row(info, row, g.cand)
+            g.lse[b, info.out_head, q_row] = value
 
     @cute.jit
     def prefetch_first_blocks(self, tma: TmaOperands, sK, sV, dims: ProblemDims, scalars: FwdScalars):
@@ -662,11 +704,16 @@ class IkboAttentionFwdSm90:
         walk = strided_tiles(Int32(0), cluster=self.cluster_size)
         t = walk.first
         n_ex = Int32(0)  # split_pair: exchanges of this warpgroup's rows so far
-        while t < sched.total_tiles:
+        live = t < sched.total_tiles
+        if const_expr(self.dynamic):  # the tiles end where a Q stage holds the END mark
+            pipe_q.consumer_wait(q_state)
+            live = TileInfo.is_tile(sMeta, q_state.index)
+        while live:
             # The producer looked the tile up (a search over dependent loads, off the
             # consumers' path); its info arrives with the tile's Q and stays in registers for
             # the epilogue.
-            pipe_q.consumer_wait(q_state)
+            if const_expr(not self.dynamic):
+                pipe_q.consumer_wait(q_state)
             info = TileInfo.load(sMeta, q_state.index, self.dense, self.cfg.split_kv)
             n_blocks = (info.n_keys + n - 1) // n
             acc_O.fill(0.0)
@@ -709,7 +756,12 @@ class IkboAttentionFwdSm90:
                     store = False
             if store:
                 self.epilogue(st, info, lse, tiled_mma_pv, tidx, tma, g.lse, smem.o, g.cand, wg, warp_in_wg)
-            t += walk.stride
+            if const_expr(self.dynamic):
+                pipe_q.consumer_wait(q_state)
+                live = TileInfo.is_tile(sMeta, q_state.index)
+            else:
+                t += walk.stride
+                live = t < sched.total_tiles
         if warp_in_wg == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 

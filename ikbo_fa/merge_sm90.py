@@ -21,7 +21,8 @@ class SplitMergeSm90:
     """``out[b, s, h] = sum_i exp(lse_i - lse) o_i`` with ``lse = log sum_i exp(lse_i)`` over the
     ``n`` splits of a row's keys (``ws_o`` [B, S_q, n x H, D] in the output dtype, ``ws_lse``
     [B, n x H, S_q] fp32, split-major heads; n <= MAX_SPLITS), in fp32, rounded once. A row no
-    split has a key for gets 0 and -inf; a NaN lse (an out-of-range index) gives NaN.
+    split has a key for gets 0 and -inf; a NaN lse (an out-of-range index) gives NaN. The output
+    of a split of lse -inf is not used (the attention kernel's dynamic walk never writes it).
 
     One thread per ``VEC`` consecutive elements of an output row (16 bytes: one vector load per
     split, one store); the splits' loads are unrolled to MAX_SPLITS and predicated, so they are
@@ -82,7 +83,8 @@ class SplitMergeSm90:
             total = Float32(0.0)
             if top != -Float32.inf:
                 for i in cutlass.range_constexpr(self.MAX_SPLITS):
-                    if i < n_splits:
+                    # A split of lse -inf adds nothing, and its output may never have been written.
+                    if i < n_splits and lse_i[i] != -Float32.inf:
                         w = cute.math.exp2((lse_i[i] - top) * LOG2_E, fastmath=True)
                         total += w
                         for j in cutlass.range_constexpr(self.VEC):

@@ -42,6 +42,16 @@ class AttentionPolicy:
     # CUDA graphs): S_q 4 to 16 1.21x to 1.47x faster, eight users of lognormal histories (B 4096,
     # H 4) 340 against 306 TFLOP/s, the same counts at L 1024: docs/perf/2026-12-06-attention-uneven-splits.md.
     split_by_total_keys: bool = True
+    # KV broadcast over histories of their own lengths (kv_lengths or kv_offsets, tiles longest
+    # first): each CTA takes its next tile from a counter as it frees up, not every G-th tile, and
+    # a row's splits run next to each other (AttentionConfig.dynamic_walk; split pairs keep the
+    # static walk). The splits are then costed by uneven_split_cost alone.
+    dynamic_walk: bool = True
+    # Rows of fewer keys than this (the longest a row may have: L, or max_kv_len) keep the static
+    # walk: tiles of two key blocks at most cost about the same, and the counter's round trips
+    # cost more than they balance (H100, short-history preset, L 256: 22.8 against 21.8 us at
+    # S_q 4): docs/perf/2026-12-06-attention-dynamic-walk.md.
+    dynamic_min_keys: int = 257
     # KV broadcast over padded K/V: K/V blocks per CTA that the forward kernel prefetches into L2
     # while the work list runs (the first blocks its first tiles read; 0: none; at most
     # MAX_PREFETCH_BLOCKS). 2: on the H100 (S_q sweep, B 2048, ratio 64, H 2, graph) 21.0 against

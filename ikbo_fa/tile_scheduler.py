@@ -1,7 +1,9 @@
 """The attention forward kernel's tile scheduler: tile number -> the work of that tile.
 
 A launch's tiles are numbered 0 .. total - 1 and a persistent grid walks them (CTA c, or
-cluster c of split pairs, takes c, c + G, c + 2 G, ...: ``cute_kernels.scheduler.strided_tiles``).
+cluster c of split pairs, takes c, c + G, c + 2 G, ...: ``cute_kernels.scheduler.strided_tiles``;
+with ``dynamic_walk`` CTA c takes c, then G plus what a counter in global memory hands it each
+time its producer starts on a tile: ``cute_kernels.scheduler.TileCounter``).
 ``AttentionTileScheduler.tile_info(t, g, sched)`` maps a tile number to its ``TileInfo``: the
 head, the K/V row and key range, the query rows (KV broadcast: 128 consecutive rows of a
 user's run of grouped candidates; Q broadcast: one candidate's chunk), the split and the head of
@@ -13,7 +15,10 @@ out it writes. The order, per configuration (``AttentionConfig``):
   ``perm`` order (longest first), heads fastest, and the walk turned back every other round
   (round r of G hands CTA c position r G + c, or r G + n - 1 - c on odd rounds of n positions);
 - ``split_kv``: every tile ``n_splits`` times, split slowest; ``split_pair``: both CTAs of a
-  cluster take the same tile, CTA r split r.
+  cluster take the same tile, CTA r split r;
+- ``dynamic_walk`` (ordered tiles handed out by a counter, not strided): the groups in ``perm``
+  order, then tile within the group, then split, heads fastest, with no turning back: a row's
+  pieces next to each other, the longest rows' first.
 
 ``tile_info_host`` is its twin on the host (Python ints, torch tensors): the same mapping, step
 for step, for the test emulation and for checking the walk on the CPU. A new tile order is a new
@@ -78,6 +83,16 @@ class TileInfo:
 
     FIELDS = 12  # Int32 words in shared memory
     KV_BASE = 10  # the word of kv_base
+    END = -1  # dynamic_walk: a head word of END in a Q stage says the CTA's tiles are done
+
+    @staticmethod
+    def store_end(sMeta, stage: Int32):
+        sMeta[0, stage] = Int32(TileInfo.END)
+
+    @staticmethod
+    def is_tile(sMeta, stage: Int32):
+        """Whether the Q stage holds a tile (not the END mark)."""
+        return sMeta[0, stage] != Int32(TileInfo.END)
 
     @cute.jit
     def store(self, sMeta, stage: Int32):
@@ -109,6 +124,7 @@ class AttentionTileScheduler:
         self.dense = cfg.direction == "kv"  # KV broadcast: a user's query rows as one dense run
         self.chunks = 1 if self.dense else row_packing(cfg.s_q)[2]  # Q broadcast: 128-row chunks per candidate
         self.ordered = cfg.ordered
+        self.dynamic = cfg.dynamic_walk
         self.split_kv = cfg.split_kv
         self.key_split = cfg.split_kv or cfg.split_pair
         self.cluster_size = 2 if cfg.split_pair else 1
@@ -123,27 +139,34 @@ class AttentionTileScheduler:
         ``kv_offsets``), as ``fwd_args.GlobalTensors`` holds them."""
         mCand, mCandStart, mTileStart, mPerm = g.cand, g.cand_start, g.tile_start, g.perm
         mKvLen, mKvOffsets = g.kv_lengths, g.kv_offsets
-        if const_expr(self.ordered):
-            grid, _, _ = cute.arch.grid_dim()
-            G = Int32(grid) // self.cluster_size  # the walk's width, in clusters
-            r = t // G
-            c = t - r * G
-            if r % 2 == 1:
-                c = cutlass.min(G, sched.total_tiles - r * G) - 1 - c
-            t = r * G + c
         split = sched.rank
-        if const_expr(self.split_kv):
-            per_split = sched.tiles_per_head * sched.n_heads
-            split = t // per_split
-            t = t - split * per_split
         h = Int32(0)
         rem = Int32(0)
-        if const_expr(self.ordered):
-            rem = t // sched.n_heads
-            h = t - rem * sched.n_heads
+        if const_expr(self.dynamic):
+            per_tile = sched.n_heads * (sched.n_splits if const_expr(self.split_kv) else 1)
+            rem = t // per_tile
+            x = t - rem * per_tile
+            split = x // sched.n_heads
+            h = x - split * sched.n_heads
         else:
-            h = t // sched.tiles_per_head
-            rem = t - h * sched.tiles_per_head
+            if const_expr(self.ordered):
+                grid, _, _ = cute.arch.grid_dim()
+                G = Int32(grid) // self.cluster_size  # the walk's width, in clusters
+                r = t // G
+                c = t - r * G
+                if r % 2 == 1:
+                    c = cutlass.min(G, sched.total_tiles - r * G) - 1 - c
+                t = r * G + c
+            if const_expr(self.split_kv):
+                per_split = sched.tiles_per_head * sched.n_heads
+                split = t // per_split
+                t = t - split * per_split
+            if const_expr(self.ordered):
+                rem = t // sched.n_heads
+                h = t - rem * sched.n_heads
+            else:
+                h = t // sched.tiles_per_head
+                rem = t - h * sched.tiles_per_head
         first = Int32(0)
         n_valid = Int32(self.tile_m)
         chunk = Int32(0)
@@ -205,19 +228,23 @@ class AttentionTileScheduler:
         """``tile_info`` on the host: ``g``'s fields are torch tensors (or None), ``sched``'s
         Python ints, ``grid`` the launch's CTA count (the walk's width)."""
         item = lambda x, i: int(x[i])  # noqa: E731
-        if self.ordered:
-            G = grid // self.cluster_size
-            r, c = divmod(t, G)
-            if r % 2 == 1:
-                c = min(G, sched.total_tiles - r * G) - 1 - c
-            t = r * G + c
         split = sched.rank
-        if self.split_kv:
-            split, t = divmod(t, sched.tiles_per_head * sched.n_heads)
-        if self.ordered:
-            rem, h = divmod(t, sched.n_heads)
+        if self.dynamic:
+            rem, x = divmod(t, sched.n_heads * (sched.n_splits if self.split_kv else 1))
+            split, h = divmod(x, sched.n_heads)
         else:
-            h, rem = divmod(t, sched.tiles_per_head)
+            if self.ordered:
+                G = grid // self.cluster_size
+                r, c = divmod(t, G)
+                if r % 2 == 1:
+                    c = min(G, sched.total_tiles - r * G) - 1 - c
+                t = r * G + c
+            if self.split_kv:
+                split, t = divmod(t, sched.tiles_per_head * sched.n_heads)
+            if self.ordered:
+                rem, h = divmod(t, sched.n_heads)
+            else:
+                h, rem = divmod(t, sched.tiles_per_head)
         first, n_valid, chunk, q_coord, row0, kv_coord, invalid = 0, self.tile_m, 0, 0, 0, 0, False
         if self.dense:
             starts = g.tile_start[:sched.n_kv_batch + 1].tolist()

@@ -22,9 +22,11 @@ Outputs (all int32 on idx's device):
 Where the users' histories differ in length (kv_lengths, or jagged kv_offsets), the tiles run
 longest first, so that the persistent grid's last round holds the short ones
 (``kv_tile_order``): then
-  perm        [U + 1]  the groups by decreasing key-count bucket (``key_bucket``; the
+  perm        [U + 3]  the groups by decreasing key-count bucket (``key_bucket``; the
                        out-of-range group U has no keys); the one-launch kernel leaves the
-                       order within a bucket open
+                       order within a bucket open. Two more words follow the U + 1 groups:
+                       the attention kernel's tile counter (``walk``, zero between calls;
+                       ``AttentionConfig.dynamic_walk``)
   tile_start  [U + 2]  indexed by position in ``perm``: the first tile of group perm[j]
                        is tile_start[j]; tile_start[U + 1] is still the tile count per head
 """
@@ -37,6 +39,7 @@ from typing import Optional
 import torch
 
 TILE_ROWS = 128  # query rows of one attention tile
+WALK_WORDS = 2  # the tile counter after perm's groups (cute_kernels.scheduler.TileCounter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +52,15 @@ class WorkList:
     S_q, device and tile order (``perm``: built with kv_lengths or kv_offsets where the call has
     them) match, and that idx itself was not written in place since (where torch counts its
     versions: not for inference tensors); with validation on, that it groups idx as idx holds
-    now (a synchronizing check)."""
+    now (a synchronizing check). With ``perm``, its last two words are the attention kernel's tile
+    counter (``walk``): the calls that share the work list must run one after another on a stream,
+    not on two streams at once."""
 
     order: torch.Tensor
     cand_start: torch.Tensor
     tile_start: torch.Tensor
     grouped: torch.Tensor
-    perm: Optional[torch.Tensor]  # the groups longest first; None: in user order
+    perm: Optional[torch.Tensor]  # the groups longest first, then the tile counter; None: in user order
     rows_per_cand: int  # S_q
     # The idx it was built from and that tensor's version then (None: not tracked).
     source: Optional[weakref.ref] = dataclasses.field(default=None, repr=False, compare=False)
@@ -74,11 +79,16 @@ class WorkList:
             if t.device != self.order.device:
                 raise ValueError(f"WorkList.{name} is on {t.device}, its order on {self.order.device}")
         groups = self.cand_start.shape[0] - 1  # U + 1
-        want = {"cand_start": groups + 1, "tile_start": groups + 1, "grouped": 1, "perm": groups}
+        want = {"cand_start": groups + 1, "tile_start": groups + 1, "grouped": 1, "perm": groups + WALK_WORDS}
         for name, n in want.items():
             if name in arrays and (groups < 1 or arrays[name].shape[0] != n):
                 raise ValueError(f"WorkList.{name} has {arrays[name].shape[0]} entries; a work list of "
                                  f"U + 1 = {groups} groups has {n}")
+
+    @property
+    def walk(self) -> Optional[torch.Tensor]:
+        """The attention kernel's tile counter: perm's last two words (None without perm)."""
+        return None if self.perm is None else self.perm[self.num_users + 1:]
 
     @property
     def batch(self) -> int:

@@ -55,7 +55,8 @@ class KvWorklistSm90:
          key blocks, bucketed (``key_bucket``); a histogram of the buckets, one warp's
          exclusive scan of it from the top bucket down, then each group claims its rank
          in its bucket with one shared-memory atomic and writes ``perm``; the tile scan of
-         3 runs again over the groups in ``perm`` order, rewriting ``tile_start``.
+         3 runs again over the groups in ``perm`` order, rewriting ``tile_start``; thread 0
+         zeroes ``walk``, the attention kernel's tile counter (``dynamic_walk``).
     It first lets the attention kernel queued after it launch (programmatic
     dependent launch); that kernel waits for this grid before reading.
     No pipelines, no named barriers.
@@ -77,7 +78,7 @@ class KvWorklistSm90:
     def __call__(
         self,
         mIdx: cute.Tensor,  # [B] int32 or int64
-        wl: FwdWorkList,  # written: cand (the order) [B], cand_start, tile_start [U + 2], grouped [1], perm
+        wl: FwdWorkList,  # written: cand (the order) [B], cand_start, tile_start [U + 2], grouped [1], perm, walk
         mRows: cute.Tensor | None,  # keys: kv_lengths [U] or kv_offsets [U + 1], int32
         scalars: WorkListScalars,
         stream,
@@ -94,7 +95,7 @@ class KvWorklistSm90:
 
     @cute.kernel
     def kernel(self, mIdx: cute.Tensor, wl: FwdWorkList, mRows: cute.Tensor | None, scalars: WorkListScalars):
-        mOrder, mCandStart, mTileStart, mGrouped, mPerm = wl
+        mOrder, mCandStart, mTileStart, mGrouped, mPerm, mWalk = wl
         n_users, rows_per_cand, total_keys, max_keys = scalars
         # The attention kernel that follows is launched with programmatic dependent launch:
         # let it start its prologue now (it waits for this grid to finish before reading).
@@ -133,6 +134,9 @@ class KvWorklistSm90:
             self.scatter(mIdx, mOrder, sHist, n_cand, n_users, tidx)
         if const_expr(self.keys is not None):
             sBuckets = storage.buckets.get_tensor(cute.make_layout(self.BUCKETS))
+            if tidx == 0:
+                mWalk[0] = Int32(0)
+                mWalk[1] = Int32(0)
             cute.arch.sync_threads()
             self.order_groups(mCandStart, mTileStart, mPerm, mRows, sBuckets, sScan, n_users, rows_per_cand,
                               total_keys, max_keys, lo, hi, tidx, warp, lane)
@@ -345,7 +349,8 @@ def compile_worklist(idx_dtype, keys=None, keep_ptx: bool = False, ptxas_report:
     vec = lambda: fake_tensor(Int32, (None,), align=4)  # noqa: E731
     args = (
         fake_tensor(dt, (None,), align=idx_dtype.itemsize),
-        FwdWorkList(vec(), vec(), vec(), fake_tensor(Int32, (1,), align=4), vec() if keys else None),
+        FwdWorkList(vec(), vec(), vec(), fake_tensor(Int32, (1,), align=4), vec() if keys else None,
+                    fake_tensor(Int32, (2,), align=4) if keys else None),
         vec() if keys else None,
         WorkListScalars(Int32(1), Int32(1), Int32(0), Int32(0)),
         fake_stream(),
@@ -361,10 +366,10 @@ def fits(num_users: int) -> bool:
 def worklist_kernel(idx_dtype, keys=None):
     """The compiled kernel for ``idx_dtype`` (torch.int32 or torch.int64), compiled at first use.
 
-    Call: ``fn(idx, FwdWorkList(order, cand_start, tile_start, grouped, perm), rows,
+    Call: ``fn(idx, FwdWorkList(order, cand_start, tile_start, grouped, perm, walk), rows,
     WorkListScalars(num_users, rows_per_cand, total_keys, max_keys))`` with contiguous int32
-    outputs of B, U + 2, U + 2, 1 and (``keys``) U + 1 entries, on the current stream; without
-    ``keys`` perm and rows are None (and the last two scalars ignored).
+    outputs of B, U + 2, U + 2, 1 and (``keys``) U + 1 and 2 entries, on the current stream;
+    without ``keys`` perm, walk and rows are None (and the last two scalars ignored).
     """
     return kernel_cache.get(
         ("ikbo_fa.worklist_sm90", idx_dtype, keys), lambda: compile_worklist(idx_dtype, keys), package="ikbo_fa"
@@ -379,6 +384,6 @@ def kv_worklist_sm90(idx, num_users: int, rows_per_cand: int):
     b = idx.shape[0]
     buf = torch.empty(b + 2 * (num_users + 2) + 1, dtype=torch.int32, device=idx.device)
     order, cand_start, tile_start, grouped = buf.split([b, num_users + 2, num_users + 2, 1])
-    worklist_kernel(idx.dtype).fn(idx, FwdWorkList(order, cand_start, tile_start, grouped, None), None,
+    worklist_kernel(idx.dtype).fn(idx, FwdWorkList(order, cand_start, tile_start, grouped, None, None), None,
                                   WorkListScalars(num_users, rows_per_cand, 0, 0))
     return order, cand_start, tile_start, grouped

@@ -36,7 +36,7 @@ class EmulatedKernels:
     def worklist(self, idx, work_list, rows, scalars):
         """The work-list kernel on its bundles (ikbo_fa.fwd_args)."""
         assert (type(work_list), type(scalars)) == (FwdWorkList, WorkListScalars)
-        order, cand_start, tile_start, grouped, perm = work_list
+        order, cand_start, tile_start, grouped, perm, walk = work_list
         n_users, rows_per_cand, total_keys, max_keys = scalars
         for hook in self.hooks:
             hook("worklist")
@@ -44,16 +44,18 @@ class EmulatedKernels:
         for t, n in ((order, idx.shape[0]), (cand_start, n_users + 2), (tile_start, n_users + 2), (grouped, 1)):
             assert t.dtype == torch.int32 and t.is_contiguous() and t.shape == (n,)
         assert idx.is_contiguous()
-        assert (perm is None) == (rows is None)
+        assert (perm is None) == (rows is None) == (walk is None)
         ref = kv_worklist(idx, n_users, rows_per_cand)
         for t, r in zip((order, cand_start, tile_start, grouped), ref):
             t.copy_(r)
         if perm is not None:  # ordered: the keys the kernel counts (offsets clamped, lengths as given)
             assert perm.dtype == rows.dtype == torch.int32 and perm.shape == (n_users + 1,)
+            assert walk.dtype == torch.int32 and walk.shape == (2,)
             assert rows.is_contiguous() and rows.shape[0] in (n_users, n_users + 1)
             keys = rows if rows.shape[0] == n_users else jagged_rows(rows, total_keys, max_keys)[1]
             new_perm, new_start = kv_tile_order(cand_start, keys, rows_per_cand)
-            perm.copy_(new_perm)
+            perm.copy_(new_perm[:n_users + 1])
+            walk.zero_()
             tile_start.copy_(new_start)
             self.last_keys = keys
 
@@ -70,7 +72,7 @@ class EmulatedKernels:
         """The forward kernel of ``cfg`` on its bundles (ikbo_fa.fwd_args)."""
         assert (type(tensors), type(work_list), type(scalars)) == (FwdTensors, FwdWorkList, FwdScalars)
         q, k, v, out, lse, kvl, offsets = tensors
-        cand, cand_start, tile_start, grouped, perm = work_list
+        cand, cand_start, tile_start, grouped, perm, walk = work_list
         q_flat, max_keys, n_splits, split_keys, prefetch_blocks, scale_log2, scale = scalars
         for hook in self.hooks:
             hook("fwd")
@@ -83,7 +85,13 @@ class EmulatedKernels:
         assert prefetch_blocks == 0 or (cand_start is not None and perm is None)
         # The tiles run longest first exactly where histories have their own lengths (KV broadcast).
         assert (perm is not None) == (cand_start is not None and (kvl is not None or offsets is not None))
+        # The tile counter: perm's last two words, zero at launch, where the walk is dynamic.
+        assert (walk is not None) == cfg.dynamic_walk
+        if walk is not None:
+            assert walk.shape == (2,) and walk.tolist() == [0, 0] and walk.data_ptr() == perm[-2:].data_ptr()
         if perm is not None:
+            assert perm.shape[0] == (k.shape[0] if offsets is None else offsets.shape[0] - 1) + 3
+            perm = perm[:-2]
             U = perm.shape[0] - 1
             assert sorted(perm.tolist()) == list(range(U + 1))
             keys = kvl if kvl is not None else jagged_rows(offsets, k.shape[1], max_keys)[1]
@@ -127,7 +135,8 @@ class EmulatedKernels:
             assert cand_start.shape == (U + 2,) and tile_start.shape == (U + 2,)
             assert sorted(cand.tolist()) == list(range(B)) and int(cand_start[-1]) == B
         self.run_tiles(cfg, q, k, v, out, lse, GlobalTensors(None, cand, cand_start, tile_start, kvl, grouped,
-                                                             offsets, perm, k, v, None), scalars, n_ctas, scale)
+                                                             offsets, perm, walk, k, v, None), scalars, n_ctas,
+                                   scale)
 
     def run_tiles(self, cfg, q, k, v, out, lse, g, scalars, n_ctas, scale):
         """Every tile of the launch as the kernel's tile scheduler hands it out (its host twin),

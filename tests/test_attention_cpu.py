@@ -468,12 +468,14 @@ def test_uneven_split_cost():
     assert cost(64, 32, 32 * 4096, 1024, 132, 4, policy) == float("inf")  # splits of 256 keys
 
 
-def test_default_splits_of_jagged_rows():
-    """Jagged K/V (the rows' total keys given): the fewer of the count split_cost takes for rows of
-    max_kv_len keys and the count of least uneven_split_cost; the seven shapes timed on the H100."""
-    splits = lambda batch, users, s_q, heads, keys, total, policy=DEFAULT_POLICY: attention_mod.problem_splits(
+def test_splits_of_jagged_rows_under_the_static_walk():
+    """Jagged K/V (the rows' total keys given), static walk: the fewer of the count split_cost takes
+    for rows of max_kv_len keys and the count of least uneven_split_cost; the seven shapes timed on
+    the H100."""
+    static = AttentionPolicy(dynamic_walk=False)
+    splits = lambda batch, users, s_q, heads, keys, total, policy=static: attention_mod.problem_splits(
         batch, users, s_q, heads, keys, 132, policy, total)[0]
-    old = AttentionPolicy(split_by_total_keys=False)
+    old = AttentionPolicy(split_by_total_keys=False, dynamic_walk=False)
     assert DEFAULT_POLICY.split_by_total_keys
     uniform, lognormal = 129159, 58843  # 32 rows of up to 8,192 keys
     assert [splits(2048, 32, s_q, 2, 8192, uniform) for s_q in (1, 4, 16)] == [2, 2, 1]
@@ -483,6 +485,26 @@ def test_default_splits_of_jagged_rows():
     assert splits(10400, 8, 1, 6, 32768, 43579) == 1
     # rows all max_kv_len long, or no total given: as padded rows
     assert splits(2048, 32, 4, 2, 8192, 32 * 8192) == splits(2048, 32, 4, 2, 8192, None) == 4
+
+
+def test_default_splits_of_jagged_rows():
+    """Jagged K/V under the dynamic walk: the count of least uneven_split_cost alone, never a split
+    pair (its walk is static); rows all max_kv_len long, or no total given: as padded rows."""
+    problem_splits = lambda batch, users, s_q, heads, keys, total: attention_mod.problem_splits(
+        batch, users, s_q, heads, keys, 132, DEFAULT_POLICY, total)
+    assert DEFAULT_POLICY.dynamic_walk
+    lognormal = 58843  # 32 rows of up to 8,192 keys
+    for s_q in (1, 2, 4, 8, 16, 64):
+        n, per, pair = problem_splits(2048, 32, s_q, 2, 8192, lognormal)
+        tiles = (-(-2048 * s_q // 128) + attention_mod.max_tiles_per_head(2048, 32, s_q)) // 2
+        costs = [attention_mod.uneven_split_cost(tiles * 2, 32, lognormal, 8192, 132, m,
+                                                 AttentionPolicy(split_pair=False)) for m in range(1, 9)]
+        assert n == 1 + costs.index(min(costs)) and not pair
+        assert per == (0 if n == 1 else -(-8192 // (n * 128)) * 128)
+    assert [problem_splits(2048, 32, s_q, 2, 8192, lognormal)[0] for s_q in (1, 4, 16)] == [8, 4, 1]
+    assert problem_splits(2048, 32, 1, 2, 1024, 16156)[0] == 1  # L 1024: no split
+    assert problem_splits(2048, 32, 1, 2, 8192, 32 * 8192) == problem_splits(2048, 32, 1, 2, 8192, None) == (
+        2, 4096, True)
 
 
 @pytest.mark.parametrize("n_splits", [2, 3])
@@ -501,6 +523,7 @@ def test_merge_splits_is_attention_over_all_keys(n_splits):
     ws_lse = torch.cat([lse for _, lse in parts], dim=1)
     ws_o[4, :, H - 1::H] = float("nan")  # row 4, head H - 1, in every split
     ws_lse[4, H - 1::H] = float("nan")
+    ws_o[2] = float("nan")  # no key: the outputs of splits of lse -inf are not read
     out, lse = torch.full((B, S, H, D), 7.0, dtype=torch.bfloat16), torch.full((B, H, S), 7.0)
     attention_mod.merge_splits(ws_o, ws_lse, n_splits, out, lse)
     ok = torch.ones(B, dtype=torch.bool)
@@ -589,7 +612,8 @@ def test_split_pair_where_two_splits(emulated, monkeypatch, lengths_kind, return
     """policy.split_pair: where a problem splits in two, the kernel takes both splits in a cluster
     (split_pair) and writes out and lse itself: no workspace, no merge launch, an even grid of at
     most two CTAs per resident cluster; where it splits in more, the workspace path stays."""
-    policy = AttentionPolicy(split_min_keys=512, split_pair=True)
+    # the static walk: under the dynamic one jagged rows split without pairs
+    policy = AttentionPolicy(split_min_keys=512, split_pair=True, dynamic_walk=False)
     configs = []
     monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
     B, U, L = 2048, 32, 1024  # 64 (user, head) tiles on 132 SMs: two splits of 512 keys
@@ -637,3 +661,19 @@ def test_merge_kernel_compiles_for_sm90a(dtype, with_lse):
     assert ck.ptx.count("ld.global.v4") == MAX_SPLITS
     assert ("lg2.approx" in ck.ptx) == with_lse  # the lse is computed only where it is written
     assert ck.spill_bytes == 0, ck.ptxas_log
+
+
+@pytest.mark.parametrize("L, dynamic", [(256, False), (257, True)])
+def test_dynamic_walk_where_rows_may_be_long(emulated, L, dynamic):
+    """Ordered tiles come from the counter (AttentionConfig.dynamic_walk) where a row may hold
+    policy.dynamic_min_keys keys or more; padded K/V without lengths, and dynamic_walk=False,
+    keep the static walk. Results are the reference's either way."""
+    q, kv, idx, lengths = _gpu_path_problem(44, "kv", 40, 5, S_q=2, L=L, jagged=True)
+    lengths = lengths.to(torch.int32)
+    for policy, want in ((None, dynamic), (AttentionPolicy(dynamic_walk=False), False)):
+        res = ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, policy=policy)
+        cfg = attention_mod.launch_plan(q, kv, idx, kv_lengths=lengths, policy=policy).config
+        assert cfg.ordered and cfg.dynamic_walk == want
+        assert (emulated.fwd_calls[-1]["perm"] is not None) and emulated.fwd_calls[-1]["n_ctas"] >= 1
+        torch.testing.assert_close(res, attention_reference(q, kv, idx, kv_lengths=lengths), rtol=2e-2, atol=2e-2)
+    assert not attention_mod.launch_plan(q, kv, idx).config.dynamic_walk  # padded, no lengths: not ordered

@@ -131,6 +131,7 @@ def test_merge_kernel_matches_its_definition(n_splits, dtype, with_lse):
     ws_lse[1] = float("-inf")  # no key in any split
     ws_lse[2, ::H] = float("-inf")  # head 0: no key in any split
     ws_lse[3, 0] = float("-inf")  # split 0, head 0: none in that split
+    ws_o[3, :, 0] = float("nan")  # ... and its output never written (the dynamic walk skips it)
     ws_lse[4, H - 1] = float("nan")
     out, lse = torch.full((B, S, H, D), 7.0).to(dtype).cuda(), torch.full((B, H, S), 7.0).cuda()
     ref, ref_lse = torch.empty_like(out), torch.empty_like(lse)

@@ -10,7 +10,7 @@ import ikbo_fa
 from ikbo_fa.tile_scheduler import AttentionTileScheduler, Schedule
 from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist
 
-ORDERS = sorted({(c.direction, c.s_q, c.has_kv_lengths, c.jagged, c.split_kv, c.split_pair)
+ORDERS = sorted({(c.direction, c.s_q, c.has_kv_lengths, c.jagged, c.split_kv, c.split_pair, c.dynamic_walk)
                  for c in ikbo_fa.SHIPPED_CONFIGS}, key=str)
 
 
@@ -45,16 +45,16 @@ def _problem(direction, s_q, lengths, jagged, seed, B=37, U=6, L=700):
     return rows, idx, keys, U, U, int(rows.tile_start[U + 1])
 
 
-def _cfg(direction, s_q, lengths, jagged, split_kv=False, split_pair=False):
+def _cfg(direction, s_q, lengths, jagged, split_kv=False, split_pair=False, dynamic_walk=False):
     return ikbo_fa.AttentionConfig(torch.bfloat16, 128, s_q, direction, lengths, True, jagged=jagged,
-                                   split_kv=split_kv, split_pair=split_pair)
+                                   split_kv=split_kv, split_pair=split_pair, dynamic_walk=dynamic_walk)
 
 
 @pytest.mark.parametrize("order", ORDERS, ids=lambda o: "-".join(map(str, o)))
 @pytest.mark.parametrize("grid", [7, 132])
 def test_every_row_once_with_its_keys(order, grid):
-    direction, s_q, lengths, jagged, split_kv, split_pair = order
-    cfg = _cfg(direction, s_q, lengths, jagged, split_kv, split_pair)
+    direction, s_q, lengths, jagged, split_kv, split_pair, dynamic = order
+    cfg = _cfg(direction, s_q, lengths, jagged, split_kv, split_pair, dynamic)
     sc = AttentionTileScheduler(cfg)
     rows, idx, keys, n_kv, U, tiles_per_head = _problem(direction, s_q, lengths, jagged, seed=s_q + grid)
     B, H, H_kv, L = idx.shape[0], 4, 2, 700
@@ -81,7 +81,11 @@ def test_every_row_once_with_its_keys(order, grid):
                 key = (b, r, info.head, split)
                 assert key not in seen, key
                 seen[key] = info
-        if sc.ordered and not split_kv:  # longest first: each round's tiles no shorter than the next's
+        if dynamic:  # handed out in order: each row's tiles (all their pieces) no shorter than the next's
+            rows_blocks = [key_bucket(torch.tensor([-(-int(keys[i.kv_coord]) // 128) if not i.invalid else 0])).item()
+                           for i in walk]
+            assert rows_blocks == sorted(rows_blocks, reverse=True)
+        elif sc.ordered and not split_kv:  # longest first: each round's tiles no shorter than the next's
             G = grid // sc.cluster_size
             blocks = [key_bucket(torch.tensor([-(-i.n_keys // 128)])).item() for i in walk]
             logical = [None] * len(walk)

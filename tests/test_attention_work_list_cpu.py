@@ -37,7 +37,8 @@ def test_arrays_are_the_torch_definition(monkeypatch, emulate, idx_dtype):
     lengths = torch.randint(0, 2000, (U,), generator=g)
     wl = ikbo_fa.work_list(idx, U, S_q, kv_lengths=lengths, validate=False)
     perm, tile_start = kv_tile_order(ref[1], lengths, S_q)
-    assert torch.equal(wl.perm, perm) and torch.equal(wl.tile_start, tile_start)
+    assert torch.equal(wl.perm[:U + 1], perm) and torch.equal(wl.tile_start, tile_start)
+    assert wl.walk.tolist() == [0, 0] and wl.walk.data_ptr() == wl.perm[U + 1:].data_ptr()  # the tile counter
     assert "longest_first=True" in repr(wl)
 
 

@@ -37,7 +37,7 @@ def _check_against_reference(idx, U, rows):
     kernel = worklist_kernel(idx.dtype).fn
     buf = torch.full((B + 2 * (U + 2) + 1,), POISON, dtype=torch.int32, device="cuda")
     order, cand_start, tile_start, grouped = buf.split_with_sizes([B, U + 2, U + 2, 1])
-    kernel(idx, FwdWorkList(order, cand_start, tile_start, grouped, None), None, WorkListScalars(U, rows, 0, 0))
+    kernel(idx, FwdWorkList(order, cand_start, tile_start, grouped, None, None), None, WorkListScalars(U, rows, 0, 0))
     ref_order, ref_cand_start, ref_tile_start, ref_grouped = kv_worklist(idx, U, rows)
     torch.testing.assert_close(cand_start, ref_cand_start, rtol=0, atol=0)
     torch.testing.assert_close(tile_start, ref_tile_start, rtol=0, atol=0)
@@ -120,10 +120,11 @@ def test_worklist_kernel_orders_groups_longest_first(case, keys_from):
             off[-2] = total + 100
         src = off.to(torch.int32).cuda()
         keys = jagged_rows(src, total, max_keys)[1]
-    buf = torch.full((B + 3 * (U + 2),), POISON, dtype=torch.int32, device="cuda")
-    order, cand_start, tile_start, grouped, perm = buf.split_with_sizes([B, U + 2, U + 2, 1, U + 1])
-    worklist_kernel(idx.dtype, keys_from).fn(idx, FwdWorkList(order, cand_start, tile_start, grouped, perm), src,
-                                             WorkListScalars(U, rows, total, max_keys))
+    buf = torch.full((B + 3 * (U + 2) + 2,), POISON, dtype=torch.int32, device="cuda")
+    order, cand_start, tile_start, grouped, perm, walk = buf.split_with_sizes([B, U + 2, U + 2, 1, U + 1, 2])
+    worklist_kernel(idx.dtype, keys_from).fn(idx, FwdWorkList(order, cand_start, tile_start, grouped, perm, walk),
+                                             src, WorkListScalars(U, rows, total, max_keys))
+    assert walk.tolist() == [0, 0]  # the attention kernel's tile counter, zeroed
     ref = kv_worklist(idx, U, rows)
     torch.testing.assert_close(cand_start, ref[1], rtol=0, atol=0)
     ref_perm, _ = kv_tile_order(cand_start, keys, rows)
