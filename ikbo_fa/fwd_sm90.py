@@ -112,14 +112,15 @@ class IkboAttentionFwdSm90:
         past the last tile, the END mark goes into the next Q stage (its full barrier arrived
         on with no bytes), and the last CTA to finish zeroes the counter.
       warpgroups 1, 2, consumers (setmaxnreg 240): 64 query rows each of the 128-row tile.
-        Per tile (``dynamic_walk``: until a Q stage holds the END mark): read the TileInfo, S = Q K^T and O += P V on wgmma (P from registers), the
-        online softmax in exp2 on fp32 row max / sum (ikbo_fa.softmax); with ``overlap`` the S
-        of block j is issued before the P V of block j-1 and the softmax of j runs while that
-        P V is in flight, the two warpgroups taking turns on the tensor cores (PingPong); rows
-        whose max jumped are recomputed exactly; epilogue: O / row sum into the warpgroup's 64
-        rows of sO (stmatrix), one TMA store per stored slot (or one for all 64 rows); with
-        boxes of at most 4 rows (``direct_rows``), rows that are not one such box go from
-        registers straight to out instead.
+        Per tile (``dynamic_walk``: until a Q stage holds the END mark): read the TileInfo,
+        S = Q K^T and O += P V on wgmma (P from registers), the online softmax in exp2 on fp32
+        row max / sum (ikbo_fa.softmax); with ``overlap`` the S of block j is issued before the
+        P V of block j-1 and the softmax of j runs while that P V is in flight, the two
+        warpgroups taking turns on the tensor cores (PingPong); rows whose max jumped are
+        recomputed exactly; epilogue: O / row sum into the warpgroup's 64 rows of sO
+        (stmatrix), one TMA store per stored slot (or one for all 64 rows); with boxes of at
+        most 4 rows (``direct_rows``), rows that are not one such box go from registers
+        straight to out instead.
 
     Pipelines (PipelineTmaAsync; checked in ``__init__``; the table is ``contract_table`` of
     ``self.pipelines``, which tests/test_attention_contracts_cpu.py holds it to):
