@@ -39,7 +39,7 @@ class FwdWorkList(NamedTuple):
     cand_start: Optional[cute.Tensor]  # kv: [U + 2] first candidate of each group
     tile_start: Optional[cute.Tensor]  # kv: [U + 2] first tile of each group (ordered: by position)
     grouped: Optional[cute.Tensor]  # kv: [1] int32, 1 where the work list's order is 0, 1, ...
-    perm: Optional[cute.Tensor]  # ordered: [U + 1] the groups longest first
+    perm: Optional[cute.Tensor]  # ordered: the groups longest first (U + 1 entries read)
     # dynamic_walk: [2] the tiles handed out past the grid's first ones, and the CTAs done; zero
     # between launches (the work-list kernel zeroes it, the last CTA of a launch resets it).
     walk: Optional[cute.Tensor]

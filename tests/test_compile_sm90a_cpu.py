@@ -67,5 +67,7 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
         assert (prefetch in kernel.ptx) == wanted, f"{op} {cfg}: {prefetch} {'missing' if wanted else 'present'}"
         if wanted:
             assert kernel.ptx.index(prefetch) < kernel.ptx.index("griddepcontrol.wait"), f"{op} {cfg}"
+        # The dynamic walk's tile counter: an atomic add per tile asked for, one per CTA done.
+        assert (kernel.ptx.count("atom.global.add") == 2) == cfg.dynamic_walk, f"{op} {cfg}"
     assert kernel.spill_bytes == 0, kernel.ptxas_log
     assert kernel.wgmma_notes == [], kernel.ptxas_log
