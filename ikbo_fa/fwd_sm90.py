@@ -39,7 +39,7 @@ from .fwd_args import (
     TmaOperands,
 )
 from .softmax import LN_2, LOG2_E, OnlineSoftmax
-from .tile_scheduler import AttentionTileScheduler, Schedule, TileInfo
+from .tile_scheduler import Schedule, TileInfo, tile_scheduler
 
 
 class FwdBarrier(Barrier):
@@ -248,7 +248,7 @@ class IkboAttentionFwdSm90:
         self.ordered = cfg.ordered
         # Ordered tiles from a counter (TileCounter), each to the first CTA free for it.
         self.dynamic = cfg.dynamic_walk
-        self.scheduler = AttentionTileScheduler(cfg)
+        self.scheduler = tile_scheduler(cfg)
         # KV broadcast over padded K/V: every row's first blocks (the last of each split) are
         # known from the shapes alone, so they can be prefetched into L2 while the work list runs.
         self.prefetch = self.dense and not self.ordered

@@ -21,8 +21,10 @@ out it writes. The order, per configuration (``AttentionConfig``):
   pieces next to each other, the longest rows' first.
 
 ``tile_info_host`` is its twin on the host (Python ints, torch tensors): the same mapping, step
-for step, for the test emulation and for checking the walk on the CPU. A new tile order is a new
-scheduler class with these two methods, not an edit of the kernel.
+for step, for the test emulation and for checking the walk on the CPU. The order itself is
+``position`` (and its twin ``position_host``): a new tile order is a scheduler class with these
+two methods (``CounterTileScheduler``: the dynamic walk's), picked by ``tile_scheduler(cfg)``,
+not an edit of the kernel.
 """
 from __future__ import annotations
 
@@ -124,12 +126,54 @@ class AttentionTileScheduler:
         self.dense = cfg.direction == "kv"  # KV broadcast: a user's query rows as one dense run
         self.chunks = 1 if self.dense else row_packing(cfg.s_q)[2]  # Q broadcast: 128-row chunks per candidate
         self.ordered = cfg.ordered
-        self.dynamic = cfg.dynamic_walk
         self.split_kv = cfg.split_kv
         self.key_split = cfg.split_kv or cfg.split_pair
         self.cluster_size = 2 if cfg.split_pair else 1
         self.has_kv_lengths = cfg.has_kv_lengths
         self.jagged = cfg.jagged
+
+    @cute.jit
+    def position(self, t: Int32, sched: Schedule):
+        """Tile t -> (split, head, tile of the head): the walk's order (the module docstring)."""
+        split = sched.rank
+        h = Int32(0)
+        rem = Int32(0)
+        if const_expr(self.ordered):
+            grid, _, _ = cute.arch.grid_dim()
+            G = Int32(grid) // self.cluster_size  # the walk's width, in clusters
+            r = t // G
+            c = t - r * G
+            if r % 2 == 1:
+                c = cutlass.min(G, sched.total_tiles - r * G) - 1 - c
+            t = r * G + c
+        if const_expr(self.split_kv):
+            per_split = sched.tiles_per_head * sched.n_heads
+            split = t // per_split
+            t = t - split * per_split
+        if const_expr(self.ordered):
+            rem = t // sched.n_heads
+            h = t - rem * sched.n_heads
+        else:
+            h = t // sched.tiles_per_head
+            rem = t - h * sched.tiles_per_head
+        return split, h, rem
+
+    def position_host(self, t: int, sched: Schedule, grid: int) -> tuple:
+        """``position`` on the host (``grid``: the launch's CTA count, the walk's width)."""
+        split = sched.rank
+        if self.ordered:
+            G = grid // self.cluster_size
+            r, c = divmod(t, G)
+            if r % 2 == 1:
+                c = min(G, sched.total_tiles - r * G) - 1 - c
+            t = r * G + c
+        if self.split_kv:
+            split, t = divmod(t, sched.tiles_per_head * sched.n_heads)
+        if self.ordered:
+            rem, h = divmod(t, sched.n_heads)
+        else:
+            h, rem = divmod(t, sched.tiles_per_head)
+        return split, h, rem
 
     @cute.jit
     def tile_info(self, t: Int32, g, sched: Schedule) -> TileInfo:
@@ -139,34 +183,7 @@ class AttentionTileScheduler:
         ``kv_offsets``), as ``fwd_args.GlobalTensors`` holds them."""
         mCand, mCandStart, mTileStart, mPerm = g.cand, g.cand_start, g.tile_start, g.perm
         mKvLen, mKvOffsets = g.kv_lengths, g.kv_offsets
-        split = sched.rank
-        h = Int32(0)
-        rem = Int32(0)
-        if const_expr(self.dynamic):
-            per_tile = sched.n_heads * (sched.n_splits if const_expr(self.split_kv) else 1)
-            rem = t // per_tile
-            x = t - rem * per_tile
-            split = x // sched.n_heads
-            h = x - split * sched.n_heads
-        else:
-            if const_expr(self.ordered):
-                grid, _, _ = cute.arch.grid_dim()
-                G = Int32(grid) // self.cluster_size  # the walk's width, in clusters
-                r = t // G
-                c = t - r * G
-                if r % 2 == 1:
-                    c = cutlass.min(G, sched.total_tiles - r * G) - 1 - c
-                t = r * G + c
-            if const_expr(self.split_kv):
-                per_split = sched.tiles_per_head * sched.n_heads
-                split = t // per_split
-                t = t - split * per_split
-            if const_expr(self.ordered):
-                rem = t // sched.n_heads
-                h = t - rem * sched.n_heads
-            else:
-                h = t // sched.tiles_per_head
-                rem = t - h * sched.tiles_per_head
+        split, h, rem = self.position(t, sched)
         first = Int32(0)
         n_valid = Int32(self.tile_m)
         chunk = Int32(0)
@@ -228,23 +245,7 @@ class AttentionTileScheduler:
         """``tile_info`` on the host: ``g``'s fields are torch tensors (or None), ``sched``'s
         Python ints, ``grid`` the launch's CTA count (the walk's width)."""
         item = lambda x, i: int(x[i])  # noqa: E731
-        split = sched.rank
-        if self.dynamic:
-            rem, x = divmod(t, sched.n_heads * (sched.n_splits if self.split_kv else 1))
-            split, h = divmod(x, sched.n_heads)
-        else:
-            if self.ordered:
-                G = grid // self.cluster_size
-                r, c = divmod(t, G)
-                if r % 2 == 1:
-                    c = min(G, sched.total_tiles - r * G) - 1 - c
-                t = r * G + c
-            if self.split_kv:
-                split, t = divmod(t, sched.tiles_per_head * sched.n_heads)
-            if self.ordered:
-                rem, h = divmod(t, sched.n_heads)
-            else:
-                h, rem = divmod(t, sched.tiles_per_head)
+        split, h, rem = self.position_host(t, sched, grid)
         first, n_valid, chunk, q_coord, row0, kv_coord, invalid = 0, self.tile_m, 0, 0, 0, 0, False
         if self.dense:
             starts = g.tile_start[:sched.n_kv_batch + 1].tolist()
@@ -281,3 +282,27 @@ class AttentionTileScheduler:
             n_keys = 0
         return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, row0, sched.q_flat, invalid, n_keys, kv_base,
                         out_head)
+
+
+class CounterTileScheduler(AttentionTileScheduler):
+    """``dynamic_walk``: ordered tiles handed out by a counter (``cute_kernels.scheduler.TileCounter``),
+    numbered group (longest first), tile within the group, split, head: a row's pieces next to
+    each other, with no turning back (a CTA that frees up takes the next one, whatever its round)."""
+
+    @cute.jit
+    def position(self, t: Int32, sched: Schedule):
+        per_tile = sched.n_heads * (sched.n_splits if const_expr(self.split_kv) else 1)
+        rem = t // per_tile
+        x = t - rem * per_tile
+        split = x // sched.n_heads
+        return split, x - split * sched.n_heads, rem
+
+    def position_host(self, t: int, sched: Schedule, grid: int) -> tuple:
+        rem, x = divmod(t, sched.n_heads * (sched.n_splits if self.split_kv else 1))
+        split, h = divmod(x, sched.n_heads)
+        return split, h, rem
+
+
+def tile_scheduler(cfg: AttentionConfig) -> AttentionTileScheduler:
+    """The scheduler of configuration ``cfg``: tiles from a counter (``dynamic_walk``) or strided."""
+    return (CounterTileScheduler if cfg.dynamic_walk else AttentionTileScheduler)(cfg)

@@ -11,7 +11,7 @@ import torch
 from ikbo_fa.checks import LOG2E
 from ikbo_fa.fwd_args import FwdScalars, FwdTensors, FwdWorkList, GlobalTensors, WorkListScalars
 from ikbo_fa.reference import jagged_rows, naive_attention
-from ikbo_fa.tile_scheduler import AttentionTileScheduler, Schedule
+from ikbo_fa.tile_scheduler import Schedule, tile_scheduler
 from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist
 
 attention_mod = importlib.import_module("ikbo_fa.attention")  # the module, not the function
@@ -143,7 +143,7 @@ class EmulatedKernels:
         each by naive attention over exactly that tile's rows, head and keys; every (row, head) of
         out must be written exactly once."""
         B, S_q, H, D = out.shape[0], q.shape[1], q.shape[2], q.shape[3]
-        sc = AttentionTileScheduler(cfg)
+        sc = tile_scheduler(cfg)
         n_kv_batch = k.shape[0] if g.kv_offsets is None else g.kv_offsets.shape[0] - 1
         tiles_per_head = int(g.tile_start[n_kv_batch + 1]) if sc.dense else B * sc.chunks
         n_splits = scalars.n_splits if cfg.split_kv else 1

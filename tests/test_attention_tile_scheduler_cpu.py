@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ikbo_fa
-from ikbo_fa.tile_scheduler import AttentionTileScheduler, Schedule
+from ikbo_fa.tile_scheduler import AttentionTileScheduler, CounterTileScheduler, Schedule, tile_scheduler
 from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist
 
 ORDERS = sorted({(c.direction, c.s_q, c.has_kv_lengths, c.jagged, c.split_kv, c.split_pair, c.dynamic_walk)
@@ -55,7 +55,8 @@ def _cfg(direction, s_q, lengths, jagged, split_kv=False, split_pair=False, dyna
 def test_every_row_once_with_its_keys(order, grid):
     direction, s_q, lengths, jagged, split_kv, split_pair, dynamic = order
     cfg = _cfg(direction, s_q, lengths, jagged, split_kv, split_pair, dynamic)
-    sc = AttentionTileScheduler(cfg)
+    sc = tile_scheduler(cfg)
+    assert type(sc) is (CounterTileScheduler if dynamic else AttentionTileScheduler)
     rows, idx, keys, n_kv, U, tiles_per_head = _problem(direction, s_q, lengths, jagged, seed=s_q + grid)
     B, H, H_kv, L = idx.shape[0], 4, 2, 700
     n_splits, split_keys = (3, 256) if split_kv else (2, 384) if split_pair else (1, 0)
