@@ -352,7 +352,7 @@ def work_list(
         found = _group(idx.contiguous(), n_users, s_q, kernel, parts, rows32, kv_lengths is not None, _INT32_MAX,
                        _INT32_MAX if max_kv_len is None else min(int(max_kv_len), _INT32_MAX))
     version = None if torch.is_inference(idx) else idx._version
-    return WorkList(*found, s_q, weakref.ref(idx), version)
+    return WorkList(*found[:5], s_q, weakref.ref(idx), version)  # WorkList makes its own view of the counter
 
 
 _INT32_MAX = 2**31 - 1
@@ -471,12 +471,13 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
             torch.clamp(src, 0, bound, out=rows)
         else:  # int64 values past int32 clamped before they convert
             rows.copy_(src.clamp(0, bound))
-    cand_start = tile_start = grouped = perm = None
+    cand_start = tile_start = grouped = perm = walk = None
     if work_list is not None:
         wl = work_list
-        cand, cand_start, tile_start, grouped, perm = wl.order, wl.cand_start, wl.tile_start, wl.grouped, wl.perm
+        cand, cand_start, tile_start, grouped, perm, walk = (wl.order, wl.cand_start, wl.tile_start, wl.grouped,
+                                                             wl.perm, wl.walk)
     elif plan.direction == "kv":
-        cand, cand_start, tile_start, grouped, perm = _group(
+        cand, cand_start, tile_start, grouped, perm, walk = _group(
             idx if plan.idx_contiguous else idx.contiguous(), plan.n_users, plan.rows_per_cand, plan.worklist, bufs,
             rows if plan.ordered else None, kv_lengths is not None, plan.total_kv, plan.kv_len)
     elif plan.idx_int32 and plan.idx_contiguous:
@@ -494,9 +495,8 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     workspace = plan.merge is not None
     dest, dest_lse = _split_workspace(plan) if workspace else (target, lse)
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
-    walk = perm[plan.n_users + 1:] if plan.config.dynamic_walk else None
     plan.kernel(FwdTensors(q, k, v, dest, dest_lse, kvl, offsets),
-                FwdWorkList(cand, cand_start, tile_start, grouped, perm, walk),
+                FwdWorkList(cand, cand_start, tile_start, grouped, perm, walk if plan.config.dynamic_walk else None),
                 FwdScalars(int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys, plan.prefetch_blocks,
                            scale * LOG2E, scale),
                 plan.n_ctas)
@@ -508,24 +508,25 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
 
 def _group(idx, n_users: int, rows_per_cand: int, kernel, parts, rows, lengths: bool, total_keys: int,
            max_keys: int) -> tuple:
-    """(order, cand_start, tile_start, grouped, perm) of a contiguous idx: by the work-list kernel
+    """(order, cand_start, tile_start, grouped, perm, walk) of a contiguous idx: by the work-list kernel
     into the int32 ``parts`` (order, cand_start, tile_start, grouped[, perm]), else (``kernel``
     None) by the torch definition. ``rows`` (int32 kv_lengths, or kv_offsets with ``lengths``
     False): the tiles longest first by them, perm then followed by the tile counter's two words,
-    zero; None: in user order (perm None)."""
+    zero (``walk``, a view of them); None: in user order (perm and walk None)."""
     if kernel is not None:
         perm = parts[4] if rows is not None else None
         groups, walk = (None, None) if perm is None else (perm[:n_users + 1], perm[n_users + 1:])
         kernel(idx, FwdWorkList(parts[0], parts[1], parts[2], parts[3], groups, walk), rows,
                WorkListScalars(n_users, rows_per_cand, total_keys, max_keys))
-        return parts[0], parts[1], parts[2], parts[3], perm
+        return parts[0], parts[1], parts[2], parts[3], perm, walk
     order, cand_start, tile_start, grouped = kv_worklist(idx, n_users, rows_per_cand)
-    perm = None
+    perm = walk = None
     if rows is not None:
         keys = rows if lengths else jagged_rows(rows, total_keys, max_keys)[1]
         perm, tile_start = kv_tile_order(cand_start, keys, rows_per_cand)
         perm = torch.cat([perm, perm.new_zeros(WALK_WORDS)])  # the tile counter, zero
-    return order, cand_start, tile_start, grouped, perm
+        walk = perm[n_users + 1:]
+    return order, cand_start, tile_start, grouped, perm, walk
 
 
 def _split_workspace(plan: _Plan) -> tuple:
@@ -567,25 +568,27 @@ def problem_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms:
     candidates of ``users`` users, ``s_q`` queries each, rows of up to ``keys`` keys (``total_keys``
     together, where the rows are jagged). Tiles per head lie between the dense count and its bound
     (a partly filled tile per user): the plan takes their mean. Jagged rows shorter than ``keys``
-    on average under ``policy.dynamic_walk`` split without pairs (whose walk is static)."""
+    on average, where the walk is dynamic (``policy.walks_dynamically``), split without pairs
+    (whose walk is static)."""
     tiles = (-(-batch * s_q // 128) + max_tiles_per_head(batch, users, s_q)) // 2
     uneven = None
+    dynamic = policy.walks_dynamically(keys)
     if total_keys is not None and policy.split_by_total_keys and total_keys < users * keys:
         uneven = (users, total_keys)
-        if policy.dynamic_walk:
+        if dynamic:
             policy = dataclasses.replace(policy, split_pair=False)
-    n, per = kv_splits(tiles, heads, keys, sms, policy, uneven)
+    n, per = kv_splits(tiles, heads, keys, sms, policy, uneven, dynamic)
     return n, per, policy.split_pair and n == 2
 
 
 def kv_splits(tiles: int, heads: int, keys: int, sms: int, policy: AttentionPolicy = DEFAULT_POLICY,
-              uneven: Optional[tuple] = None) -> tuple:
+              uneven: Optional[tuple] = None, dynamic: bool = False) -> tuple:
     """(splits, keys per split) for a KV-broadcast problem of about ``tiles`` tiles per head
     whose rows have up to ``keys`` keys: where the tiles fill at most half the SMs, each row's
     keys go over as many CTAs as fill them, each with at least ``policy.split_min_keys`` keys.
     With ``policy.split_by_cost``, the split count of least ``split_cost`` instead; for ``uneven``
-    = (rows, their total keys), the count of least ``uneven_split_cost`` under
-    ``policy.dynamic_walk`` (each piece to the first CTA free: the cost's two bounds are what that
+    = (rows, their total keys), the count of least ``uneven_split_cost`` where the walk is
+    ``dynamic`` (each piece to the first CTA free: the cost's two bounds are what that
     walk reaches), else the fewer of that and the other (the static walk can hand one CTA two
     long pieces: docs/perf/2026-12-06-attention-uneven-splits.md)."""
     work = max(1, tiles * heads)
@@ -596,7 +599,7 @@ def kv_splits(tiles: int, heads: int, keys: int, sms: int, policy: AttentionPoli
         if uneven is not None:
             least = min(range(1, MAX_SPLITS + 1),
                         key=lambda n: (uneven_split_cost(work, *uneven, keys, sms, n, policy), n))
-            n = least if policy.dynamic_walk else min(n, least)
+            n = least if dynamic else min(n, least)
     else:
         n = 1 if 2 * work > sms else min(sms // work, keys // policy.split_min_keys, MAX_SPLITS)
     if n < 2:
@@ -693,7 +696,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
                            and _worklist_fits(n_users))
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
                         jagged=p.jagged, split_kv=n_splits > 1 and not pair, split_pair=pair,
-                        dynamic_walk=policy.dynamic_walk and p.kv_len >= policy.dynamic_min_keys)
+                        dynamic_walk=policy.walks_dynamically(p.kv_len))
     _, _, chunks = row_packing(p.s_q)
     idx_contiguous = p.idx.is_contiguous()
     idx_int32 = p.idx.dtype == torch.int32

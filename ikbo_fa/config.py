@@ -105,10 +105,9 @@ def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, h
                   split_pair: bool = False, dynamic_walk: bool = False) -> AttentionConfig:
     """The configuration the op compiles for a problem (``dynamic_walk``: where the tiles are ordered
     and not split in pairs)."""
-    ordered = direction == "kv" and (jagged or has_kv_lengths)
-    return AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
-                           split_kv=split_kv, split_pair=split_pair,
-                           dynamic_walk=dynamic_walk and ordered and not split_pair)
+    cfg = AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
+                          split_kv=split_kv, split_pair=split_pair)
+    return dataclasses.replace(cfg, dynamic_walk=True) if dynamic_walk and cfg.ordered and not split_pair else cfg
 
 
 SHIPPED_CONFIGS = tuple(

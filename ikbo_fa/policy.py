@@ -82,6 +82,10 @@ class AttentionPolicy:
             raise ValueError(f"AttentionPolicy.prefetch_blocks must be at most {MAX_PREFETCH_BLOCKS} (one lane of "
                              f"warp 0 each), got {self.prefetch_blocks}")
 
+    def walks_dynamically(self, keys: int) -> bool:
+        """Whether ordered tiles of rows of up to ``keys`` keys come from the counter."""
+        return self.dynamic_walk and keys >= self.dynamic_min_keys
+
     @classmethod
     def parse(cls, spec: str) -> "AttentionPolicy":
         """``'split_pair=0,prefetch_blocks=2'`` -> DEFAULT_POLICY with those fields replaced (bools

@@ -65,6 +65,9 @@ class WorkList:
     # The idx it was built from and that tensor's version then (None: not tracked).
     source: Optional[weakref.ref] = dataclasses.field(default=None, repr=False, compare=False)
     version: Optional[int] = dataclasses.field(default=None, repr=False, compare=False)
+    # The attention kernel's tile counter: perm's last two words (None without perm); a view made
+    # once, not per call.
+    walk: Optional[torch.Tensor] = dataclasses.field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self):
         # Every WorkList is one the kernel can read: the calls check only that it fits them.
@@ -84,11 +87,8 @@ class WorkList:
             if name in arrays and (groups < 1 or arrays[name].shape[0] != n):
                 raise ValueError(f"WorkList.{name} has {arrays[name].shape[0]} entries; a work list of "
                                  f"U + 1 = {groups} groups has {n}")
-
-    @property
-    def walk(self) -> Optional[torch.Tensor]:
-        """The attention kernel's tile counter: perm's last two words (None without perm)."""
-        return None if self.perm is None else self.perm[self.num_users + 1:]
+        if self.perm is not None:
+            object.__setattr__(self, "walk", self.perm[groups:])
 
     @property
     def batch(self) -> int:
