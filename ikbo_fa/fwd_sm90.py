@@ -179,6 +179,8 @@ class IkboAttentionFwdSm90:
     (griddepcontrol.wait) before touching global memory. Meanwhile (``prefetch``: KV broadcast
     over padded K/V) lanes of warp 0 prefetch into L2 the K/V blocks the first tiles read first
     (``prefetch_blocks`` per CTA, a run-time argument; 0: none), as DRAM idles during the wait.
+    Once its producer has issued its last load, a CTA lets the kernel queued after it launch
+    (griddepcontrol.launch_dependents): the split merge's CTAs start on the SMs the tail frees.
 
     Tiles and order (the producer asks ``ikbo_fa.tile_scheduler``): a tile is (head, group,
     tile-in-group). KV broadcast: groups are users plus a last group of candidates whose index is out of range (written as NaN). A user's
@@ -504,6 +506,9 @@ class IkboAttentionFwdSm90:
                 info = self.scheduler.tile_info(t, g, sched)
                 q_state, kv_state = self.load_tile(info, q_state, kv_state, tma, smem, pipes, g.cand, group)
                 t += walk.stride
+        # Every load of this CTA is issued: the kernel after this one (the merge, the next call)
+        # may launch on the SMs that free up; it waits for this grid to finish before reading.
+        cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def empty_piece(self, info: TileInfo, g: GlobalTensors):

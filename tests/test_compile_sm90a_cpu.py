@@ -69,5 +69,7 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
             assert kernel.ptx.index(prefetch) < kernel.ptx.index("griddepcontrol.wait"), f"{op} {cfg}"
         # The dynamic walk's tile counter: an atomic add per tile asked for, one per CTA done.
         assert (kernel.ptx.count("atom.global.add") == 2) == cfg.dynamic_walk, f"{op} {cfg}"
+        # The kernel after this one may launch once a CTA's loads are all issued.
+        assert kernel.ptx.index("griddepcontrol.wait") < kernel.ptx.index("griddepcontrol.launch_dependents")
     assert kernel.spill_bytes == 0, kernel.ptxas_log
     assert kernel.wgmma_notes == [], kernel.ptxas_log
