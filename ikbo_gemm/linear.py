@@ -23,14 +23,17 @@ tile and the phase takes one tile's time: the op then takes a smaller tile
 (``config.pick_cand_tile``). Where the candidate grid is one partial wave, the user phase runs
 on the SMs it leaves idle. Where N >= 4096 the user phase runs in narrow tiles and up to 8 K
 slices wherever it may hold back candidate CTAs (``PlanRules.wide_user_min_n``; ``wide_user``
-at every N). ``PlanRules`` adds choices that are off: the tiles' K loop split over clusters of
-2 or 4 CTAs that add their partial sums in shared memory (``config.pick_cand_split``), and the
-user phase as K-split pairs on the 2-CTA slots that candidate clusters leave (both slower on
-the whole, timed).
+at every N). Where the user phase runs ahead of the candidate grid in K slices, with 16-bit
+operands it splits K instead over clusters of 2 or 4 CTAs a tile that add their partial sums
+in shared memory: one workspace slab (``PlanRules.user_cluster_split``). ``PlanRules`` adds
+choices that are off: the tiles' K loop split over clusters of 2 or 4 CTAs that add their
+partial sums in shared memory (``config.pick_cand_split``), and the user phase as K-split pairs
+on the 2-CTA slots that candidate clusters leave (both slower on the whole, timed).
 
 Memory: besides the output, each call allocates the fp32 workspace, 4 bytes per element of
 [U, N] with U rounded up to the user tile's rows (128 or 64) and N to the tile width, times
-the user phase's K slices (1 to 4; up to 8 with ``PlanRules.wide_user``).
+the user phase's K slices written as slabs (1 to 4, up to 8 with ``PlanRules.wide_user``; 1
+where they run as K-split clusters).
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ from .compile import compile_linear_config
 from .config import (
     LINEAR_FP8_CAND_TILES,
     LINEAR_SHARED_TILE,
+    LINEAR_SPLIT_TILES,
     LINEAR_TILES,
     LinearConfig,
     linear_configs,
@@ -92,7 +96,7 @@ class PlanRules:
     (docs/perf/2026-12-05-linear-split-k-timed.md). The kernels they pick (LinearConfig.split_k)
     stay compiled and tested.
 
-    The last three fields force a choice the plan would make itself (None: it does), so that a
+    The last four fields force a choice the plan would make itself (None: it does), so that a
     test or a benchmark runs a given kernel configuration or grid on purpose."""
 
     split_k: bool = False  # candidate tiles that fill at most half the SMs: K over clusters (pick_cand_split)
@@ -110,12 +114,23 @@ class PlanRules:
     # N 4096: docs/perf/2026-12-06-linear-shared-tile.md.
     shared_tile_min_k: Optional[int] = 1024
     shared_tile_max_n: Optional[int] = 1024
+    # The user phase's K slices (where its grid runs ahead of the candidate grid; 16-bit operands)
+    # as K-split clusters of 2 or 4 CTAs that add their partial sums in shared memory: one
+    # workspace slab for the candidate epilogue to read instead of one a slice. On the H100 (bf16,
+    # ratio 70, graph) 0.90 to 1.003x the time without it over B 2048 to 8192, both K pairs and
+    # N 1024 to 4096 (B 4096, K 1024 + 2048, N 4096: 119 -> 108 us):
+    # docs/perf/2026-12-06-linear-user-cluster-split.md.
+    user_cluster_split: bool = True
     cand_split: Optional[tuple] = None  # ((tile_m, tile_n), split_k) of the candidate phase
     cand_clusters: Optional[int] = None  # at most this many candidate clusters (each then walks more tiles)
-    user_tile: Optional[tuple] = None  # (tile_m, tile_n) of the user phase (where wide_user does not pick)
+    # (tile_m, tile_n) of the user phase (where wide_user does not pick; K-split clusters take
+    # 128 x 128 or 64 x 128 in place of 128 x 192)
+    user_tile: Optional[tuple] = None
+    # at most this many K slices of the user phase (workspace slabs, or CTAs of a K-split cluster)
+    user_splits: Optional[int] = None
 
     def __post_init__(self):
-        for name in ("split_k", "user_pairs", "wide_user"):
+        for name in ("split_k", "user_pairs", "wide_user", "user_cluster_split"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PlanRules.{name} must be a bool, got {getattr(self, name)!r}")
         split = self.cand_split
@@ -126,7 +141,7 @@ class PlanRules:
         if self.cand_clusters is not None and (isinstance(self.cand_clusters, bool)
                                                or not isinstance(self.cand_clusters, int) or self.cand_clusters < 1):
             raise ValueError(f"PlanRules.cand_clusters must be a positive int, got {self.cand_clusters!r}")
-        for name in ("wide_user_min_n", "shared_tile_min_k", "shared_tile_max_n"):
+        for name in ("wide_user_min_n", "shared_tile_min_k", "shared_tile_max_n", "user_splits"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"PlanRules.{name} must be a positive int or None, got {v!r}")
@@ -141,6 +156,8 @@ WIDE_USER_RULES = PlanRules(wide_user=True)
 SPLIT_WIDE_USER_RULES = PlanRules(split_k=True, wide_user=True)
 # The candidate phase in ping-pong tiles only.
 NO_SHARED_TILE_RULES = PlanRules(shared_tile_min_k=None)
+# The user phase's K slices each a workspace slab of its own (user_cluster_split off).
+NO_USER_CLUSTER_SPLIT_RULES = PlanRules(user_cluster_split=False)
 
 
 def split_weight(weight: torch.Tensor, k_user: int, user_first: bool = True):
@@ -254,16 +271,16 @@ class _Grids:
 def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,
            fp8: bool = False) -> _Grids:
     """Both phases' grids. ``clusters(size)``: clusters of that many CTAs resident at once. FP8:
-    the candidate tiles of LINEAR_FP8_CAND_TILES."""
+    the candidate tiles of LINEAR_FP8_CAND_TILES, the user phase's K slices as slabs."""
     g = _chosen_grids(B, U, N, K_cand, K_user, sms, clusters, rules, LINEAR_FP8_CAND_TILES if fp8 else LINEAR_TILES,
-                      shared_tile=not fp8)
+                      shared_tile=not fp8, cluster_split=not fp8)
     if rules.cand_clusters is not None:
         g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster))
     return g
 
 
 def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,
-                  cand_tile_set: tuple, shared_tile: bool = True) -> _Grids:
+                  cand_tile_set: tuple, shared_tile: bool = True, cluster_split: bool = True) -> _Grids:
     kb_cand, kb_user = -(-K_cand // 64), -(-K_user // 64)
     tile_user = rules.user_tile or pick_linear_tile(U, N)
     if rules.cand_split is not None:
@@ -276,7 +293,8 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
                                                                                           tile_cand, rules):
         tile_cand = LINEAR_SHARED_TILE
     cand_tiles, user_tiles = _tiles(B, N, tile_cand), _tiles(U, N, tile_user)
-    splits = _user_splits(user_tiles, kb_user, sms)
+    most = rules.user_splits or WIDE_USER_SLICES
+    splits = _user_splits(user_tiles, kb_user, sms, min(4, most))
     base = dict(tile_user=tile_user, tile_cand=tile_cand, split_cand=split_cand, split_user=1, splits=splits,
                 grid_user=min(sms, splits * user_tiles))
     # The user phase where its grid may run before candidate CTAs (every return below but the
@@ -287,8 +305,10 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
     if wide_user:
         wide = _wide_user_tile(U, N)
         wide_tiles = _tiles(U, N, wide)
-        wide_splits = _user_splits(wide_tiles, kb_user, sms, WIDE_USER_SLICES)
+        wide_splits = _user_splits(wide_tiles, kb_user, sms, most)
         ahead = dict(base, tile_user=wide, splits=wide_splits, grid_user=min(sms, wide_splits * wide_tiles))
+    if rules.user_cluster_split and cluster_split:
+        ahead = _user_cluster_split(ahead, U, N, kb_user, clusters)
     if split_cand > 1:
         # One cluster per tile (pick_cand_split keeps them one wave); the kernel needs a k-block
         # in every CTA's slice.
@@ -323,6 +343,20 @@ def _takes_shared_tile(B: int, N: int, K_cand: int, sms: int, tile: tuple, rules
     return (rules.shared_tile_min_k is not None and K_cand >= rules.shared_tile_min_k
             and (rules.shared_tile_max_n is None or N <= rules.shared_tile_max_n)
             and _tiles(B, N, shared) >= sms and tile_cost(*shared, N, B) <= tile_cost(*tile, N, B))
+
+
+def _user_cluster_split(grids: dict, U: int, N: int, kb_user: int, clusters) -> dict:
+    """``grids`` with the user phase's K slices as K-split clusters (``PlanRules.user_cluster_split``):
+    2 or 4 CTAs a tile (as many as the slices, at most 4), in a tile a K split takes, one slab."""
+    if grids["splits"] < 2:
+        return grids
+    tile = grids["tile_user"]
+    if tile not in LINEAR_SPLIT_TILES:
+        tile = (64, 128) if U <= 64 else (128, 128)
+    s = 4 if grids["splits"] >= 4 else 2
+    if (tile[1] // 16) % s or (s - 1) * -(-kb_user // s) >= kb_user:
+        return grids
+    return dict(grids, tile_user=tile, splits=1, split_user=s, grid_user=min(clusters(s), _tiles(U, N, tile)) * s)
 
 
 def _tiles(rows: int, n: int, tile: tuple) -> int:

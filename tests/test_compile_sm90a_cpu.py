@@ -1,6 +1,7 @@
 """Every shipped kernel configuration of the ops compiles for sm_90a without a GPU, once each:
 its PTX holds the instructions the kernels are built on, ptxas spills nothing, and ptxas neither
 serializes a wgmma nor inserts fences or waits the code lacks (a silent slowdown otherwise)."""
+import itertools
 import re
 
 import pytest
@@ -73,3 +74,39 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
         assert kernel.ptx.index("griddepcontrol.wait") < kernel.ptx.index("griddepcontrol.launch_dependents")
     assert kernel.spill_bytes == 0, kernel.ptxas_log
     assert kernel.wgmma_notes == [], kernel.ptxas_log
+
+
+def _linear_default_plan_configs():
+    """The configurations ikbo_gemm.linear's default plan picks at the bench grid's shapes (B 2048
+    to 8192, ratio 70, K 1024 + 2048 and 4096 + 4096, N 1024 to 4096) on an H100 or H200 (132
+    SMs), 16-bit operands, relu and bias."""
+    import importlib
+
+    from ikbo_gemm.config import linear_configs
+
+    linear_mod = importlib.import_module("ikbo_gemm.linear")
+    clusters = {1: 132, 2: 66, 4: 30}.__getitem__
+    configs = set()
+    for B, (K_user, K_cand), N in itertools.product((2048, 4096, 8192), ((1024, 2048), (4096, 4096)),
+                                                     (1024, 2048, 4096)):
+        g = linear_mod._grids(B, -(-B // 70), N, K_cand, K_user, 132, clusters, linear_mod.DEFAULT_RULES)
+        for dtype in (torch.float16, torch.bfloat16):
+            configs.update(linear_configs(dtype, torch.int32, g.tile_user, g.tile_cand, "relu", True, g.cluster,
+                                          g.split_cand, g.split_user))
+    return sorted(configs, key=str)
+
+
+def test_linear_default_plan_configs_at_the_bench_grid_compile():
+    """Each is shipped (compiled and checked above), or compiles here under the same checks: the
+    user phase's K-split clusters (PlanRules.user_cluster_split) take 4-CTA splits, not shipped."""
+    configs = _linear_default_plan_configs()
+    assert any(c.phase == "user" and c.split_k == 4 for c in configs)
+    for cfg in configs:
+        if cfg in ikbo_gemm.SHIPPED_CONFIGS:
+            continue
+        assert cfg.phase == "user" and cfg.split_k > 1, cfg
+        kernel = ikbo_gemm.compile_config(cfg, keep_ptx=True, ptxas_report=True)
+        for instruction in PTX_INSTRUCTIONS + SPLIT_K_INSTRUCTIONS:
+            assert instruction in kernel.ptx, f"{cfg}: no {instruction} in the PTX"
+        assert kernel.spill_bytes == 0, kernel.ptxas_log
+        assert kernel.wgmma_notes == [], kernel.ptxas_log

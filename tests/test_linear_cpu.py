@@ -3,6 +3,7 @@ un-decomposed concatenation, argument validation, split_weight, the tile pick, a
 compiles of every shipped configuration."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import math
@@ -301,12 +302,46 @@ def test_a_split_with_an_empty_slice_is_refused():
     assert _grids(300, 3, 200, 64, 256, **forced).split_cand == 4  # one k-block each
 
 
+def test_user_cluster_split_plan():
+    """user_cluster_split (on by default): the user phase's K slices as one K-split cluster a tile
+    (one slab), in a tile a K split takes; as before where there is one slice, where the user phase
+    takes the spare SMs, and with FP8 operands."""
+    from ikbo_gemm.config import LINEAR_SPLIT_TILES
+    from ikbo_gemm.linear import DEFAULT_RULES, NO_USER_CLUSTER_SPLIT_RULES, _grids as plan_grids
+
+    assert DEFAULT_RULES.user_cluster_split and not NO_USER_CLUSTER_SPLIT_RULES.user_cluster_split
+    for B, N, K in ((8192, 1024, 1024), (8192, 4096, 2048), (2048, 4096, 4096), (512, 4096, 4096)):
+        plain = _grids(B, -(-B // 70), N, K, 1024, user_cluster_split=False)
+        g = _grids(B, -(-B // 70), N, K, 1024)
+        assert plain.splits > 1 and plain.split_user == 1
+        assert g.splits == 1 and g.split_user == min(4, plain.splits) >= 2
+        assert g.grid_user % g.split_user == 0 and g.tile_user in LINEAR_SPLIT_TILES
+        assert (g.tile_cand, g.cluster, g.split_cand, g.grid_cand) == (
+            plain.tile_cand, plain.cluster, plain.split_cand, plain.grid_cand)
+    # 8 wide slices (B 2048, N 1024, K 4096): 4-CTA clusters on 64 x 128 tiles, 8 of them
+    g = _grids(2048, 29, 1024, 4096, 4096, wide_user=True, split_k=False, user_pairs=False)
+    assert (g.tile_user, g.split_user, g.splits, g.grid_user) == ((64, 128), 4, 1, 32)
+    # 2 slices (K_user 250: 4 k-blocks): pairs
+    g = _grids(300, 3, 200, 250, 64, split_k=False, user_pairs=False)
+    assert (g.split_user, g.splits, g.grid_user) == (2, 1, 2)
+    # a 128 x 192 user tile (N 1152) is too wide for a K split: 128 x 128 clusters
+    assert _grids(8192, 117, 1152, 4096, 1024, user_cluster_split=False).tile_user == (128, 192)
+    assert _grids(8192, 117, 1152, 4096, 1024).tile_user == (128, 128)
+    assert _grids(8192, 117, 1024, 128, 1024).splits == 1  # one slice: as before
+    # the spare SMs' user CTAs (B 2048, N 1024: 4 user CTAs of the whole K): as before
+    assert _grids(2048, 29, 1024, 4096, 4096, split_k=False, user_pairs=False) == _grids(
+        2048, 29, 1024, 4096, 4096, split_k=False, user_pairs=False, user_cluster_split=False)
+    fp8 = plan_grids(8192, 117, 4096, 1024, 512, 132, H200_CLUSTERS, DEFAULT_RULES, fp8=True)
+    assert fp8.splits > 1 and fp8.split_user == 1  # FP8: slabs
+
+
 def test_wide_user_phase_plan():
     """PlanRules.wide_user: where the user grid runs before candidate CTAs, 64 x 128 user tiles
-    and up to 8 K slices make its CTAs many and short; it never takes the spare SMs alone."""
+    and up to 8 K slices make its CTAs many and short; it never takes the spare SMs alone (the
+    slices as workspace slabs: user_cluster_split off)."""
     from ikbo_gemm.linear import WIDE_USER_SLICES
 
-    plain = dict(split_k=False, user_pairs=False)
+    plain = dict(split_k=False, user_pairs=False, user_cluster_split=False)
     # B 512, N 4096, K 4096: 128 candidate CTAs; 32 user tiles x 4 slices (was 16 x 4)
     g = _grids(512, 7, 4096, 4096, 4096, wide_user=True, **plain)
     assert (g.tile_user, g.splits, g.grid_user, g.grid_cand) == ((64, 128), 4, 128, 128)
@@ -316,7 +351,8 @@ def test_wide_user_phase_plan():
     g = _grids(2048, 29, 1024, 4096, 4096, wide_user=True, **plain)
     assert (g.tile_user, g.splits, g.grid_user, g.tile_cand, g.grid_cand) == ((64, 128), 8, 64, (128, 128), 128)
     # with the candidate K split, the split candidate grid as before
-    g = _grids(1024, 15, 1024, 4096, 4096, wide_user=True, split_k=True, user_pairs=False)
+    g = _grids(1024, 15, 1024, 4096, 4096, wide_user=True, split_k=True, user_pairs=False,
+               user_cluster_split=False)
     assert (g.split_cand, g.grid_cand, g.splits, g.grid_user) == (2, 128, 8, 64)
     # more users than one 64-row tile: the usual tile; every slice has a k-block
     assert _grids(8192, 117, 1024, 4096, 4096, wide_user=True, **plain).tile_user == (128, 128)
@@ -330,7 +366,7 @@ def test_wide_user_phase_plan():
 def test_wide_user_phase_by_size():
     """The op's rules take the wide user phase from N 4096 on (wide_user_min_n), as wide_user does
     everywhere; None keeps it to wide_user."""
-    plain = dict(split_k=False, user_pairs=False)
+    plain = dict(split_k=False, user_pairs=False, user_cluster_split=False)
     for B, U, N in ((512, 7, 4096), (2048, 29, 8192), (8192, 117, 4096)):
         assert _grids(B, U, N, 4096, 4096, **plain) == _grids(B, U, N, 4096, 4096, wide_user=True, **plain)
     g = _grids(512, 7, 4096, 4096, 4096, wide_user_min_n=None, **plain)
@@ -347,8 +383,11 @@ def test_wide_user_phase_by_size():
     (dict(shared_tile_min_k=True), ValueError, "PlanRules.shared_tile_min_k must be a positive int or None"),
     (dict(shared_tile_max_n=0), ValueError, "PlanRules.shared_tile_max_n must be a positive int or None"),
     (dict(cand_split=((128, 256), 2)), ValueError, "PlanRules.cand_split must be"),
+    (dict(user_splits=0), ValueError, "PlanRules.user_splits must be a positive int or None"),
+    (dict(user_splits=True), ValueError, "PlanRules.user_splits must be a positive int or None"),
     (dict(user_tile=(32, 128)), ValueError, "PlanRules.user_tile must be one of"),
     (dict(split_k=1), TypeError, "PlanRules.split_k must be a bool"),
+    (dict(user_cluster_split=1), TypeError, "PlanRules.user_cluster_split must be a bool"),
 ])
 def test_plan_rules_check_their_fields(rules, error, match):
     from ikbo_gemm.linear import PlanRules
@@ -358,12 +397,21 @@ def test_plan_rules_check_their_fields(rules, error, match):
 
 
 def test_forced_choices_of_the_plan_rules():
-    """cand_split, cand_clusters and user_tile force what the plan would pick."""
+    """cand_split, cand_clusters, user_tile and user_splits force what the plan would pick."""
     g = _grids(300, 3, 200, 64, 1000, cand_split=((64, 128), 2), cand_clusters=1)
     assert (g.tile_cand, g.split_cand, g.grid_cand) == ((64, 128), 2, 2)
     g = _grids(300, 3, 200, 64, 1000, split_k=False, cand_split=((128, 64), 1))
     assert (g.tile_cand, g.split_cand) == ((128, 64), 1)
     assert _grids(2048, 29, 1024, 4096, 4096, user_tile=(64, 128)).tile_user == (64, 128)
+    for B, N in ((8192, 1024), (2048, 4096), (512, 4096)):
+        slabs = dict(user_cluster_split=False)
+        assert _grids(B, B // 70, N, 4096, 4096, **slabs).splits > 2
+        assert _grids(B, B // 70, N, 4096, 4096, user_splits=1, **slabs).splits == 1
+        assert _grids(B, B // 70, N, 4096, 4096, user_splits=2, **slabs).splits == 2
+        g = _grids(B, B // 70, N, 4096, 4096, user_splits=1)
+        assert (g.splits, g.split_user) == (1, 1)
+        g = _grids(B, B // 70, N, 4096, 4096, user_splits=2)
+        assert (g.splits, g.split_user) == (1, 2)
 
 
 def test_rules_argument_is_checked():
@@ -380,22 +428,34 @@ def test_the_op_leaves_the_small_grid_rules_off_until_timed():
     assert _grids(1024, 15, 1024, 4096, 4096, split_k=False, user_pairs=False).split_cand == 1
 
 
-@pytest.mark.parametrize("rules, B, U, N, K_user, K_cand, split_cand, split_user, slices", [
-    ("SMALL_GRID_RULES", 1024, 15, 1024, 4096, 4096, 2, 1, 4),  # 64 tiles: 2-CTA K splits
-    ("SMALL_GRID_RULES", 1024, 15, 256, 1024, 2048, 4, 1, 4),  # 16 tiles: 4-CTA K splits
-    ("SMALL_GRID_RULES", 2048, 29, 1024, 1000, 4096, 1, 2, 1),  # 2-CTA candidate clusters: user pairs
-    ("WIDE_USER_RULES", 2048, 29, 1024, 1000, 4096, 1, 1, 8),  # 8 user slices of 2 k-blocks, the last short
-    ("SPLIT_WIDE_USER_RULES", 1024, 15, 256, 1000, 2048, 4, 1, 8),
+@pytest.mark.parametrize("rules, slabs, B, U, N, K_user, K_cand, split_cand, split_user, slices", [
+    ("SMALL_GRID_RULES", False, 1024, 15, 1024, 4096, 4096, 2, 4, 1),  # 64 tiles: 2-CTA K splits
+    ("SMALL_GRID_RULES", True, 1024, 15, 1024, 4096, 4096, 2, 1, 4),  # ... the user K in 4 slabs
+    ("SMALL_GRID_RULES", False, 1024, 15, 256, 1024, 2048, 4, 4, 1),  # 16 tiles: 4-CTA K splits
+    ("SMALL_GRID_RULES", True, 1024, 15, 256, 1024, 2048, 4, 1, 4),
+    ("SMALL_GRID_RULES", False, 2048, 29, 1024, 1000, 4096, 1, 2, 1),  # 2-CTA candidate clusters: user pairs
+    ("WIDE_USER_RULES", False, 2048, 29, 1024, 1000, 4096, 1, 4, 1),  # 16 user k-blocks over 4-CTA clusters
+    ("WIDE_USER_RULES", True, 2048, 29, 1024, 1000, 4096, 1, 1, 8),  # 8 user slices of 2 k-blocks, the last short
+    ("SPLIT_WIDE_USER_RULES", False, 1024, 15, 256, 1000, 2048, 4, 4, 1),
+    ("SPLIT_WIDE_USER_RULES", True, 1024, 15, 256, 1000, 2048, 4, 1, 8),
+    ("DEFAULT_RULES", False, 2048, 29, 4096, 1000, 4096, 1, 4, 1),  # N 4096: the wide user phase
+    ("DEFAULT_RULES", False, 300, 3, 200, 250, 64, 1, 2, 1),  # 4 user k-blocks: pairs
+    ("NO_USER_CLUSTER_SPLIT_RULES", False, 300, 3, 200, 250, 64, 1, 1, 2),
 ])
-def test_gpu_path_with_plan_rules(monkeypatch, rules, B, U, N, K_user, K_cand, split_cand, split_user, slices):
-    """The op's host side with launch-plan rules on, its kernel emulated: the configurations and
-    grids it launches, and the result."""
+def test_gpu_path_with_plan_rules(monkeypatch, rules, slabs, B, U, N, K_user, K_cand, split_cand, split_user,
+                                  slices):
+    """The op's host side with launch-plan rules on (``slabs``: the user K slices as workspace slabs,
+    user_cluster_split off), its kernel emulated: the configurations and grids it launches, and the
+    result."""
     from linear_emulation import install
 
     kernels = install(monkeypatch)
     linear_mod = importlib.import_module("ikbo_gemm.linear")
     args = _inputs(21, B, U, N, K_user, K_cand)
-    out = ikbo_gemm.linear(**args, activation="relu", rules=getattr(linear_mod, rules))
+    rules = getattr(linear_mod, rules)
+    if slabs:
+        rules = dataclasses.replace(rules, user_cluster_split=False)
+    out = ikbo_gemm.linear(**args, activation="relu", rules=rules)
     user, cand = (launch["cfg"] for launch in kernels.launches)
     assert (cand.split_k, user.split_k, kernels.launches[0]["splits"]) == (split_cand, split_user, slices)
     d = {k: v.double() for k, v in args.items() if k != "idx"}

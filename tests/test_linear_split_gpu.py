@@ -1,6 +1,7 @@
 """ikbo_gemm.linear's K-split clusters on an sm_90 GPU: every split configuration forced onto
 shapes with partial tiles and uneven k-slices, clusters that walk several tiles (the exchange
-buffer reused), the user phase as K-split pairs and in 8 K slices (PlanRules.wide_user), each
+buffer reused), the user phase as K-split pairs, as K-split clusters of 2 or 4 CTAs
+(PlanRules.user_cluster_split, the default plan) and in 8 K slices (PlanRules.wide_user), each
 against the fp32 reference."""
 from __future__ import annotations
 
@@ -120,7 +121,46 @@ def test_split_in_a_cuda_graph():
 def test_wide_user_phase(rules, B, U, N, split_cand):
     # K_user 1000 = 16 k-blocks in 8 slices (workspace slabs), the last one short.
     args = make_inputs(B, U, N, 1000, 2048, BF16, seed=14)
-    out, plan = run(args, "relu", getattr(linear_mod, rules))
+    out, plan = run(args, "relu", dataclasses.replace(getattr(linear_mod, rules), user_cluster_split=False))
     assert ((plan.user_cfg.tile_m, plan.user_cfg.tile_n), plan.splits, plan.cand_cfg.split_k) == (
         (64, 128), 8, split_cand)
     assert_matches_reference(out, args, "relu")
+
+
+def h100_grids(monkeypatch, clusters_of_4=30):
+    """The plan as on an H100 or H200 (132 SMs), with ``clusters_of_4`` 4-CTA clusters resident."""
+    monkeypatch.setattr(linear_mod, "max_active_clusters",
+                        lambda device, size: clusters_of_4 if size == 4 else {1: 132, 2: 66}.get(size, 132 // size))
+    monkeypatch.setattr(linear_mod, "sm_count", lambda device: 132)
+
+
+@pytest.mark.parametrize("B, N, dtype, user_tile", [
+    (2048, 2048, BF16, (64, 256)),
+    (2048, 4096, F16, (64, 128)),  # the wide user phase (N 4096)
+    (8192, 1024, BF16, (128, 128)),
+])
+@pytest.mark.parametrize("user_splits", [None, 2])
+def test_user_phase_as_k_split_clusters(monkeypatch, B, N, dtype, user_tile, user_splits):
+    # The default plan: the user phase's K slices as clusters of 4 CTAs a tile (2 with at most 2
+    # slices), one workspace slab; K_user 1000 = 15.6 k-blocks, the last CTA's slice short.
+    h100_grids(monkeypatch)
+    rules = dataclasses.replace(linear_mod.DEFAULT_RULES, user_splits=user_splits)
+    args = make_inputs(B, -(-B // 70), N, 1000, 1024, dtype, seed=19)
+    out, plan = run(args, "relu", rules)
+    assert (plan.user_cfg.tile_m, plan.user_cfg.tile_n) == user_tile
+    assert (plan.user_cfg.split_k, plan.splits) == (user_splits or 4, 1)
+    assert_matches_reference(out, args, "relu")
+
+
+def test_user_k_split_clusters_walk_several_tiles(monkeypatch):
+    """2 user clusters of 4 CTAs over 8 tiles of 64 x 256 (the exchange buffer reused): the same
+    bits as one cluster a tile (each tile's partial sums meet in rank order)."""
+    args = make_inputs(2000, 29, 2000, 1000, 1024, BF16, seed=20)
+    h100_grids(monkeypatch, clusters_of_4=2)
+    narrow, plan = run(args, "relu", dataclasses.replace(linear_mod.DEFAULT_RULES, user_splits=4))
+    assert (plan.user_cfg.split_k, plan.splits, plan.grid_user) == (4, 1, 8)
+    assert_matches_reference(narrow, args, "relu")
+    h100_grids(monkeypatch)
+    wide, plan = run(args, "relu", linear_mod.DEFAULT_RULES)
+    assert (plan.user_cfg.split_k, plan.splits, plan.grid_user) == (4, 1, 32)
+    torch.testing.assert_close(narrow, wide, rtol=0, atol=0)
