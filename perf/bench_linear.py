@@ -47,12 +47,13 @@ ACTIVATIONS = {"none": lambda x: x, "relu": torch.relu, "gelu": F.gelu,
                "sigmoid": torch.sigmoid}
 OURS = "ikbo linear"
 OURS_FP8 = "ikbo linear fp8"
-# Extra providers: the op under launch-plan rules it leaves off (linear.PlanRules), by the
+# Extra providers: the op under launch-plan rules other than its own (linear.PlanRules), by the
 # name of the rule set in ikbo_gemm.linear, and the column of the op's row that compares them.
 PLAN_VARIANTS = {"ikbo linear, small-grid rules": ("SMALL_GRID_RULES", "x_small_grid"),
                  "ikbo linear, wide user phase": ("WIDE_USER_RULES", "x_wide_user"),
                  "ikbo linear, split K + wide user": ("SPLIT_WIDE_USER_RULES", "x_split_wide_user"),
-                 "ikbo linear, no shared tile": ("NO_SHARED_TILE_RULES", "x_no_shared_tile")}
+                 "ikbo linear, no shared tile": ("NO_SHARED_TILE_RULES", "x_no_shared_tile"),
+                 "ikbo linear, no user cluster split": ("NO_USER_CLUSTER_SPLIT_RULES", "x_no_user_cluster_split")}
 SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x_decomp",
                    "torch.compile decomposition": "x_compiled", "torch addmm floor": "x_floor",
                    **{name: column for name, (_, column) in PLAN_VARIANTS.items()}}

@@ -237,7 +237,7 @@ def test_without_a_gpu_one_line_and_exit_2():
 
 
 def test_plan_rules_run_only_when_named(linear_on_cpu, tmp_path):
-    """The op under each set of launch-plan rules it leaves off is an extra provider: timed
+    """The op under each other set of launch-plan rules is an extra provider: timed
     beside the op when named, its ratio in a column of the op's row."""
     variants = list(bli.PLAN_VARIANTS)
     assert not set(variants) & {pr.name for pr in bli.chosen_providers(None)}
