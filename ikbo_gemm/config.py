@@ -332,8 +332,8 @@ LINEAR_SHIPPED_CONFIGS = [
     for dtype in (torch.float16, torch.bfloat16) for tm, tn in LINEAR_SPLIT_TILES for split in LINEAR_SPLITS
     for act, bias in ((None, False), ("relu", True))
 ] + [
-    LinearConfig(dtype, torch.int32, tm, tn, "user", split_k=2)
-    for dtype in (torch.float16, torch.bfloat16) for tm, tn in LINEAR_SPLIT_TILES
+    LinearConfig(dtype, torch.int32, tm, tn, "user", split_k=split)
+    for dtype in (torch.float16, torch.bfloat16) for tm, tn in LINEAR_SPLIT_TILES for split in LINEAR_SPLITS
 ] + [  # FP8 operands, bf16 out (and one tile's fp16 out)
     LinearConfig(FP8, torch.int32, tm, tn, "user", out_dtype=torch.bfloat16) for tm, tn in LINEAR_TILES
 ] + [
