@@ -96,17 +96,9 @@ def _linear_default_plan_configs():
     return sorted(configs, key=str)
 
 
-def test_linear_default_plan_configs_at_the_bench_grid_compile():
-    """Each is shipped (compiled and checked above), or compiles here under the same checks: the
-    user phase's K-split clusters (PlanRules.user_cluster_split) take 4-CTA splits, not shipped."""
+def test_linear_default_plan_at_the_bench_grid_picks_shipped_configs():
+    """Each configuration is shipped, so compiled and checked above: the user phase's K-split
+    clusters (PlanRules.user_cluster_split) among them, 4-CTA splits included."""
     configs = _linear_default_plan_configs()
     assert any(c.phase == "user" and c.split_k == 4 for c in configs)
-    for cfg in configs:
-        if cfg in ikbo_gemm.SHIPPED_CONFIGS:
-            continue
-        assert cfg.phase == "user" and cfg.split_k > 1, cfg
-        kernel = ikbo_gemm.compile_config(cfg, keep_ptx=True, ptxas_report=True)
-        for instruction in PTX_INSTRUCTIONS + SPLIT_K_INSTRUCTIONS:
-            assert instruction in kernel.ptx, f"{cfg}: no {instruction} in the PTX"
-        assert kernel.spill_bytes == 0, kernel.ptxas_log
-        assert kernel.wgmma_notes == [], kernel.ptxas_log
+    assert [c for c in configs if c not in ikbo_gemm.SHIPPED_CONFIGS] == []
