@@ -83,7 +83,7 @@ from .checks import (
     kv_list,
     resolve_problem,
 )
-from .config import MAX_SPLITS, kernel_config, row_packing
+from .config import MAX_SPLITS, WHOLE_ROW, kernel_config, row_packing
 from .fwd_args import FwdScalars, FwdTensors, FwdWorkList, WorkListScalars
 from .fwd_compile import compile_config
 from .policy import DEFAULT_POLICY, AttentionPolicy
@@ -495,7 +495,8 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     workspace = plan.merge is not None
     dest, dest_lse = _split_workspace(plan) if workspace else (target, lse)
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
-    plan.kernel(FwdTensors(q, k, v, dest, dest_lse, kvl, offsets),
+    final = (target, lse) if plan.config.whole_rows_out else (None, None)
+    plan.kernel(FwdTensors(q, k, v, dest, dest_lse, kvl, offsets, *final),
                 FwdWorkList(cand, cand_start, tile_start, grouped, perm, walk if plan.config.dynamic_walk else None),
                 FwdScalars(int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys, plan.prefetch_blocks,
                            scale * LOG2E, scale),
@@ -547,8 +548,9 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: t
     """The outputs of a row's key splits merged: out = sum_i exp(lse_i - lse) o_i, in fp32, with
     lse = logsumexp_i lse_i (``ws_o`` [B, S_q, n x H, D], ``ws_lse`` [B, n x H, S_q], split-major
     heads). A row with no key in any split gets 0 and -inf; NaN stays NaN; the output of a split
-    of lse -inf is not read (it may never have been written). The definition the merge kernel
-    (merge_sm90.py) is tested against."""
+    of lse -inf is not read (it may never have been written). A row whose split-0 lse holds the
+    bits of ``WHOLE_ROW`` (written to ``out`` and ``lse`` by the attention kernel) is left as it
+    is. The definition the merge kernel (merge_sm90.py) is tested against."""
     B, S, nH, D = ws_o.shape
     H = nH // n_splits
     parts = ws_lse.view(B, n_splits, H, S)
@@ -557,9 +559,10 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: t
     o = ws_o.view(B, S, n_splits, H, D).float()
     o = o.masked_fill(torch.isneginf(parts).permute(0, 3, 1, 2)[..., None], 0.0)  # splits of no key
     merged = torch.einsum("bnhs,bsnhd->bshd", w, o)
-    out.copy_(merged)
+    whole = parts[:, 0].contiguous().view(torch.int32) == WHOLE_ROW  # [B, H, S]
+    out.copy_(torch.where(whole.permute(0, 2, 1)[..., None], out, merged.to(out.dtype)))
     if lse is not None:
-        lse.copy_(total)
+        lse.copy_(torch.where(whole, lse, total))
 
 
 def problem_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms: int,
@@ -696,7 +699,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
                            and _worklist_fits(n_users))
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
                         jagged=p.jagged, split_kv=n_splits > 1 and not pair, split_pair=pair,
-                        dynamic_walk=policy.walks_dynamically(p.kv_len))
+                        dynamic_walk=policy.walks_dynamically(p.kv_len), whole_rows_out=policy.whole_rows_out)
     _, _, chunks = row_packing(p.s_q)
     idx_contiguous = p.idx.is_contiguous()
     idx_int32 = p.idx.dtype == torch.int32

@@ -17,6 +17,8 @@ DIRECTIONS = ("kv", "q")
 MAX_SPLITS = 8
 # K/V blocks per CTA the forward kernel prefetches into L2 at most (one lane of warp 0 each).
 MAX_PREFETCH_BLOCKS = 32
+# whole_rows_out: the split-0 lse word of a row written to out directly (a NaN no arithmetic makes).
+WHOLE_ROW = 0x7FA00001
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,10 @@ class AttentionConfig:
     # global memory, longest first, each to the first CTA free to take it, instead of the static
     # strided walk (AttentionPolicy.dynamic_walk; not with split_pair, whose two CTAs share tiles).
     dynamic_walk: bool = False
+    # split_kv: a row whose keys fit one split is written to out (and lse) directly, and its
+    # split-0 lse in the workspace holds WHOLE_ROW, which tells the merge to leave the row alone:
+    # no workspace round trip for it.
+    whole_rows_out: bool = False
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -58,6 +64,8 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.direction must be 'kv' or 'q', got {self.direction!r}")
         if self.split_kv and (self.direction != "kv" or not self.return_lse):
             raise ValueError("AttentionConfig: split_kv needs direction 'kv' and return_lse (the merge reads the lse)")
+        if self.whole_rows_out and not self.split_kv:
+            raise ValueError("AttentionConfig: whole_rows_out needs split_kv")
         if self.jagged and self.has_kv_lengths:
             raise ValueError("AttentionConfig: jagged (kv_offsets) and has_kv_lengths exclude each other")
         if self.split_pair and (self.direction != "kv" or self.split_kv):
@@ -76,7 +84,7 @@ class AttentionConfig:
         flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-jagged", self.jagged),
                                           ("-lse", self.return_lse), ("-serial", not self.overlap),
                                           ("-split", self.split_kv), ("-pair", self.split_pair),
-                                          ("-dyn", self.dynamic_walk)) if on)
+                                          ("-dyn", self.dynamic_walk), ("-whole", self.whole_rows_out)) if on)
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -102,11 +110,14 @@ def row_packing(s_q: int):
 
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
                   return_lse: bool, jagged: bool = False, split_kv: bool = False,
-                  split_pair: bool = False, dynamic_walk: bool = False) -> AttentionConfig:
+                  split_pair: bool = False, dynamic_walk: bool = False,
+                  whole_rows_out: bool = False) -> AttentionConfig:
     """The configuration the op compiles for a problem (``dynamic_walk``: where the tiles are ordered
-    and not split in pairs)."""
+    and not split in pairs; ``whole_rows_out``: where the keys are split over a workspace and
+    rows may have fewer keys than a split holds)."""
     cfg = AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
-                          split_kv=split_kv, split_pair=split_pair)
+                          split_kv=split_kv, split_pair=split_pair,
+                          whole_rows_out=whole_rows_out and split_kv and (jagged or has_kv_lengths))
     return dataclasses.replace(cfg, dynamic_walk=True) if dynamic_walk and cfg.ordered and not split_pair else cfg
 
 
@@ -143,5 +154,9 @@ SHIPPED_CONFIGS = tuple(
         AttentionConfig(torch.bfloat16, 128, 4, "kv", False, False, jagged=True, dynamic_walk=True),
         AttentionConfig(torch.bfloat16, 128, 2, "kv", False, True, jagged=True, split_kv=True, dynamic_walk=True),
         AttentionConfig(torch.float16, 64, 17, "kv", True, True, split_kv=True, dynamic_walk=True),
+        # ... rows of one split written to out directly: jagged S_q 4, kv_lengths S_q 17 (static walk)
+        AttentionConfig(torch.bfloat16, 128, 4, "kv", False, True, jagged=True, split_kv=True, dynamic_walk=True,
+                        whole_rows_out=True),
+        AttentionConfig(torch.float16, 64, 17, "kv", True, True, split_kv=True, whole_rows_out=True),
     ]
 )

@@ -30,6 +30,10 @@ class FwdTensors(NamedTuple):
     lse: Optional[cute.Tensor]  # [B, H, S_q] fp32 (split_kv: the workspace's)
     kv_lengths: Optional[cute.Tensor]  # [Bkv] int32, clamped to [0, L]
     kv_offsets: Optional[cute.Tensor]  # jagged: [Bkv + 1] int32
+    # whole_rows_out: the op's out [B, S_q, H, D] and lse [B, H, S_q] (None: not asked for), which
+    # rows of one split write directly
+    final_out: Optional[cute.Tensor] = None
+    final_lse: Optional[cute.Tensor] = None
 
 
 class FwdWorkList(NamedTuple):
@@ -82,6 +86,18 @@ class TmaOperands(NamedTuple):
     qf: Optional[cute.Tensor]
     atom_of: Optional[cute.CopyAtom]
     of: Optional[cute.Tensor]
+
+
+class OutTarget(NamedTuple):
+    """Where a tile's O and lse go: TMA atoms and views of out as TmaOperands holds them (slots;
+    the one-box path's 64-row boxes), direct_rows' (S_q, D, H, B) view, and the lse."""
+
+    atom_o: cute.CopyAtom
+    o: cute.Tensor
+    atom_of: Optional[cute.CopyAtom]
+    of: Optional[cute.Tensor]
+    rows: Optional[cute.Tensor]
+    lse: Optional[cute.Tensor]
 
 
 class GlobalTensors(NamedTuple):

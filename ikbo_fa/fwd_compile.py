@@ -28,6 +28,8 @@ def compile_config(cfg: AttentionConfig, *, keep_ptx: bool = False, ptxas_report
         lse=fake_tensor(Float32, (None, None, cfg.s_q), align=4) if cfg.return_lse else None,
         kv_lengths=vec() if cfg.has_kv_lengths else None,
         kv_offsets=vec() if cfg.jagged else None,
+        final_out=fake_tensor(dt, (None, cfg.s_q, None, d), divisibility=8) if cfg.whole_rows_out else None,
+        final_lse=fake_tensor(Float32, (None, None, cfg.s_q), align=4) if cfg.whole_rows_out else None,
     )
     wl = FwdWorkList(cand=vec(), cand_start=vec() if kv else None, tile_start=vec() if kv else None,
                      grouped=fake_tensor(Int32, (1,), align=4) if kv else None, perm=vec() if cfg.ordered else None,

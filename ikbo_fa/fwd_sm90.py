@@ -27,12 +27,13 @@ from cute_kernels.warp_specialized import (
     pipelines_init_wait,
 )
 
-from .config import AttentionConfig, box_rows, row_packing
+from .config import WHOLE_ROW, AttentionConfig, box_rows, row_packing
 from .fwd_args import (
     FwdScalars,
     FwdTensors,
     FwdWorkList,
     GlobalTensors,
+    OutTarget,
     ProblemDims,
     SmemLayouts,
     TiledMmas,
@@ -73,7 +74,6 @@ class ConsumerState:
     mKg: object  # (L, D, H_kv, batch) view of K in global memory, for the exact recompute
     mVg: object
     wg: Int32  # consumer warpgroup, 0 or 1
-    mOg: object  # direct_rows: (S_q, D, H, B) view of out in global memory, for store_rows
 
 
 class SharedTensors(NamedTuple):
@@ -208,7 +208,10 @@ class IkboAttentionFwdSm90:
     walk), split i over keys
     i * split_keys : (i + 1) * split_keys of its row (K/V offset by kv_base, the keys past the
     row's end masked as above), writing its output and lse as head i * H + h of a workspace the
-    op merges (``ikbo_fa.attention.merge_splits``).
+    op merges (``ikbo_fa.attention.merge_splits``). With ``whole_rows_out``, split 0 of a row
+    whose keys fit one split (or whose index is out of range) writes out and lse directly
+    (``whole_out``) and its split-0 lse word in the workspace as WHOLE_ROW, which the merge
+    skips.
     """
 
     TILE_M = 128
@@ -289,19 +292,12 @@ class IkboAttentionFwdSm90:
     @cute.jit
     def __call__(self, tensors: FwdTensors, wl: FwdWorkList, scalars: FwdScalars, n_ctas: Int32, stream):
         """Launch on ``stream`` over a grid of ``n_ctas`` CTAs (fwd_args says what each bundle holds)."""
-        mQ, mK, mV, mO, mLSE, mKvLen, mKvOffsets = tensors
+        mQ, mK, mV, mO, mLSE = tensors.q, tensors.k, tensors.v, tensors.out, tensors.lse
+        mKvLen, mKvOffsets = tensors.kv_lengths, tensors.kv_offsets
         d, r = self.head_dim, self.slot_rows
-        # (rows, D, head) views of q and out as B * S_q rows, for the one-box path (used only
-        # where q_flat says the strides allow it).
-        mQf = mOf = None
-        if const_expr(self.flat_path):
-            mQf, mOf = [cute.make_tensor(t.iterator, cute.make_layout(
-                (t.shape[0] * self.s_q, t.shape[3], t.shape[2]),
-                stride=(t.stride[0] if const_expr(self.s_q == 1) else t.stride[1], t.stride[3], t.stride[2])))
-                for t in (mQ, mO)]
-        # (rows, D, head, batch) views: TMA boxes are (rows, D) at a (head, batch) coordinate.
-        mQ, mO, mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-                          for t in (mQ, mO, mK, mV)]
+        n_out = mO.shape[0]
+        mQf = self.flat_view(mQ) if const_expr(self.flat_path) else None
+        mQ, mK, mV = [self.tma_view(t) for t in (mQ, mK, mV)]
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
             atom_layout_mnk=(2, 1, 1), tiler_mn=(64, self.tile_n))
@@ -325,14 +321,15 @@ class IkboAttentionFwdSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, d), 1)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, d), 1)
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, slot_layout, (r, d))
-        tma_atom_Qf = tma_Qf = tma_atom_Of = tma_Of = None
+        tma_atom_Qf = tma_Qf = half_layout = None
         if const_expr(self.flat_path):
             half_layout = cute.composition(sO_layout, cute.make_layout((64, d), stride=(1, self.tile_m)))
             tma_atom_Qf, tma_Qf = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SOp(), mQf, half_layout, (64, d))
-            tma_atom_Of, tma_Of = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mOf, half_layout, (64, d))
+        out = self.out_target(mO, mLSE, slot_layout, half_layout)
+        whole_out = None
+        if const_expr(self.cfg.whole_rows_out):
+            whole_out = self.out_target(tensors.final_out, tensors.final_lse, slot_layout, half_layout)
 
         @cute.struct
         class SharedStorage:
@@ -350,17 +347,42 @@ class IkboAttentionFwdSm90:
         self.shared_storage = SharedStorage
 
         self.kernel(
-            TmaOperands(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O,
-                        tma_atom_Qf, tma_Qf, tma_atom_Of, tma_Of),
+            TmaOperands(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, out.atom_o, out.o,
+                        tma_atom_Qf, tma_Qf, out.atom_of, out.of),
             GlobalTensors(mLSE, wl.cand, wl.cand_start, wl.tile_start, mKvLen, wl.grouped, mKvOffsets, wl.perm,
-                          wl.walk, mK, mV, mO if const_expr(self.direct_rows) else None),
+                          wl.walk, mK, mV, out.rows),
+            whole_out,
             ProblemDims(mQ.shape[3], mK.shape[3] if const_expr(not self.cfg.jagged) else mKvOffsets.shape[0] - 1,
-                        mQ.shape[2], mK.shape[2], mK.shape[0], mO.shape[3]),
+                        mQ.shape[2], mK.shape[2], mK.shape[0], n_out),
             scalars,
             TiledMmas(tiled_mma_qk, tiled_mma_pv),
             SmemLayouts(sQ_layout, sO_layout, sK_layout, sV_layout),
         ).launch(grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  use_pdl=True, **({"cluster": [self.cluster_size, 1, 1]} if self.pair else {}))
+
+    def flat_view(self, t):
+        """(rows, D, head) view of q or out ([B, S_q, H, D]) as B * S_q rows, for the one-box path
+        (used only where q_flat says the strides allow it)."""
+        return cute.make_tensor(t.iterator, cute.make_layout(
+            (t.shape[0] * self.s_q, t.shape[3], t.shape[2]),
+            stride=(t.stride[0] if const_expr(self.s_q == 1) else t.stride[1], t.stride[3], t.stride[2])))
+
+    def tma_view(self, t):
+        """(rows, D, head, batch) view of a [batch, rows, head, D] tensor: TMA boxes are (rows, D)
+        at a (head, batch) coordinate."""
+        return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+    def out_target(self, mO, mLSE, slot_layout, half_layout) -> OutTarget:
+        """out [B, S_q, H, D] and its lse as the epilogue stores them: TMA atoms of slots and (the
+        one-box path) of 64-row boxes, and direct_rows' view."""
+        d = self.head_dim
+        store = cpasync.CopyBulkTensorTileS2GOp()
+        atom_of = of = None
+        if const_expr(self.flat_path):
+            atom_of, of = cpasync.make_tiled_tma_atom(store, self.flat_view(mO), half_layout, (64, d))
+        view = self.tma_view(mO)
+        atom_o, o = cpasync.make_tiled_tma_atom(store, view, slot_layout, (self.slot_rows, d))
+        return OutTarget(atom_o, o, atom_of, of, view if const_expr(self.direct_rows) else None, mLSE)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -368,6 +390,7 @@ class IkboAttentionFwdSm90:
         self,
         tma: TmaOperands,
         g: GlobalTensors,
+        whole_out: OutTarget | None,
         dims: ProblemDims,
         scalars: FwdScalars,
         mmas: TiledMmas,
@@ -385,6 +408,8 @@ class IkboAttentionFwdSm90:
             if const_expr(self.flat_path):
                 for atom in (tma.atom_qf, tma.atom_of):
                     cpasync.prefetch_descriptor(atom)
+            if const_expr(self.cfg.whole_rows_out):
+                cpasync.prefetch_descriptor(whole_out.atom_o)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -439,7 +464,7 @@ class IkboAttentionFwdSm90:
                 self.producer(tma, g, smem_t, pipes, sched)
         else:
             self.REGISTERS.enter_consumer()
-            self.consumer(mmas, tma, g, smem_t, pipes, sched, scalars.scale_log2, tidx - 128, storage)
+            self.consumer(mmas, tma, g, whole_out, smem_t, pipes, sched, scalars.scale_log2, tidx - 128, storage)
         if const_expr(self.pair):
             cluster_end()
 
@@ -671,8 +696,8 @@ class IkboAttentionFwdSm90:
 
     # ------------------------------------------------------------ consumers
     @cute.jit
-    def consumer(self, mmas: TiledMmas, tma: TmaOperands, g: GlobalTensors, smem: SharedTensors, pipes: Pipelines,
-                 sched: Schedule, scale_log2: Float32, tidx: Int32, storage):
+    def consumer(self, mmas: TiledMmas, tma: TmaOperands, g: GlobalTensors, whole_out: OutTarget | None,
+                 smem: SharedTensors, pipes: Pipelines, sched: Schedule, scale_log2: Float32, tidx: Int32, storage):
         """Consumer warpgroups: per tile the main loop over its key blocks, then the epilogue."""
         d, n = self.head_dim, self.tile_n
         tiled_mma_qk, tiled_mma_pv = mmas
@@ -701,7 +726,7 @@ class IkboAttentionFwdSm90:
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, tOrP=tOrP,
             acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, col_offset=col_offset, softmax=softmax,
             tOcO_mn=acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, d)))),
-            pipe_k=pipe_k, pipe_v=pipe_v, sQ=sQ, sV=sV, mKg=mKg, mVg=mVg, wg=wg, mOg=g.out)
+            pipe_k=pipe_k, pipe_v=pipe_v, sQ=sQ, sV=sV, mKg=mKg, mVg=mVg, wg=wg)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.Q_STAGES)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.KV_STAGES)
@@ -744,6 +769,9 @@ class IkboAttentionFwdSm90:
                     else:
                         softmax.exact_rows(sQ, q_state.index, mKg, mVg, st.tOcO_mn, self.head_dim, info.n_keys,
                                            info.head // sched.group(), info.kv_coord, scale_log2, tidx)
+            whole = Int32(0)
+            if const_expr(self.cfg.whole_rows_out):
+                whole = sMeta[TileInfo.WHOLE, q_state.index]
             pipe_q.consumer_release(q_state)
             q_state.advance()
             lse = softmax.finish(info.invalid, scale_log2)
@@ -760,8 +788,16 @@ class IkboAttentionFwdSm90:
                     n_ex += 1
                 else:
                     store = False
-            if store:
-                self.epilogue(st, info, lse, tiled_mma_pv, tidx, tma, g.lse, smem.o, g.cand, wg, warp_in_wg)
+            out = OutTarget(tma.atom_o, tma.o, tma.atom_of, tma.of, g.out, g.lse)
+            if const_expr(self.cfg.whole_rows_out):
+                # A row of one split: out and lse directly, and the mark that has the merge skip it.
+                if whole != 0:
+                    self.epilogue(st, info, lse, tiled_mma_pv, tidx, whole_out, smem.o, g.cand, wg, warp_in_wg,
+                                  mark=cute.recast_tensor(g.lse, Int32))
+                else:
+                    self.epilogue(st, info, lse, tiled_mma_pv, tidx, out, smem.o, g.cand, wg, warp_in_wg)
+            elif store:
+                self.epilogue(st, info, lse, tiled_mma_pv, tidx, out, smem.o, g.cand, wg, warp_in_wg)
             if const_expr(self.dynamic):
                 pipe_q.consumer_wait(q_state)
                 live = TileInfo.is_tile(sMeta, q_state.index)
@@ -969,12 +1005,14 @@ class IkboAttentionFwdSm90:
                 st.acc_O_mn[m, c] = o0 * w0 + o1 * w1
 
     @cute.jit
-    def epilogue(self, st: ConsumerState, info: TileInfo, lse, tiled_mma_pv, tidx: Int32, tma: TmaOperands, mLSE,
-                 sO, mCand, wg: Int32, warp_in_wg: Int32):
+    def epilogue(self, st: ConsumerState, info: TileInfo, lse, tiled_mma_pv, tidx: Int32, out: OutTarget,
+                 sO, mCand, wg: Int32, warp_in_wg: Int32, mark=None):
         """O / row_sum (and the lse) to sO, then one TMA store per stored slot of this warpgroup
-        (or, for a flat tile whose 64 rows here are all stored, one box); with ``direct_rows``,
-        rows that are not such a box go from registers to out (store_rows). No keys: O = 0,
-        lse = -inf. Out-of-range index: NaN."""
+        (or, for a flat tile whose 64 rows here are all stored, one box) into ``out``; with
+        ``direct_rows``, rows that are not such a box go from registers to out (store_rows). No
+        keys: O = 0, lse = -inf. Out-of-range index: NaN. ``mark`` (whole_rows_out, a row of one
+        split: the workspace's lse as int32): each row's split-0 word set to WHOLE_ROW."""
+        mLSE = out.lse
         r = self.slot_rows
         n_rows = cute.size(st.acc_O_mn, mode=[0])
         rO = cute.make_rmem_tensor_like(st.acc_O, self.dtype)
@@ -984,7 +1022,7 @@ class IkboAttentionFwdSm90:
         if const_expr(self.direct_rows):
             staged = info.flat and info.n_valid >= (wg + 1) * 64
             if not staged:
-                self.store_rows(st, info, rO, mCand)
+                self.store_rows(st, info, rO, mCand, out.rows)
         if staged:
             # This warpgroup's previous TMA stores must have read sO before it is rewritten.
             if warp_in_wg == 0:
@@ -995,7 +1033,7 @@ class IkboAttentionFwdSm90:
             thr_copy_O = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
             cute.copy(store_atom, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
 
-        if const_expr(self.cfg.return_lse):
+        if const_expr(mLSE is not None or mark is not None):
             tOcO_mn = st.tOcO_mn
             if tOcO_mn[0, 0][1] == 0:
                 for m in cutlass.range_constexpr(n_rows):
@@ -1003,16 +1041,22 @@ class IkboAttentionFwdSm90:
                     if const_expr(self.dense):
                         if row < info.n_valid:
                             b, q_row = self.dense_row(info, row, mCand)
-                            mLSE[b, info.out_head, q_row] = lse[m]
+                            if const_expr(mLSE is not None):
+                                mLSE[b, info.out_head, q_row] = lse[m]
+                            if const_expr(mark is not None):
+                                mark[b, info.out_head, q_row] = Int32(WHOLE_ROW)
                     else:
                         s = row // r
                         valid, q_b, out_b, row_block = self.slot_info(s, info, mCand)
                         q_row = row_block * r + (row - s * r)
                         if valid and q_row < self.s_q:
-                            mLSE[out_b, info.out_head, q_row] = lse[m]
+                            if const_expr(mLSE is not None):
+                                mLSE[out_b, info.out_head, q_row] = lse[m]
+                            if const_expr(mark is not None):
+                                mark[out_b, info.out_head, q_row] = Int32(WHOLE_ROW)
 
         if staged:
-            self.store_staged(info, tma.atom_o, tma.o, tma.atom_of, tma.of, sO, mCand, wg, warp_in_wg)
+            self.store_staged(info, out.atom_o, out.o, out.atom_of, out.of, sO, mCand, wg, warp_in_wg)
 
     @cute.jit
     def store_staged(self, info: TileInfo, tma_atom_O, mO, tma_atom_Of, mOf, sO, mCand, wg: Int32,
@@ -1045,10 +1089,10 @@ class IkboAttentionFwdSm90:
         cute.copy(tma_atom_Of, tOsO_h, tOgO)
 
     @cute.jit
-    def store_rows(self, st: ConsumerState, info: TileInfo, rO, mCand):
-        """Each thread's stored rows of rO straight to out (``st.mOg``, [S_q, D, H, B]): a row's
+    def store_rows(self, st: ConsumerState, info: TileInfo, rO, mCand, mO):
+        """Each thread's stored rows of rO straight to out (``mO``, [S_q, D, H, B]): a row's
         candidate is looked up once, its values stored as they lie in the thread's registers."""
-        tOcO_mn, mO = st.tOcO_mn, st.mOg
+        tOcO_mn = st.tOcO_mn
         rO_mn = acc_mn_view(rO)
         for m in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
             row = tOcO_mn[m, 0][0]

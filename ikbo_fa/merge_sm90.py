@@ -11,7 +11,7 @@ from cutlass import Float32, Int32, const_expr
 from cute_kernels.compile import compile_kernel, kernel_cache
 from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
 
-from .config import MAX_SPLITS
+from .config import MAX_SPLITS, WHOLE_ROW
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -22,7 +22,9 @@ class SplitMergeSm90:
     ``n`` splits of a row's keys (``ws_o`` [B, S_q, n x H, D] in the output dtype, ``ws_lse``
     [B, n x H, S_q] fp32, split-major heads; n <= MAX_SPLITS), in fp32, rounded once. A row no
     split has a key for gets 0 and -inf; a NaN lse (an out-of-range index) gives NaN. The output
-    of a split of lse -inf is not used (the attention kernel's dynamic walk never writes it).
+    of a split of lse -inf is not used (the attention kernel's dynamic walk never writes it). A
+    row whose split-0 lse word is WHOLE_ROW (``whole_rows_out``: the attention kernel wrote it to
+    out and lse itself) is left alone.
 
     One thread per ``VEC`` consecutive elements of an output row (16 bytes: one vector load per
     split, one store); the splits' loads are unrolled to MAX_SPLITS and predicated, so they are
@@ -58,6 +60,8 @@ class SplitMergeSm90:
         B, S, H, D = mOut.shape[0], mOut.shape[1], mOut.shape[2], mOut.shape[3]
         chunks = D // self.VEC
         t = bidx * self.NUM_THREADS + tidx
+        whole = Int32(0)
+        c = h = s = b = Int32(0)
         if t < B * S * H * chunks:
             c = t % chunks
             r = t // chunks
@@ -65,6 +69,9 @@ class SplitMergeSm90:
             r = r // H
             s = r % S
             b = r // S
+            if cute.recast_tensor(mWsLse, Int32)[b, h, s] == Int32(WHOLE_ROW):
+                whole = Int32(1)
+        if t < B * S * H * chunks and whole == 0:
             lse_i = cute.make_rmem_tensor((self.MAX_SPLITS,), Float32)
             parts = cute.make_rmem_tensor(cute.make_layout((self.MAX_SPLITS, self.VEC), stride=(self.VEC, 1)), self.dtype)
             top = -Float32.inf

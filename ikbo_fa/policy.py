@@ -52,6 +52,9 @@ class AttentionPolicy:
     # cost more than they balance (H100, short-history preset, L 256: 22.8 against 21.8 us at
     # S_q 4): docs/perf/2026-12-06-attention-dynamic-walk.md.
     dynamic_min_keys: int = 257
+    # Split-KV over histories of their own lengths: rows whose keys fit one split go to out
+    # directly, not through the workspace and the merge (AttentionConfig.whole_rows_out).
+    whole_rows_out: bool = True
     # KV broadcast over padded K/V: K/V blocks per CTA that the forward kernel prefetches into L2
     # while the work list runs (the first blocks its first tiles read; 0: none; at most
     # MAX_PREFETCH_BLOCKS). 2: on the H100 (S_q sweep, B 2048, ratio 64, H 2, graph) 21.0 against

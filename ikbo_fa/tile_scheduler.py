@@ -82,9 +82,13 @@ class TileInfo:
     n_keys: Int32  # split_kv: the keys of this split
     kv_base: Int32  # jagged: the row's first key in the packed K/V; split_kv: plus the split's first
     out_head: Int32  # the head of out / lse it writes (split_kv: split * H + head of the workspace)
+    # whole_rows_out: 1 on split 0 of a row whose keys fit one split (or whose index is out of
+    # range): the tile writes out and lse directly (out_head is the head); 0 on its other splits.
+    whole: Int32 = 0
 
-    FIELDS = 12  # Int32 words in shared memory
+    FIELDS = 13  # Int32 words in shared memory
     KV_BASE = 10  # the word of kv_base
+    WHOLE = 12  # the word of whole, read by the consumers once the main loop is done
     END = -1  # dynamic_walk: a head word of END in a Q stage says the CTA's tiles are done
 
     @staticmethod
@@ -100,7 +104,7 @@ class TileInfo:
     def store(self, sMeta, stage: Int32):
         words = (self.head, self.kv_coord, self.first, self.n_valid, self.chunk, self.q_coord, self.row0,
                  Int32(1) if self.flat else Int32(0), Int32(1) if self.invalid else Int32(0), self.n_keys,
-                 self.kv_base, self.out_head)
+                 self.kv_base, self.out_head, self.whole)
         for i in cutlass.range_constexpr(TileInfo.FIELDS):
             sMeta[i, stage] = words[i]
 
@@ -109,7 +113,7 @@ class TileInfo:
         """The fields the consumers keep through the main loop: those of the configuration (the
         others are constants, registers the consumers, at their limit, keep free); kv_base is
         read from shared memory where it is needed (``KV_BASE``)."""
-        m = [sMeta[i, stage] for i in range(TileInfo.FIELDS)]
+        m = [sMeta[i, stage] for i in range(TileInfo.WHOLE)]
         row0, flat = (m[6], m[7] != 0) if dense else (Int32(0), False)
         return TileInfo(m[0], m[1], m[2], m[3], m[4], m[5], row0, flat, m[8] != 0, m[9], Int32(0),
                         m[11] if split else m[0])
@@ -127,6 +131,7 @@ class AttentionTileScheduler:
         self.chunks = 1 if self.dense else row_packing(cfg.s_q)[2]  # Q broadcast: 128-row chunks per candidate
         self.ordered = cfg.ordered
         self.split_kv = cfg.split_kv
+        self.whole_rows = cfg.whole_rows_out
         self.key_split = cfg.split_kv or cfg.split_pair
         self.cluster_size = 2 if cfg.split_pair else 1
         self.has_kv_lengths = cfg.has_kv_lengths
@@ -229,16 +234,21 @@ class AttentionTileScheduler:
             end = cutlass.min(cutlass.max(mKvOffsets[kv_coord + 1], kv_base), sched.kv_len)
             n_keys = cutlass.min(end - kv_base, sched.max_keys)
         out_head = h
+        whole = Int32(0)
+        if const_expr(self.whole_rows):
+            if split == 0 and (invalid or n_keys <= sched.split_keys):
+                whole = Int32(1)
         if const_expr(self.key_split):
             start = split * sched.split_keys
             n_keys = cutlass.min(cutlass.max(n_keys - start, 0), sched.split_keys)
             kv_base = kv_base + start
         if const_expr(self.split_kv):
-            out_head = split * sched.n_heads + h
+            if whole == 0:
+                out_head = split * sched.n_heads + h
         if invalid:
             n_keys = Int32(0)
         return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, row0, sched.q_flat, invalid, n_keys, kv_base,
-                        out_head)
+                        out_head, whole)
 
 
     def tile_info_host(self, t: int, g, sched: Schedule, grid: int) -> TileInfo:
@@ -272,16 +282,17 @@ class AttentionTileScheduler:
             end = min(max(item(g.kv_offsets, kv_coord + 1), kv_base), sched.kv_len)
             n_keys = min(end - kv_base, sched.max_keys)
         out_head = h
+        whole = int(self.whole_rows and split == 0 and (invalid or n_keys <= sched.split_keys))
         if self.key_split:
             start = split * sched.split_keys
             n_keys = min(max(n_keys - start, 0), sched.split_keys)
             kv_base += start
-        if self.split_kv:
+        if self.split_kv and not whole:
             out_head = split * sched.n_heads + h
         if invalid:
             n_keys = 0
         return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, row0, sched.q_flat, invalid, n_keys, kv_base,
-                        out_head)
+                        out_head, whole)
 
 
 class CounterTileScheduler(AttentionTileScheduler):

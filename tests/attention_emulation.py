@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ikbo_fa.checks import LOG2E
+from ikbo_fa.config import WHOLE_ROW
 from ikbo_fa.fwd_args import FwdScalars, FwdTensors, FwdWorkList, GlobalTensors, WorkListScalars
 from ikbo_fa.reference import jagged_rows, naive_attention
 from ikbo_fa.tile_scheduler import Schedule, tile_scheduler
@@ -71,7 +72,9 @@ class EmulatedKernels:
     def fwd(self, cfg, tensors, work_list, scalars, n_ctas):
         """The forward kernel of ``cfg`` on its bundles (ikbo_fa.fwd_args)."""
         assert (type(tensors), type(work_list), type(scalars)) == (FwdTensors, FwdWorkList, FwdScalars)
-        q, k, v, out, lse, kvl, offsets = tensors
+        q, k, v, out, lse, kvl, offsets, final_out, final_lse = tensors
+        # whole_rows_out: the op's out and lse beside the workspace, exactly where the config says
+        assert (final_out is not None) == cfg.whole_rows_out and (final_lse is None or cfg.whole_rows_out)
         cand, cand_start, tile_start, grouped, perm, walk = work_list
         q_flat, max_keys, n_splits, split_keys, prefetch_blocks, scale_log2, scale = scalars
         for hook in self.hooks:
@@ -79,7 +82,7 @@ class EmulatedKernels:
         self.fwd_calls.append(dict(cand=cand, kvl=kvl, scale=scale, n_ctas=n_ctas, q=q, k=k, out=out,
                                    grouped=grouped, q_flat=q_flat, offsets=offsets, max_keys=max_keys,
                                    n_splits=n_splits, split_keys=split_keys, perm=perm,
-                                   prefetch_blocks=prefetch_blocks))
+                                   prefetch_blocks=prefetch_blocks, whole_rows_out=cfg.whole_rows_out))
         # L2 prefetch only where the first blocks follow from the shapes: KV broadcast, padded K/V
         assert 0 <= prefetch_blocks <= 32
         assert prefetch_blocks == 0 or (cand_start is not None and perm is None)
@@ -136,9 +139,9 @@ class EmulatedKernels:
             assert sorted(cand.tolist()) == list(range(B)) and int(cand_start[-1]) == B
         self.run_tiles(cfg, q, k, v, out, lse, GlobalTensors(None, cand, cand_start, tile_start, kvl, grouped,
                                                              offsets, perm, walk, k, v, None), scalars, n_ctas,
-                                   scale)
+                                   scale, final_out, final_lse)
 
-    def run_tiles(self, cfg, q, k, v, out, lse, g, scalars, n_ctas, scale):
+    def run_tiles(self, cfg, q, k, v, out, lse, g, scalars, n_ctas, scale, final_out=None, final_lse=None):
         """Every tile of the launch as the kernel's tile scheduler hands it out (its host twin),
         each by naive attention over exactly that tile's rows, head and keys; every (row, head) of
         out must be written exactly once."""
@@ -152,6 +155,7 @@ class EmulatedKernels:
         ws_o = torch.zeros(B, S_q, parts * heads, D)
         ws_lse = torch.zeros(B, parts * heads, S_q)
         written = torch.zeros(B, S_q, parts * heads, dtype=torch.int32)
+        whole_rows = []  # whole_rows_out: (cands, rows, head, o, lse) written to the op's out directly
         for rank in range(parts):
             sched = Schedule(tiles_per_head * H * n_splits, tiles_per_head, q.shape[0], n_kv_batch, H, k.shape[2],
                              k.shape[1], scalars.max_keys, False, scalars.n_splits, scalars.split_keys, rank)
@@ -179,6 +183,10 @@ class EmulatedKernels:
                 if info.invalid:
                     o, l = o.fill_(float("nan")), l.fill_(float("nan"))
                 head = rank * heads + info.out_head
+                if info.whole:  # split 0 of a row of one split: out directly, the mark in the workspace
+                    assert cfg.whole_rows_out and info.out_head == info.head
+                    whole_rows.append((cands, rows, info.head, o, l))
+                    l = torch.full_like(l, 0.0).view(torch.int32).fill_(WHOLE_ROW).view(torch.float32)
                 ws_o[cands, rows, head] = o
                 ws_lse[cands, head, rows] = l
                 written[cands, rows, head] += 1
@@ -191,6 +199,10 @@ class EmulatedKernels:
         out.data.copy_(ws_o.to(out.dtype))  # through the pointer, as the kernel: autograd sees no write
         if lse is not None:
             lse.data.copy_(ws_lse)
+        for cands, rows, head, o, l in whole_rows:
+            final_out.data[cands, rows, head] = o.to(final_out.dtype)
+            if final_lse is not None:
+                final_lse.data[cands, head, rows] = l
 
 
 def install(monkeypatch) -> EmulatedKernels:

@@ -3,6 +3,7 @@ argument validation, and the GPU path's host side with the kernels emulated (sca
 length conversions, launch plans). The contract attention shares with lce is in
 test_op_contract_cpu.py, the work list in test_worklist_cpu.py, the compiles in
 test_compile_sm90a_cpu.py."""
+import dataclasses
 import math
 
 import pytest
@@ -12,7 +13,7 @@ import ikbo_fa
 from attention_emulation import attention_mod, install
 from attention_inputs import assert_nan_rows_only, materialize, random_jagged_problem, random_problem
 from ikbo_fa import DEFAULT_POLICY, AttentionPolicy
-from ikbo_fa.config import MAX_SPLITS
+from ikbo_fa.config import MAX_SPLITS, WHOLE_ROW
 from ikbo_fa.reference import attention_reference, naive_attention
 
 # The split rule alone (no split_by_cost): split only where the tiles leave half the SMs idle.
@@ -532,6 +533,15 @@ def test_merge_splits_is_attention_over_all_keys(n_splits):
     torch.testing.assert_close(lse[ok].double(), ref_lse[ok], rtol=1e-5, atol=1e-5)
     assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
     assert out[4, :, H - 1].isnan().all() and not out[4, :, 0].isnan().any()
+    # A row whose split-0 lse holds WHOLE_ROW was written by the attention kernel: left alone.
+    ws_lse.view(torch.int32)[1, 0, 2] = WHOLE_ROW  # row 1, head 0, query 2
+    kept = out.clone(), lse.clone()
+    out[1, 2, 0], lse[1, 0, 2] = 5.0, 5.0
+    attention_mod.merge_splits(ws_o, ws_lse, n_splits, out, lse)
+    assert (out[1, 2, 0] == 5.0).all() and lse[1, 0, 2] == 5.0
+    out[1, 2, 0], lse[1, 0, 2] = kept[0][1, 2, 0], kept[1][1, 0, 2]
+    torch.testing.assert_close(out, kept[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(lse, kept[1], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("lengths_kind", ["none", "kv_lengths", "jagged"])
@@ -558,9 +568,13 @@ def test_gpu_path_splits_keys_where_tiles_are_few(emulated, monkeypatch, lengths
     ref, ref_lse = attention_reference(q, kv, idx, return_lse=True, **kw)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+    # Rows of one split (1 and 0 keys) go to out directly where the histories have lengths.
+    assert call["whole_rows_out"] == (lengths_kind != "none")
     whole = ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(split_kv=False), **kw)
     assert emulated.fwd_calls[-1]["n_splits"] == 1
     torch.testing.assert_close(out, whole, rtol=2e-2, atol=2e-2)
+    for p in (policy, dataclasses.replace(policy, whole_rows_out=False)):  # without lse; through the merge
+        torch.testing.assert_close(ikbo_fa.attention(q, kv, idx, policy=p, **kw), out, rtol=0, atol=0)
 
 
 def test_a_policy_change_builds_a_new_plan(emulated, monkeypatch):

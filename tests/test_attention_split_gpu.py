@@ -7,6 +7,7 @@ import torch
 import ikbo_fa
 from attention_inputs import random_jagged_problem
 from ikbo_fa import AttentionPolicy
+from ikbo_fa.config import WHOLE_ROW
 
 pytestmark = pytest.mark.gpu
 attention_mod = __import__("importlib").import_module("ikbo_fa.attention")
@@ -120,8 +121,8 @@ def test_split_graph_replay_follows_new_idx():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n_splits", [2, 5])
 def test_merge_kernel_matches_its_definition(n_splits, dtype, with_lse):
-    """The compiled merge against merge_splits (torch), with empty rows and a NaN row; without
-    lse it leaves the lse buffer alone."""
+    """The compiled merge against merge_splits (torch), with empty rows, a NaN row and rows
+    marked WHOLE_ROW (left alone); without lse it leaves the lse buffer alone."""
     from ikbo_fa.merge_sm90 import merge_kernel
 
     g = torch.Generator().manual_seed(n_splits)
@@ -133,12 +134,15 @@ def test_merge_kernel_matches_its_definition(n_splits, dtype, with_lse):
     ws_lse[3, 0] = float("-inf")  # split 0, head 0: none in that split
     ws_o[3, :, 0] = float("nan")  # ... and its output never written (the dynamic walk skips it)
     ws_lse[4, H - 1] = float("nan")
+    ws_lse.view(torch.int32)[5, 1, 0] = WHOLE_ROW  # row 5, head 1, query 0: written by the forward
+    ws_lse.view(torch.int32)[6, 0] = WHOLE_ROW  # row 6, head 0, every query
     out, lse = torch.full((B, S, H, D), 7.0).to(dtype).cuda(), torch.full((B, H, S), 7.0).cuda()
-    ref, ref_lse = torch.empty_like(out), torch.empty_like(lse)
+    ref, ref_lse = out.clone(), lse.clone()
     attention_mod.merge_splits(ws_o, ws_lse, n_splits, ref, ref_lse if with_lse else None)
     merge_kernel(dtype, with_lse).fn(ws_o, ws_lse, out, lse if with_lse else None, n_splits)
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2, equal_nan=True)
     assert (out[1] == 0).all() and out[4, :, H - 1].isnan().all()
+    assert (out[5, 0, 1] == 7.0).all() and (out[6, :, 0] == 7.0).all() and (out[6, :, 1] != 7.0).any()
     if with_lse:
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
         assert torch.isneginf(lse[1]).all()
