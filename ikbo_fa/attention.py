@@ -495,7 +495,9 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     workspace = plan.merge is not None
     dest, dest_lse = _split_workspace(plan) if workspace else (target, lse)
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
-    final = (target, lse) if plan.config.whole_rows_out else (None, None)
+    final = (None, None)
+    if plan.config.whole_rows_out:  # the kernel writes the lse of whole rows even when not asked for
+        final = (target, lse if lse is not None else torch.empty(plan.lse_shape, dtype=torch.float32, device=device))
     plan.kernel(FwdTensors(q, k, v, dest, dest_lse, kvl, offsets, *final),
                 FwdWorkList(cand, cand_start, tile_start, grouped, perm, walk if plan.config.dynamic_walk else None),
                 FwdScalars(int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys, plan.prefetch_blocks,
