@@ -74,7 +74,8 @@ class EmulatedKernels:
         assert (type(tensors), type(work_list), type(scalars)) == (FwdTensors, FwdWorkList, FwdScalars)
         q, k, v, out, lse, kvl, offsets, final_out, final_lse = tensors
         # whole_rows_out: the op's out and lse beside the workspace, exactly where the config says
-        assert (final_out is not None) == cfg.whole_rows_out and (final_lse is None or cfg.whole_rows_out)
+        # (the compiled kernel takes both as tensors, lse too when the caller asks for none)
+        assert (final_out is not None) == cfg.whole_rows_out == (final_lse is not None)
         cand, cand_start, tile_start, grouped, perm, walk = work_list
         q_flat, max_keys, n_splits, split_keys, prefetch_blocks, scale_log2, scale = scalars
         for hook in self.hooks:
