@@ -493,11 +493,15 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     s_q = plan.out_shape[1]
     # split_kv: the splits' partial results go to a workspace the merge launch reads
     workspace = plan.merge is not None
-    dest, dest_lse = _split_workspace(plan) if workspace else (target, lse)
+    whole_rows = plan.config.whole_rows_out
+    scratch = None
+    if workspace:
+        # whole_rows_out: the kernel writes the lse of whole rows even where none is asked for
+        dest, dest_lse, scratch = _split_workspace(plan, lse_scratch=whole_rows and lse is None)
+    else:
+        dest, dest_lse = target, lse
     q_flat = s_q == 1 or (q.stride(0) == s_q * q.stride(1) and dest.stride(0) == s_q * dest.stride(1))
-    final = (None, None)
-    if plan.config.whole_rows_out:  # the kernel writes the lse of whole rows even when not asked for
-        final = (target, lse if lse is not None else torch.empty(plan.lse_shape, dtype=torch.float32, device=device))
+    final = (target, lse if lse is not None else scratch) if whole_rows else (None, None)
     plan.kernel(FwdTensors(q, k, v, dest, dest_lse, kvl, offsets, *final),
                 FwdWorkList(cand, cand_start, tile_start, grouped, perm, walk if plan.config.dynamic_walk else None),
                 FwdScalars(int(q_flat), plan.kv_len, plan.n_splits, plan.split_keys, plan.prefetch_blocks,
@@ -532,17 +536,21 @@ def _group(idx, n_users: int, rows_per_cand: int, kernel, parts, rows, lengths: 
     return order, cand_start, tile_start, grouped, perm, walk
 
 
-def _split_workspace(plan: _Plan) -> tuple:
-    """(ws_o [B, S_q, n x H, D] in q's dtype, ws_lse [B, n x H, S_q] fp32), split-major heads, in
-    one allocation (ws_o from a 16-byte boundary, as its TMA store needs)."""
+def _split_workspace(plan: _Plan, lse_scratch: bool = False) -> tuple:
+    """(ws_o [B, S_q, n x H, D] in q's dtype, ws_lse [B, n x H, S_q] fp32, scratch), split-major
+    heads, in one allocation (ws_o from a 16-byte boundary, as its TMA store needs). ``scratch``:
+    with ``lse_scratch``, a [B, H, S_q] fp32 lse that nothing reads (whole_rows_out's final lse
+    where the caller asks for none), else None."""
     B, s_q, H, D = plan.out_shape
+    n_scratch = B * H * s_q if lse_scratch else 0
     n_lse = B * plan.n_splits * H * s_q
-    start = -(-n_lse // 4) * 4
+    start = -(-(n_scratch + n_lse) // 4) * 4
     n_o = B * s_q * plan.n_splits * H * D * plan.dtype.itemsize // 4  # D is even
     ws = torch.empty(start + n_o, dtype=torch.float32, device=plan.device)
-    ws_lse = ws[:n_lse].view(B, plan.n_splits * H, s_q)
+    scratch = ws[:n_scratch].view(B, H, s_q) if lse_scratch else None
+    ws_lse = ws[n_scratch:n_scratch + n_lse].view(B, plan.n_splits * H, s_q)
     ws_o = ws[start:].view(plan.dtype).view(B, s_q, plan.n_splits * H, D)
-    return ws_o, ws_lse
+    return ws_o, ws_lse, scratch
 
 
 def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: torch.Tensor,

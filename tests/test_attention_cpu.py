@@ -691,3 +691,25 @@ def test_dynamic_walk_where_rows_may_be_long(emulated, L, dynamic):
         assert (emulated.fwd_calls[-1]["perm"] is not None) and emulated.fwd_calls[-1]["n_ctas"] >= 1
         torch.testing.assert_close(res, attention_reference(q, kv, idx, kv_lengths=lengths), rtol=2e-2, atol=2e-2)
     assert not attention_mod.launch_plan(q, kv, idx).config.dynamic_walk  # padded, no lengths: not ordered
+
+
+@pytest.mark.parametrize("lse_scratch", [False, True])
+@pytest.mark.parametrize("B, S_q, H, D, n", [(3, 1, 2, 64, 2), (5, 17, 3, 128, 8), (1, 7, 1, 64, 3)])
+def test_split_workspace_is_one_allocation_of_disjoint_parts(B, S_q, H, D, n, lse_scratch):
+    """The workspace, and whole_rows_out's unread lse where the caller asks for none, come from one
+    allocation: disjoint, of the kernels' shapes, ws_o on a 16-byte boundary."""
+    import types
+
+    plan = types.SimpleNamespace(out_shape=(B, S_q, H, D), n_splits=n, dtype=torch.bfloat16, device="cpu")
+    ws_o, ws_lse, scratch = attention_mod._split_workspace(plan, lse_scratch)
+    assert ws_o.shape == (B, S_q, n * H, D) and ws_o.dtype == torch.bfloat16 and ws_o.is_contiguous()
+    assert ws_lse.shape == (B, n * H, S_q) and ws_lse.dtype == torch.float32 and ws_lse.is_contiguous()
+    assert (scratch is not None) == lse_scratch
+    parts = [ws_lse, ws_o] + ([scratch] if lse_scratch else [])
+    if lse_scratch:
+        assert scratch.shape == (B, H, S_q) and scratch.dtype == torch.float32 and scratch.is_contiguous()
+    base = ws_lse.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in parts)
+    assert (ws_o.data_ptr() - base) % 16 == 0
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))

@@ -49,11 +49,11 @@ def _poison_workspace(monkeypatch):
     0 x NaN is NaN)."""
     make = attention_mod._split_workspace
 
-    def poisoned(plan):
-        ws_o, ws_lse = make(plan)
-        ws_o.fill_(NAN)
-        ws_lse.fill_(NAN)
-        return ws_o, ws_lse
+    def poisoned(plan, lse_scratch=False):
+        ws_o, ws_lse, scratch = make(plan, lse_scratch)
+        for t in (ws_o, ws_lse) if scratch is None else (ws_o, ws_lse, scratch):
+            t.fill_(NAN)
+        return ws_o, ws_lse, scratch
 
     monkeypatch.setattr(attention_mod, "_split_workspace", poisoned)
 
