@@ -513,6 +513,16 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     return (out, lse) if return_lse else out
 
 
+def _prefetch_blocks(cfg, policy: AttentionPolicy, k: torch.Tensor, v: torch.Tensor) -> int:
+    """FwdScalars.prefetch_blocks: KV broadcast over padded K/V, policy.prefetch_blocks; ordered
+    tiles, 1 (every block) where K and V together take at most policy.prefetch_kv_bytes; else 0."""
+    if cfg.direction != "kv":
+        return 0
+    if not cfg.ordered:
+        return policy.prefetch_blocks
+    return int(k.numel() * k.element_size() + v.numel() * v.element_size() <= policy.prefetch_kv_bytes)
+
+
 def _group(idx, n_users: int, rows_per_cand: int, kernel, parts, rows, lengths: bool, total_keys: int,
            max_keys: int) -> tuple:
     """(order, cand_start, tile_start, grouped, perm, walk) of a contiguous idx: by the work-list kernel
@@ -758,7 +768,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         merge=_merge_kernel(p.q.dtype, return_lse) if n_splits > 1 and not pair else None,
         n_splits=n_splits,
         split_keys=split_keys,
-        prefetch_blocks=policy.prefetch_blocks if cfg.direction == "kv" and not cfg.ordered else 0,
+        prefetch_blocks=_prefetch_blocks(cfg, policy, p.k, p.v),
         default_scale=1.0 / math.sqrt(p.head_dim),
         buf_sizes=tuple(sizes),
         buf_sizes_rows=(*sizes, n_rows),

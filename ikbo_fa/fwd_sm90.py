@@ -176,9 +176,10 @@ class IkboAttentionFwdSm90:
 
     Launch: programmatic dependent launch, so the CTAs start and set up their barriers while
     the kernel before them (the work list) finishes; every thread waits for that grid
-    (griddepcontrol.wait) before touching global memory. Meanwhile (``prefetch``: KV broadcast
-    over padded K/V) lanes of warp 0 prefetch into L2 the K/V blocks the first tiles read first
-    (``prefetch_blocks`` per CTA, a run-time argument; 0: none), as DRAM idles during the wait.
+    (griddepcontrol.wait) before touching global memory. Meanwhile (``prefetch``: KV broadcast)
+    lanes of warp 0 prefetch K/V blocks into L2, as DRAM idles during the wait (``prefetch_blocks``,
+    a run-time argument; 0: none): over padded K/V the blocks the first tiles read first, that
+    many per CTA; for ordered tiles, whose order the work list makes, every block of K and V.
     Once its producer has issued its last load, a CTA lets the kernel queued after it launch
     (griddepcontrol.launch_dependents): the split merge's CTAs start on the SMs the tail frees.
 
@@ -254,9 +255,10 @@ class IkboAttentionFwdSm90:
         # Ordered tiles from a counter (TileCounter), each to the first CTA free for it.
         self.dynamic = cfg.dynamic_walk
         self.scheduler = tile_scheduler(cfg)
-        # KV broadcast over padded K/V: every row's first blocks (the last of each split) are
-        # known from the shapes alone, so they can be prefetched into L2 while the work list runs.
-        self.prefetch = self.dense and not self.ordered
+        # KV broadcast: K/V blocks prefetched into L2 while the work list runs. Over padded K/V
+        # every row's first blocks (the last of each split) follow from the shapes alone; ordered
+        # tiles run in the work list's order, so there the op asks for all of K and V or none.
+        self.prefetch = self.dense
         # Keys split over CTAs: split_kv (a workspace the op merges) or split_pair (the two CTAs
         # of a cluster merge them in distributed shared memory: pair_send / pair_receive).
         self.pair = cfg.split_pair
@@ -417,7 +419,10 @@ class IkboAttentionFwdSm90:
         sV = storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner)
         if const_expr(self.prefetch):
             if warp_idx == 0:
-                self.prefetch_first_blocks(tma, sK, sV, dims, scalars)
+                if const_expr(self.ordered):
+                    self.prefetch_all_blocks(tma, sK, sV, dims, scalars.prefetch_blocks)
+                else:
+                    self.prefetch_first_blocks(tma, sK, sV, dims, scalars)
         pipe_q = self.pipelines["Q"].make(storage.mbar_q.data_ptr())
         pipe_k = self.pipelines["K"].make(storage.mbar_k.data_ptr())
         pipe_v = self.pipelines["V"].make(storage.mbar_v.data_ptr())
@@ -584,6 +589,31 @@ class IkboAttentionFwdSm90:
             if end > start and block * self.tile_n >= start:
                 for atom, mX, sX in ((tma.atom_k, tma.k, sK), (tma.atom_v, tma.v, sV)):
                     gX = cute.local_tile(mX[None, None, head, user], (self.tile_n, d), (None, 0))
+                    _, tXgX = cpasync.tma_partition(
+                        atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+                    cute.prefetch(atom, tXgX[None, block])
+
+    @cute.jit
+    def prefetch_all_blocks(self, tma: TmaOperands, sK, sV, dims: ProblemDims, prefetch_blocks: Int32):
+        """Warp 0 of an ordered configuration, before the work list is done: where the op asks
+        (``prefetch_blocks`` > 0, K and V small beside L2) every K and V block, prefetched into
+        L2. The items are (block, head, K/V row: 1 jagged, else each of ``n_kv_batch``); the
+        grid's lanes take them in turn, lane l of CTA c items c + l x grid, c + (l + 32) x grid, ..."""
+        d = self.head_dim
+        lane = cute.arch.lane_idx()
+        bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        n_blocks = (dims.kv_len + self.tile_n - 1) // self.tile_n
+        rows = Int32(1) if const_expr(self.cfg.jagged) else dims.n_kv_batch
+        items = n_blocks * dims.n_kv_heads * rows
+        if prefetch_blocks > 0:
+            for item in cutlass.range(Int32(bid) + Int32(lane) * Int32(grid), items, Int32(grid) * 32, unroll=1):
+                block = item % n_blocks
+                rest = item // n_blocks
+                head = rest % dims.n_kv_heads
+                row = rest // dims.n_kv_heads
+                for atom, mX, sX in ((tma.atom_k, tma.k, sK), (tma.atom_v, tma.v, sV)):
+                    gX = cute.local_tile(mX[None, None, head, row], (self.tile_n, d), (None, 0))
                     _, tXgX = cpasync.tma_partition(
                         atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
                     cute.prefetch(atom, tXgX[None, block])

@@ -61,6 +61,10 @@ class AttentionPolicy:
     # 22.1 us at S_q 1, L 1024 and 100.0 against 101.1 at L 8192, within 1% at every other point
     # of the sweep: docs/perf/2026-12-06-attention-h100-presets.md.
     prefetch_blocks: int = 2
+    # KV broadcast over histories of their own lengths (kv_lengths or kv_offsets; tiles in the
+    # work list's order, so their first blocks are not known before it): K and V of at most this
+    # many bytes together are prefetched into L2 whole while the work list runs (0: never).
+    prefetch_kv_bytes: int = 16 << 20
     # split_cost's costs, in key blocks (128 keys) of a busy SM: a tile's fixed part, the merge in
     # the cluster (split_pair) and the merge launch. Fitted to the H100's timings of the split by
     # cost against the rule alone (the same document); unit costs (1, 1, 2) split S_q 2 at L 8192

@@ -84,9 +84,11 @@ class EmulatedKernels:
                                    grouped=grouped, q_flat=q_flat, offsets=offsets, max_keys=max_keys,
                                    n_splits=n_splits, split_keys=split_keys, perm=perm,
                                    prefetch_blocks=prefetch_blocks, whole_rows_out=cfg.whole_rows_out))
-        # L2 prefetch only where the first blocks follow from the shapes: KV broadcast, padded K/V
+        # L2 prefetch in KV broadcast only: over padded K/V a count of first blocks, for ordered
+        # tiles (perm) all of K and V or nothing
         assert 0 <= prefetch_blocks <= 32
-        assert prefetch_blocks == 0 or (cand_start is not None and perm is None)
+        assert prefetch_blocks == 0 or cand_start is not None
+        assert perm is None or prefetch_blocks in (0, 1)
         # The tiles run longest first exactly where histories have their own lengths (KV broadcast).
         assert (perm is not None) == (cand_start is not None and (kvl is not None or offsets is not None))
         # The tile counter: perm's last two words, zero at launch, where the walk is dynamic.

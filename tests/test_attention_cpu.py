@@ -403,20 +403,24 @@ def test_kv_splits_fill_idle_sms_only():
 
 
 @pytest.mark.parametrize("blocks", [0, 2, 32])
-def test_gpu_path_prefetches_only_over_padded_kv(emulated, blocks):
-    """policy.prefetch_blocks reaches the kernel where each row's first K/V blocks follow from
-    the shapes: KV broadcast over padded K/V without kv_lengths."""
+def test_gpu_path_prefetch_by_kv_layout(emulated, blocks):
+    """What the kernel is asked to prefetch into L2: over padded K/V policy.prefetch_blocks first
+    blocks a CTA; over histories of their own lengths (tiles in the work list's order) all of K
+    and V where they take at most policy.prefetch_kv_bytes, else none; Q broadcast none."""
     policy = AttentionPolicy(prefetch_blocks=blocks)
     q, kv, idx, lengths = _gpu_path_problem(50, "kv", 9, 3, jagged=True)
     torch.testing.assert_close(ikbo_fa.attention(q, kv, idx, policy=policy), attention_reference(q, kv, idx),
                                rtol=1e-2, atol=1e-2)
     assert emulated.fwd_calls[-1]["prefetch_blocks"] == blocks
-    ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, policy=policy)
-    assert emulated.fwd_calls[-1]["prefetch_blocks"] == 0
+    kv_bytes = sum(t.numel() * t.element_size() for t in kv)
+    for cap, want in ((kv_bytes, 1), (kv_bytes - 1, 0), (0, 0)):
+        capped = AttentionPolicy(prefetch_blocks=blocks, prefetch_kv_bytes=cap)
+        ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, policy=capped)
+        assert emulated.fwd_calls[-1]["prefetch_blocks"] == want, cap
     k = torch.randn(9, 1, 64).bfloat16()
     offsets = torch.tensor([0, 4, 4, 9])
     ikbo_fa.attention(q, (k, k.clone()), idx, kv_offsets=offsets, policy=policy)
-    assert emulated.fwd_calls[-1]["prefetch_blocks"] == 0
+    assert emulated.fwd_calls[-1]["prefetch_blocks"] == 1  # 2 x 9 x 64 x 2 bytes
     q, kv, idx, _ = _gpu_path_problem(51, "q", 9, 3)
     ikbo_fa.attention(q, kv, idx, policy=policy)
     assert emulated.fwd_calls[-1]["prefetch_blocks"] == 0

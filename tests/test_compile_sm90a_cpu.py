@@ -61,10 +61,10 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
         for instruction in SPLIT_K_INSTRUCTIONS:
             assert instruction in kernel.ptx, f"{op} {cfg}: no {instruction} in the PTX"
     if op == "attention":
-        # KV broadcast over padded K/V prefetches its first K/V blocks into L2 before its
-        # griddepcontrol.wait (the first blocks follow from the shapes alone there).
+        # KV broadcast prefetches K/V blocks into L2 before its griddepcontrol.wait: over
+        # padded K/V its first ones, for ordered tiles (kv_lengths, kv_offsets) all of them.
         prefetch = "cp.async.bulk.prefetch.tensor"
-        wanted = cfg.direction == "kv" and not cfg.ordered
+        wanted = cfg.direction == "kv"
         assert (prefetch in kernel.ptx) == wanted, f"{op} {cfg}: {prefetch} {'missing' if wanted else 'present'}"
         if wanted:
             assert kernel.ptx.index(prefetch) < kernel.ptx.index("griddepcontrol.wait"), f"{op} {cfg}"
