@@ -83,7 +83,7 @@ from .checks import (
     kv_list,
     resolve_problem,
 )
-from .config import MAX_SPLITS, WHOLE_ROW, kernel_config, row_packing
+from .config import MAX_PREFETCH_BLOCKS, MAX_SPLITS, WHOLE_ROW, kernel_config, row_packing
 from .fwd_args import FwdScalars, FwdTensors, FwdWorkList, WorkListScalars
 from .fwd_compile import compile_config
 from .policy import DEFAULT_POLICY, AttentionPolicy
@@ -514,13 +514,14 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
 
 
 def _prefetch_blocks(cfg, policy: AttentionPolicy, k: torch.Tensor, v: torch.Tensor) -> int:
-    """FwdScalars.prefetch_blocks: KV broadcast over padded K/V, policy.prefetch_blocks; ordered
-    tiles, 1 (every block) where K and V together take at most policy.prefetch_kv_bytes; else 0."""
+    """FwdScalars.prefetch_blocks (KV broadcast): policy.prefetch_blocks, or over rows of their own
+    lengths whose K and V together take at most policy.prefetch_kv_bytes, the most (every block
+    of rows up to MAX_PREFETCH_BLOCKS blocks, as far as the grid's lanes reach)."""
     if cfg.direction != "kv":
         return 0
-    if not cfg.ordered:
-        return policy.prefetch_blocks
-    return int(k.numel() * k.element_size() + v.numel() * v.element_size() <= policy.prefetch_kv_bytes)
+    if cfg.own_lengths and k.numel() * k.element_size() + v.numel() * v.element_size() <= policy.prefetch_kv_bytes:
+        return MAX_PREFETCH_BLOCKS
+    return policy.prefetch_blocks
 
 
 def _group(idx, n_users: int, rows_per_cand: int, kernel, parts, rows, lengths: bool, total_keys: int,
@@ -719,7 +720,9 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
                            and _worklist_fits(n_users))
     cfg = kernel_config(p.q.dtype, p.head_dim, p.s_q, p.direction, p.kv_lengths is not None, return_lse,
                         jagged=p.jagged, split_kv=n_splits > 1 and not pair, split_pair=pair,
-                        dynamic_walk=policy.walks_dynamically(p.kv_len), whole_rows_out=policy.whole_rows_out)
+                        dynamic_walk=policy.walks_dynamically(p.kv_len), whole_rows_out=policy.whole_rows_out,
+                        # a given work list of rows of their own lengths holds their order (perm)
+                        longest_first=work_list is not None or policy.orders(p.kv_len))
     _, _, chunks = row_packing(p.s_q)
     idx_contiguous = p.idx.is_contiguous()
     idx_int32 = p.idx.dtype == torch.int32

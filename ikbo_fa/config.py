@@ -52,6 +52,10 @@ class AttentionConfig:
     # split-0 lse in the workspace holds WHOLE_ROW, which tells the merge to leave the row alone:
     # no workspace round trip for it.
     whole_rows_out: bool = False
+    # KV broadcast over histories of their own lengths: the tiles longest first (the work list's
+    # perm). False keeps the groups in user order, as over padded K/V: for rows too short for
+    # their order to matter, where ordering them would cost the work list more than it balances.
+    longest_first: bool = True
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -70,21 +74,31 @@ class AttentionConfig:
             raise ValueError("AttentionConfig: jagged (kv_offsets) and has_kv_lengths exclude each other")
         if self.split_pair and (self.direction != "kv" or self.split_kv):
             raise ValueError("AttentionConfig: split_pair needs direction 'kv' and excludes split_kv")
+        if not self.longest_first and not (self.direction == "kv" and self.own_lengths):
+            raise ValueError("AttentionConfig: longest_first=False (user order) applies to direction 'kv' with "
+                             "kv_lengths or jagged K/V only")
         if self.dynamic_walk and (not self.ordered or self.split_pair):
             raise ValueError("AttentionConfig: dynamic_walk needs ordered tiles (direction 'kv' with kv_lengths or "
                              "jagged) and excludes split_pair")
 
     @property
     def ordered(self) -> bool:
-        """KV broadcast over histories of their own lengths: the tiles run longest first (the
-        work list's perm; worklist.kv_tile_order)."""
-        return self.direction == "kv" and (self.jagged or self.has_kv_lengths)
+        """KV broadcast over histories of their own lengths, ``longest_first``: the tiles run
+        longest first (the work list's perm; worklist.kv_tile_order)."""
+        return self.direction == "kv" and self.own_lengths and self.longest_first
+
+    @property
+    def own_lengths(self) -> bool:
+        """Each K/V row has a length of its own (kv_lengths or jagged), known only on the device."""
+        return self.jagged or self.has_kv_lengths
 
     def __str__(self) -> str:
         flags = "".join(f for f, on in (("-len", self.has_kv_lengths), ("-jagged", self.jagged),
                                           ("-lse", self.return_lse), ("-serial", not self.overlap),
                                           ("-split", self.split_kv), ("-pair", self.split_pair),
-                                          ("-dyn", self.dynamic_walk), ("-whole", self.whole_rows_out)) if on)
+                                          ("-dyn", self.dynamic_walk), ("-whole", self.whole_rows_out),
+                                          ("-userorder", self.direction == "kv" and self.own_lengths
+                                           and not self.longest_first)) if on)
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -111,13 +125,16 @@ def row_packing(s_q: int):
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
                   return_lse: bool, jagged: bool = False, split_kv: bool = False,
                   split_pair: bool = False, dynamic_walk: bool = False,
-                  whole_rows_out: bool = False) -> AttentionConfig:
+                  whole_rows_out: bool = False, longest_first: bool = True) -> AttentionConfig:
     """The configuration the op compiles for a problem (``dynamic_walk``: where the tiles are ordered
     and not split in pairs; ``whole_rows_out``: where the keys are split over a workspace and
-    rows may have fewer keys than a split holds)."""
+    rows may have fewer keys than a split holds; ``longest_first``: whether rows of their own
+    lengths run longest first)."""
+    own = direction == "kv" and (jagged or has_kv_lengths)
     cfg = AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
                           split_kv=split_kv, split_pair=split_pair,
-                          whole_rows_out=whole_rows_out and split_kv and (jagged or has_kv_lengths))
+                          whole_rows_out=whole_rows_out and split_kv and (jagged or has_kv_lengths),
+                          longest_first=longest_first or not own)
     return dataclasses.replace(cfg, dynamic_walk=True) if dynamic_walk and cfg.ordered and not split_pair else cfg
 
 
@@ -158,5 +175,9 @@ SHIPPED_CONFIGS = tuple(
         AttentionConfig(torch.bfloat16, 128, 4, "kv", False, True, jagged=True, split_kv=True, dynamic_walk=True,
                         whole_rows_out=True),
         AttentionConfig(torch.float16, 64, 17, "kv", True, True, split_kv=True, whole_rows_out=True),
+        # short rows in user order: jagged S_q 1 and 4, kv_lengths S_q 17
+        AttentionConfig(torch.bfloat16, 64, 1, "kv", False, False, jagged=True, longest_first=False),
+        AttentionConfig(torch.bfloat16, 64, 4, "kv", False, False, jagged=True, longest_first=False),
+        AttentionConfig(torch.float16, 64, 17, "kv", True, True, longest_first=False),
     ]
 )

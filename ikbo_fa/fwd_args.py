@@ -65,7 +65,7 @@ class FwdScalars(NamedTuple):
     max_keys: Int32  # jagged: keys past this many in a row are not read
     n_splits: Int32  # split_kv: splits of each row's keys (1 otherwise)
     split_keys: Int32  # split_kv, split_pair: keys per split, a multiple of 128
-    prefetch_blocks: Int32  # K/V blocks per CTA to prefetch into L2 (0: none; ordered tiles: > 0, all of them)
+    prefetch_blocks: Int32  # K/V blocks per CTA to prefetch into L2 (0: none)
     scale_log2: Float32  # scale * log2(e), > 0
     scale: Float32
 

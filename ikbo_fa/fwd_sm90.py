@@ -176,10 +176,11 @@ class IkboAttentionFwdSm90:
 
     Launch: programmatic dependent launch, so the CTAs start and set up their barriers while
     the kernel before them (the work list) finishes; every thread waits for that grid
-    (griddepcontrol.wait) before touching global memory. Meanwhile (``prefetch``: KV broadcast)
-    lanes of warp 0 prefetch K/V blocks into L2, as DRAM idles during the wait (``prefetch_blocks``,
-    a run-time argument; 0: none): over padded K/V the blocks the first tiles read first, that
-    many per CTA; for ordered tiles, whose order the work list makes, every block of K and V.
+    (griddepcontrol.wait) before touching the work list. Meanwhile (``prefetch``: KV broadcast)
+    lanes of warp 0 prefetch into L2 the K/V blocks the first tiles read first (``prefetch_blocks``
+    per CTA, a run-time argument; 0: none), as DRAM idles during the wait: each row's last
+    blocks, from the shapes over padded K/V, from kv_lengths or kv_offsets (inputs of the call)
+    over rows of their own lengths.
     Once its producer has issued its last load, a CTA lets the kernel queued after it launch
     (griddepcontrol.launch_dependents): the split merge's CTAs start on the SMs the tail frees.
 
@@ -197,9 +198,10 @@ class IkboAttentionFwdSm90:
     kv_offsets[r] of one packed batch row; the keys past its end (the next row's) are masked
     and their V rows zeroed, as with kv_lengths. Tiles run head-slowest, then user, then tile
     within the user, strided by the persistent grid, so CTAs running together share a user's
-    K/V through L2. Histories of their own lengths (``ordered``: kv_lengths or jagged, KV
-    broadcast) run longest first instead: the work list's ``perm`` holds the groups by
-    decreasing key count and ``tile_start`` their tiles in that order; heads run fastest, and
+    K/V through L2. Histories of their own lengths (kv_lengths or jagged, KV broadcast) that
+    may be long (``ordered``: ``longest_first``) run longest first instead: the work list's
+    ``perm`` holds the groups by decreasing key count and ``tile_start`` their tiles in that
+    order; heads run fastest, and
     the walk turns back every other round (round r of the grid's G CTAs hands CTA c position
     r G + c, or r G + n - 1 - c on odd rounds of n positions), so the CTAs that took the
     longest tiles of one round take the shortest of the next; with ``dynamic_walk`` there are no
@@ -255,9 +257,9 @@ class IkboAttentionFwdSm90:
         # Ordered tiles from a counter (TileCounter), each to the first CTA free for it.
         self.dynamic = cfg.dynamic_walk
         self.scheduler = tile_scheduler(cfg)
-        # KV broadcast: K/V blocks prefetched into L2 while the work list runs. Over padded K/V
-        # every row's first blocks (the last of each split) follow from the shapes alone; ordered
-        # tiles run in the work list's order, so there the op asks for all of K and V or none.
+        # KV broadcast: each row's first blocks (the last of each split) prefetched into L2 while
+        # the work list runs: they follow from the shapes over padded K/V, from kv_lengths or
+        # kv_offsets (not from the work list) over rows of their own lengths.
         self.prefetch = self.dense
         # Keys split over CTAs: split_kv (a workspace the op merges) or split_pair (the two CTAs
         # of a cluster merge them in distributed shared memory: pair_send / pair_receive).
@@ -419,10 +421,7 @@ class IkboAttentionFwdSm90:
         sV = storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner)
         if const_expr(self.prefetch):
             if warp_idx == 0:
-                if const_expr(self.ordered):
-                    self.prefetch_all_blocks(tma, sK, sV, dims, scalars.prefetch_blocks)
-                else:
-                    self.prefetch_first_blocks(tma, sK, sV, dims, scalars)
+                self.prefetch_first_blocks(tma, sK, sV, dims, scalars, g)
         pipe_q = self.pipelines["Q"].make(storage.mbar_q.data_ptr())
         pipe_k = self.pipelines["K"].make(storage.mbar_k.data_ptr())
         pipe_v = self.pipelines["V"].make(storage.mbar_v.data_ptr())
@@ -551,15 +550,19 @@ class IkboAttentionFwdSm90:
             g.lse[b, info.out_head, q_row] = value
 
     @cute.jit
-    def prefetch_first_blocks(self, tma: TmaOperands, sK, sV, dims: ProblemDims, scalars: FwdScalars):
+    def prefetch_first_blocks(self, tma: TmaOperands, sK, sV, dims: ProblemDims, scalars: FwdScalars,
+                              g: GlobalTensors):
         """Warp 0, before the work list is done: K and V blocks that the first tiles read first,
         prefetched into L2 by TMA (no barrier, no shared memory), while DRAM would idle.
 
-        The items are (depth, head, user, split), depth slowest: depth 0 is each split's last
+        The items are (depth, head, K/V row, split), depth slowest: depth 0 is each split's last
         block (the producer loads blocks last to first), depth 1 the one before. CTA c's lane l
         (l < ``prefetch_blocks``) takes item c + l x grid. Where the tiles fit one round of the
         grid (the short calls this is for) every item is read by some first tile; beyond, some
-        lines are read later or evicted, which costs DRAM time only while the CTAs wait."""
+        lines are read later or evicted, which costs DRAM time only while the CTAs wait. Rows of
+        their own lengths (``tail_masked``) read their keys from kv_lengths or kv_offsets, inputs
+        of the call that the work list does not write; a stale value could only make a useless
+        prefetch, clamped into K/V as the tiles clamp it."""
         d = self.head_dim
         n_kv_batch, n_kv_heads, kv_len = dims.n_kv_batch, dims.n_kv_heads, dims.kv_len
         split_keys, prefetch_blocks = scalars.split_keys, scalars.prefetch_blocks
@@ -580,40 +583,26 @@ class IkboAttentionFwdSm90:
             rest = rest // splits
             user = rest % n_kv_batch
             head = rest // n_kv_batch
+            n_keys = kv_len
+            kv_base = Int32(0)
+            batch_row = user
+            if const_expr(self.tail_masked):
+                n_keys, kv_base = self.scheduler.row_keys(user, g.kv_lengths, g.kv_offsets, kv_len, scalars.max_keys)
+                n_keys = cutlass.min(cutlass.max(n_keys, 0), kv_len)  # lengths the op clamps after this read
+                if const_expr(self.cfg.jagged):
+                    batch_row = Int32(0)  # one packed batch row
             start = Int32(0)
-            end = kv_len
+            end = n_keys
             if const_expr(self.key_split):
                 start = split * split_keys
-                end = cutlass.min(start + split_keys, kv_len)
+                end = cutlass.min(start + split_keys, n_keys)
             block = (end - 1) // self.tile_n - depth
             if end > start and block * self.tile_n >= start:
                 for atom, mX, sX in ((tma.atom_k, tma.k, sK), (tma.atom_v, tma.v, sV)):
-                    gX = cute.local_tile(mX[None, None, head, user], (self.tile_n, d), (None, 0))
-                    _, tXgX = cpasync.tma_partition(
-                        atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-                    cute.prefetch(atom, tXgX[None, block])
-
-    @cute.jit
-    def prefetch_all_blocks(self, tma: TmaOperands, sK, sV, dims: ProblemDims, prefetch_blocks: Int32):
-        """Warp 0 of an ordered configuration, before the work list is done: where the op asks
-        (``prefetch_blocks`` > 0, K and V small beside L2) every K and V block, prefetched into
-        L2. The items are (block, head, K/V row: 1 jagged, else each of ``n_kv_batch``); the
-        grid's lanes take them in turn, lane l of CTA c items c + l x grid, c + (l + 32) x grid, ..."""
-        d = self.head_dim
-        lane = cute.arch.lane_idx()
-        bid, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        n_blocks = (dims.kv_len + self.tile_n - 1) // self.tile_n
-        rows = Int32(1) if const_expr(self.cfg.jagged) else dims.n_kv_batch
-        items = n_blocks * dims.n_kv_heads * rows
-        if prefetch_blocks > 0:
-            for item in cutlass.range(Int32(bid) + Int32(lane) * Int32(grid), items, Int32(grid) * 32, unroll=1):
-                block = item % n_blocks
-                rest = item // n_blocks
-                head = rest % dims.n_kv_heads
-                row = rest // dims.n_kv_heads
-                for atom, mX, sX in ((tma.atom_k, tma.k, sK), (tma.atom_v, tma.v, sV)):
-                    gX = cute.local_tile(mX[None, None, head, row], (self.tile_n, d), (None, 0))
+                    mRow = mX[None, None, head, batch_row]
+                    if const_expr(self.cfg.jagged):
+                        mRow = cute.domain_offset((kv_base, 0), mRow)
+                    gX = cute.local_tile(mRow, (self.tile_n, d), (None, 0))
                     _, tXgX = cpasync.tma_partition(
                         atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
                     cute.prefetch(atom, tXgX[None, block])

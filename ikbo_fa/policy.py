@@ -52,6 +52,11 @@ class AttentionPolicy:
     # cost more than they balance (H100, short-history preset, L 256: 22.8 against 21.8 us at
     # S_q 4): docs/perf/2026-12-06-attention-dynamic-walk.md.
     dynamic_min_keys: int = 257
+    # Histories of their own lengths run longest first (the work list orders its groups by key
+    # count) only where a row may hold this many keys (L, or max_kv_len; a work list built without
+    # max_kv_len orders always). Shorter rows cost a tile about the same whatever their length, so
+    # their groups stay in user order, and the work list is the one of padded K/V.
+    order_min_keys: int = 257
     # Split-KV over histories of their own lengths: rows whose keys fit one split go to out
     # directly, not through the workspace and the merge (AttentionConfig.whole_rows_out).
     whole_rows_out: bool = True
@@ -61,9 +66,9 @@ class AttentionPolicy:
     # 22.1 us at S_q 1, L 1024 and 100.0 against 101.1 at L 8192, within 1% at every other point
     # of the sweep: docs/perf/2026-12-06-attention-h100-presets.md.
     prefetch_blocks: int = 2
-    # KV broadcast over histories of their own lengths (kv_lengths or kv_offsets; tiles in the
-    # work list's order, so their first blocks are not known before it): K and V of at most this
-    # many bytes together are prefetched into L2 whole while the work list runs (0: never).
+    # KV broadcast over histories of their own lengths (kv_lengths or kv_offsets): where K and V
+    # together take at most this many bytes, every CTA prefetches MAX_PREFETCH_BLOCKS blocks, not
+    # prefetch_blocks (the rows' last blocks first: all of K and V where the grid's lanes reach).
     prefetch_kv_bytes: int = 16 << 20
     # split_cost's costs, in key blocks (128 keys) of a busy SM: a tile's fixed part, the merge in
     # the cluster (split_pair) and the merge launch. Fitted to the H100's timings of the split by
@@ -89,9 +94,13 @@ class AttentionPolicy:
             raise ValueError(f"AttentionPolicy.prefetch_blocks must be at most {MAX_PREFETCH_BLOCKS} (one lane of "
                              f"warp 0 each), got {self.prefetch_blocks}")
 
+    def orders(self, keys: int) -> bool:
+        """Whether tiles over rows of their own lengths, up to ``keys`` keys, run longest first."""
+        return keys >= self.order_min_keys
+
     def walks_dynamically(self, keys: int) -> bool:
-        """Whether ordered tiles of rows of up to ``keys`` keys come from the counter."""
-        return self.dynamic_walk and keys >= self.dynamic_min_keys
+        """Whether tiles of rows of up to ``keys`` keys come from the counter (ordered ones only)."""
+        return self.dynamic_walk and keys >= self.dynamic_min_keys and self.orders(keys)
 
     @classmethod
     def parse(cls, spec: str) -> "AttentionPolicy":

@@ -11,7 +11,7 @@ out it writes. The order, per configuration (``AttentionConfig``):
 
 - head slowest, then group, then tile within the group (users in order: CTAs running together
   share a user's K/V through L2);
-- ``ordered`` (KV broadcast with kv_lengths or jagged K/V): the groups in the work list's
+- ``ordered`` (KV broadcast with kv_lengths or jagged K/V, ``longest_first``): the groups in the work list's
   ``perm`` order (longest first), heads fastest, and the walk turned back every other round
   (round r of G hands CTA c position r G + c, or r G + n - 1 - c on odd rounds of n positions);
 - ``split_kv``: every tile ``n_splits`` times, split slowest; ``split_pair``: both CTAs of a
@@ -224,15 +224,7 @@ class AttentionTileScheduler:
             invalid = q_coord < 0 or q_coord >= sched.n_q_batch
             if invalid:
                 q_coord = Int32(0)
-        n_keys = sched.kv_len
-        kv_base = Int32(0)
-        if const_expr(self.has_kv_lengths):
-            n_keys = mKvLen[kv_coord]
-        if const_expr(self.jagged):
-            # Clamped, so that offsets the op did not validate never lead outside K/V.
-            kv_base = cutlass.min(cutlass.max(mKvOffsets[kv_coord], 0), sched.kv_len)
-            end = cutlass.min(cutlass.max(mKvOffsets[kv_coord + 1], kv_base), sched.kv_len)
-            n_keys = cutlass.min(end - kv_base, sched.max_keys)
+        n_keys, kv_base = self.row_keys(kv_coord, mKvLen, mKvOffsets, sched.kv_len, sched.max_keys)
         out_head = h
         whole = Int32(0)
         if const_expr(self.whole_rows):
@@ -250,6 +242,21 @@ class AttentionTileScheduler:
         return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, row0, sched.q_flat, invalid, n_keys, kv_base,
                         out_head, whole)
 
+
+    @cute.jit
+    def row_keys(self, row: Int32, mKvLen, mKvOffsets, kv_len: Int32, max_keys: Int32):
+        """(keys, first key) of K/V row ``row``: ``kv_len`` and 0 over padded K/V; its kv_lengths
+        entry; or its kv_offsets span, clamped into the packed K/V (offsets the op did not validate
+        never lead outside it) and to ``max_keys``."""
+        n_keys = kv_len
+        kv_base = Int32(0)
+        if const_expr(self.has_kv_lengths):
+            n_keys = mKvLen[row]
+        if const_expr(self.jagged):
+            kv_base = cutlass.min(cutlass.max(mKvOffsets[row], 0), kv_len)
+            end = cutlass.min(cutlass.max(mKvOffsets[row + 1], kv_base), kv_len)
+            n_keys = cutlass.min(end - kv_base, max_keys)
+        return n_keys, kv_base
 
     def tile_info_host(self, t: int, g, sched: Schedule, grid: int) -> TileInfo:
         """``tile_info`` on the host: ``g``'s fields are torch tensors (or None), ``sched``'s

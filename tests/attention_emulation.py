@@ -84,13 +84,14 @@ class EmulatedKernels:
                                    grouped=grouped, q_flat=q_flat, offsets=offsets, max_keys=max_keys,
                                    n_splits=n_splits, split_keys=split_keys, perm=perm,
                                    prefetch_blocks=prefetch_blocks, whole_rows_out=cfg.whole_rows_out))
-        # L2 prefetch in KV broadcast only: over padded K/V a count of first blocks, for ordered
-        # tiles (perm) all of K and V or nothing
+        # L2 prefetch (a count of each row's first blocks) in KV broadcast only
+        own_lengths = cand_start is not None and (kvl is not None or offsets is not None)
+        assert own_lengths == (cfg.direction == "kv" and cfg.own_lengths)
         assert 0 <= prefetch_blocks <= 32
         assert prefetch_blocks == 0 or cand_start is not None
-        assert perm is None or prefetch_blocks in (0, 1)
-        # The tiles run longest first exactly where histories have their own lengths (KV broadcast).
-        assert (perm is not None) == (cand_start is not None and (kvl is not None or offsets is not None))
+        # The tiles run longest first exactly where the config orders them (histories of their own
+        # lengths that may be long, KV broadcast); otherwise in user order, as over padded K/V.
+        assert (perm is not None) == cfg.ordered and (not cfg.ordered or own_lengths)
         # The tile counter: perm's last two words, zero at launch, where the walk is dynamic.
         assert (walk is not None) == cfg.dynamic_walk
         if walk is not None:

@@ -13,7 +13,7 @@ import ikbo_fa
 from attention_emulation import attention_mod, install
 from attention_inputs import assert_nan_rows_only, materialize, random_jagged_problem, random_problem
 from ikbo_fa import DEFAULT_POLICY, AttentionPolicy
-from ikbo_fa.config import MAX_SPLITS, WHOLE_ROW
+from ikbo_fa.config import MAX_PREFETCH_BLOCKS, MAX_SPLITS, WHOLE_ROW
 from ikbo_fa.reference import attention_reference, naive_attention
 
 # The split rule alone (no split_by_cost): split only where the tiles leave half the SMs idle.
@@ -404,23 +404,23 @@ def test_kv_splits_fill_idle_sms_only():
 
 @pytest.mark.parametrize("blocks", [0, 2, 32])
 def test_gpu_path_prefetch_by_kv_layout(emulated, blocks):
-    """What the kernel is asked to prefetch into L2: over padded K/V policy.prefetch_blocks first
-    blocks a CTA; over histories of their own lengths (tiles in the work list's order) all of K
-    and V where they take at most policy.prefetch_kv_bytes, else none; Q broadcast none."""
+    """What the kernel is asked to prefetch into L2 (each row's first blocks, this many a CTA): KV
+    broadcast policy.prefetch_blocks, over histories of their own lengths whose K and V take at
+    most policy.prefetch_kv_bytes the most (MAX_PREFETCH_BLOCKS); Q broadcast none."""
     policy = AttentionPolicy(prefetch_blocks=blocks)
     q, kv, idx, lengths = _gpu_path_problem(50, "kv", 9, 3, jagged=True)
     torch.testing.assert_close(ikbo_fa.attention(q, kv, idx, policy=policy), attention_reference(q, kv, idx),
                                rtol=1e-2, atol=1e-2)
     assert emulated.fwd_calls[-1]["prefetch_blocks"] == blocks
     kv_bytes = sum(t.numel() * t.element_size() for t in kv)
-    for cap, want in ((kv_bytes, 1), (kv_bytes - 1, 0), (0, 0)):
+    for cap, want in ((kv_bytes, MAX_PREFETCH_BLOCKS), (kv_bytes - 1, blocks), (0, blocks)):
         capped = AttentionPolicy(prefetch_blocks=blocks, prefetch_kv_bytes=cap)
         ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, policy=capped)
         assert emulated.fwd_calls[-1]["prefetch_blocks"] == want, cap
     k = torch.randn(9, 1, 64).bfloat16()
     offsets = torch.tensor([0, 4, 4, 9])
     ikbo_fa.attention(q, (k, k.clone()), idx, kv_offsets=offsets, policy=policy)
-    assert emulated.fwd_calls[-1]["prefetch_blocks"] == 1  # 2 x 9 x 64 x 2 bytes
+    assert emulated.fwd_calls[-1]["prefetch_blocks"] == MAX_PREFETCH_BLOCKS  # 2 x 9 x 64 x 2 bytes
     q, kv, idx, _ = _gpu_path_problem(51, "q", 9, 3)
     ikbo_fa.attention(q, kv, idx, policy=policy)
     assert emulated.fwd_calls[-1]["prefetch_blocks"] == 0
@@ -683,18 +683,54 @@ def test_merge_kernel_compiles_for_sm90a(dtype, with_lse):
 
 @pytest.mark.parametrize("L, dynamic", [(256, False), (257, True)])
 def test_dynamic_walk_where_rows_may_be_long(emulated, L, dynamic):
-    """Ordered tiles come from the counter (AttentionConfig.dynamic_walk) where a row may hold
-    policy.dynamic_min_keys keys or more; padded K/V without lengths, and dynamic_walk=False,
-    keep the static walk. Results are the reference's either way."""
+    """Rows of their own lengths run longest first (perm) and their tiles come from the counter
+    (AttentionConfig.dynamic_walk) where a row may hold policy.order_min_keys and
+    policy.dynamic_min_keys keys or more; shorter rows run in user order with the static walk, as
+    padded K/V does; dynamic_walk=False and order_min_keys=0 pick the rest. Results are the
+    reference's every way."""
     q, kv, idx, lengths = _gpu_path_problem(44, "kv", 40, 5, S_q=2, L=L, jagged=True)
     lengths = lengths.to(torch.int32)
-    for policy, want in ((None, dynamic), (AttentionPolicy(dynamic_walk=False), False)):
+    for policy, ordered, want in ((None, dynamic, dynamic), (AttentionPolicy(dynamic_walk=False), dynamic, False),
+                                  (AttentionPolicy(order_min_keys=0), True, dynamic),
+                                  (AttentionPolicy(order_min_keys=0, dynamic_walk=False), True, False)):
         res = ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, policy=policy)
         cfg = attention_mod.launch_plan(q, kv, idx, kv_lengths=lengths, policy=policy).config
-        assert cfg.ordered and cfg.dynamic_walk == want
-        assert (emulated.fwd_calls[-1]["perm"] is not None) and emulated.fwd_calls[-1]["n_ctas"] >= 1
+        assert cfg.ordered == ordered and cfg.longest_first == ordered and cfg.dynamic_walk == want
+        assert (emulated.fwd_calls[-1]["perm"] is not None) == ordered and emulated.fwd_calls[-1]["n_ctas"] >= 1
         torch.testing.assert_close(res, attention_reference(q, kv, idx, kv_lengths=lengths), rtol=2e-2, atol=2e-2)
     assert not attention_mod.launch_plan(q, kv, idx).config.dynamic_walk  # padded, no lengths: not ordered
+
+
+@pytest.mark.parametrize("max_kv_len, ordered", [(None, True), (256, False), (257, True)])
+def test_jagged_rows_in_user_order_where_short(emulated, max_kv_len, ordered):
+    """kv_offsets: rows bounded below policy.order_min_keys (by max_kv_len, or by all of K/V)
+    run in user order with the work list of padded K/V; a work list given with the call keeps
+    its own order (built with kv_offsets: longest first). Results are the reference's."""
+    rng = torch.Generator().manual_seed(45)
+    U, H, D, B = 6, 2, 64, 50
+    lens = torch.randint(1, 257 if max_kv_len is None else max_kv_len + 1, (U,), generator=rng)
+    if max_kv_len is not None:
+        lens[2] = max_kv_len
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
+    n = int(offsets[-1])
+    if max_kv_len is None:  # all of K/V bounds a row: short only where it holds under 257 keys
+        ordered = n >= 257
+    q = torch.randn(B, 3, H, D, generator=rng).to(torch.bfloat16)
+    kv = torch.randn(n, 2, H, D, generator=rng).to(torch.bfloat16)
+    idx = torch.randint(0, U, (B,), generator=rng)
+    kw = dict(kv_offsets=offsets, max_kv_len=max_kv_len)
+    want = attention_reference(q, kv, idx, **kw)
+    cfg = attention_mod.launch_plan(q, kv, idx, **kw).config
+    assert cfg.ordered == ordered and cfg.jagged
+    out = torch.full_like(want, float("nan"))
+    ikbo_fa.attention(q, kv, idx, out=out, **kw)
+    assert (emulated.fwd_calls[-1]["perm"] is not None) == ordered
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    wl = ikbo_fa.work_list(idx, U, 3, **kw)
+    assert wl.perm is not None and attention_mod.launch_plan(q, kv, idx, work_list=wl, **kw).config.ordered
+    out.fill_(float("nan"))
+    ikbo_fa.attention(q, kv, idx, out=out, work_list=wl, **kw)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("lse_scratch", [False, True])

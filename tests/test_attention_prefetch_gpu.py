@@ -2,7 +2,7 @@
 ``prefetch_kv_bytes`` for histories of their own lengths): K/V blocks prefetched before the work
 list is done change no result, bit for bit, in every split form (none, the workspace split, split
 pairs) and over padded, kv_lengths and kv_offsets K/V; K/V written on the stream right before the
-call is read new; CUDA-graph replay after new idx and K/V values.
+call is read new; CUDA-graph replay after new idx, offsets and K/V values.
 """
 import pytest
 import torch
@@ -10,6 +10,7 @@ import torch
 import ikbo_fa
 from attention_inputs import random_jagged_problem, random_problem, run_with_policy, user_groups
 from ikbo_fa import AttentionPolicy
+from ikbo_fa.config import MAX_PREFETCH_BLOCKS
 
 pytestmark = pytest.mark.gpu
 PREFETCH = AttentionPolicy(prefetch_blocks=2)
@@ -79,7 +80,7 @@ def test_graph_replay_with_new_idx_and_kv():
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
-NO_WHOLE_KV = AttentionPolicy(prefetch_kv_bytes=0)
+NO_PREFETCH = AttentionPolicy(prefetch_blocks=0, prefetch_kv_bytes=0)
 
 
 # (U, ratio, S_q, lengths, H, H_kv, D, dtype): short behaviour sequences with a row of no key and
@@ -95,9 +96,10 @@ JAGGED = [
 
 @pytest.mark.parametrize("layout", ["kv_offsets", "kv_lengths"])
 @pytest.mark.parametrize("shape", JAGGED, ids=lambda s: f"U{s[0]}-r{s[1]}-sq{s[2]}-max{max(s[3])}-D{s[6]}")
-def test_whole_kv_prefetch_changes_no_result(shape, layout):
-    """Histories of their own lengths (tiles in the work list's order): all of K and V prefetched
-    (the default, for K/V this small) against none, bit for bit, and against fp32."""
+def test_row_prefetch_changes_no_result(shape, layout):
+    """Histories of their own lengths: each row's first blocks (read from kv_lengths / kv_offsets
+    before the work list is done), as many as the grid's lanes reach (the default, for K/V this
+    small) and two a CTA, against none, bit for bit, and against fp32."""
     U, ratio, S_q, lengths, H, H_kv, D, dtype = shape
     B = U * ratio
     if layout == "kv_offsets":
@@ -108,18 +110,20 @@ def test_whole_kv_prefetch_changes_no_result(shape, layout):
         L = max(lengths)
         q, kv, k, v, idx, _ = random_problem(23 + S_q, "kv", B, U, S_q, H, H_kv, D, L, dtype, device="cuda")
         kw = dict(kv_lengths=torch.tensor(lengths, device="cuda"))
-    base, base_lse, plan0 = run_with_policy(NO_WHOLE_KV, q, kv, idx, **kw)
-    out, lse, plan = run_with_policy(AttentionPolicy(), q, kv, idx, **kw)
-    assert plan0.prefetch_blocks == 0 and plan.prefetch_blocks == 1 and plan.config == plan0.config
-    assert torch.equal(out, base) and torch.equal(lse, base_lse)
+    base, base_lse, plan0 = run_with_policy(NO_PREFETCH, q, kv, idx, **kw)
+    assert plan0.prefetch_blocks == 0
+    for policy, blocks in ((AttentionPolicy(), MAX_PREFETCH_BLOCKS), (AttentionPolicy(prefetch_kv_bytes=0), 2)):
+        out, lse, plan = run_with_policy(policy, q, kv, idx, **kw)
+        assert plan.prefetch_blocks == blocks and plan.config == plan0.config
+        assert torch.equal(out, base) and torch.equal(lse, base_lse)
     ref, ref_lse = ikbo_fa.attention_reference(q.float(), tuple(t.float() for t in kv), idx, return_lse=True, **kw)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
 
 
-def test_whole_kv_prefetch_graph_replay_with_new_offsets_and_kv():
+def test_row_prefetch_graph_replay_with_new_offsets_and_kv():
     """One capture; new kv_offsets (the same keys cut into other rows), idx and K values written in
-    place before each replay: the prefetch reads whatever K/V hold at the replay."""
+    place before each replay: the prefetch reads the offsets and K/V the replay finds."""
     lengths = [100, 0, 256, 31, 200, 1]
     q, kv, k, v, idx, offsets = random_jagged_problem(31, "kv", 240, 6, 2, 4, 4, 64, lengths, torch.bfloat16,
                                                       device="cuda")
@@ -127,7 +131,7 @@ def test_whole_kv_prefetch_graph_replay_with_new_offsets_and_kv():
     kw = dict(max_kv_len=total)  # any cut of the keys below keeps its rows within it
     out = torch.full((idx.shape[0], *q.shape[1:]), NAN, dtype=q.dtype, device=q.device)
     ikbo_fa.attention(q, kv, idx, kv_offsets=offsets, out=out, **kw)  # compile and plan outside the capture
-    assert ikbo_fa_attention_plan(q, kv, idx, offsets, out, kw).prefetch_blocks == 1
+    assert ikbo_fa_attention_plan(q, kv, idx, offsets, out, kw).prefetch_blocks == MAX_PREFETCH_BLOCKS
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()

@@ -61,8 +61,8 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
         for instruction in SPLIT_K_INSTRUCTIONS:
             assert instruction in kernel.ptx, f"{op} {cfg}: no {instruction} in the PTX"
     if op == "attention":
-        # KV broadcast prefetches K/V blocks into L2 before its griddepcontrol.wait: over
-        # padded K/V its first ones, for ordered tiles (kv_lengths, kv_offsets) all of them.
+        # KV broadcast prefetches each row's first K/V blocks into L2 before its griddepcontrol.wait
+        # (from the shapes, or from kv_lengths / kv_offsets).
         prefetch = "cp.async.bulk.prefetch.tensor"
         wanted = cfg.direction == "kv"
         assert (prefetch in kernel.ptx) == wanted, f"{op} {cfg}: {prefetch} {'missing' if wanted else 'present'}"
