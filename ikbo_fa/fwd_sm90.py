@@ -922,14 +922,23 @@ class IkboAttentionFwdSm90:
     def zero_v_tail(self, st: ConsumerState, stage: Int32, n_cols: Int32, tidx: Int32):
         """Zero V rows at or past the valid length in this stage, so padding that is not
         finite (keys kept out of the softmax by kv_lengths, or the next row's keys of jagged K/V)
-        cannot turn 0 * V into NaN.
-        Both consumer warpgroups take part and meet at a barrier before P V reads V."""
+        cannot turn 0 * V into NaN. 16-byte stores in passes over the rows from n_cols on: both
+        consumer warpgroups take part (thread t a row's 16-byte chunk t % chunks, in every pass)
+        and meet at a barrier before P V reads V."""
         if const_expr(self.tail_masked):
             if n_cols < self.tile_n:
                 sV_s = st.sV[None, None, stage]
-                n_elem = (self.tile_n - n_cols) * self.head_dim
-                for i in cutlass.range(tidx, n_elem, 256, unroll=1):
-                    sV_s[n_cols + i // self.head_dim, i % self.head_dim] = self.dtype(0.0)
+                vec = 128 // self.dtype.width
+                chunks = self.head_dim // vec  # 16-byte chunks a row
+                rows_per_pass = self.CONSUMER_THREADS // chunks
+                zero = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
+                zero.fill(0.0)
+                chunk = tidx % chunks
+                # A loop, not unrolled: the consumers have no registers to spare at D 128.
+                for p in cutlass.range(n_cols // rows_per_pass, self.tile_n // rows_per_pass, unroll=1):
+                    row = p * rows_per_pass + tidx // chunks
+                    if row >= n_cols:
+                        cute.autovec_copy(zero, cute.local_tile(sV_s, (1, vec), (row, chunk)))
                 cute.arch.fence_view_async_shared()
                 bar_sync(FwdBarrier.V_TAIL, self.CONSUMER_THREADS)
 

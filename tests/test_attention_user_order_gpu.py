@@ -97,3 +97,32 @@ def test_graph_replay_with_new_idx_and_offsets():
         ref = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, kv_offsets=offsets, **kw)
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_keys_past_a_row_not_finite_are_ignored(D):
+    """The V rows past a short row's end are zeroed in shared memory before P V: NaN padding
+    (kv_lengths) and a NaN neighbour row (kv_offsets) reach no other row."""
+    lengths = [17, 256, 129, 0, 1, 200, 128, 255]
+    U, ratio, S_q, H = len(lengths), 20, 3, 2
+    q, kv, k, v, idx, _ = random_problem(61, "kv", U * ratio, U, S_q, H, H, D, 256, torch.bfloat16, device="cuda")
+    lens = torch.tensor(lengths, device="cuda")
+    for u, n in enumerate(lengths):
+        k[u, n:] = NAN
+        v[u, n:] = NAN
+    out, _, plan = run_with_policy(AttentionPolicy(), q, (k, v), idx, kv_lengths=lens)
+    assert not plan.ordered and torch.isfinite(out).all()
+    ref = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx, kv_lengths=lens)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+    q, kv, k, v, idx, offsets = random_jagged_problem(62, "kv", U * ratio, U, S_q, H, H, D, lengths,
+                                                      torch.bfloat16, device="cuda")
+    bad = 5  # its keys NaN: only its candidates see them
+    k[int(offsets[bad]):int(offsets[bad + 1])] = NAN
+    v[int(offsets[bad]):int(offsets[bad + 1])] = NAN
+    kw = dict(kv_offsets=offsets, max_kv_len=256)
+    out, _, plan = run_with_policy(AttentionPolicy(), q, kv, idx, **kw)
+    assert not plan.ordered
+    mine = (idx == bad).cpu()
+    assert out[mine].isnan().all() and torch.isfinite(out[~mine]).all()
+    ref = ikbo_fa.attention_reference(q.float(), tuple(t.float() for t in kv), idx, **kw)
+    torch.testing.assert_close(out[~mine].float(), ref[~mine], rtol=2e-2, atol=2e-2)

@@ -68,6 +68,11 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
         assert (prefetch in kernel.ptx) == wanted, f"{op} {cfg}: {prefetch} {'missing' if wanted else 'present'}"
         if wanted:
             assert kernel.ptx.index(prefetch) < kernel.ptx.index("griddepcontrol.wait"), f"{op} {cfg}"
+        # Rows of their own lengths zero the V rows past a row's end in 16-byte stores (a loop of
+        # one per thread and pass; the scalar stores it replaces cost microseconds a tile).
+        tails = cfg.has_kv_lengths or cfg.jagged
+        assert kernel.ptx.count("st.shared.v4") == int(tails), f"{op} {cfg}"
+        assert "st.shared.b16" not in kernel.ptx, f"{op} {cfg}"
         # The dynamic walk's tile counter: an atomic add per tile asked for, one per CTA done.
         assert (kernel.ptx.count("atom.global.add") == 2) == cfg.dynamic_walk, f"{op} {cfg}"
         # The kernel after this one may launch once a CTA's loads are all issued.
