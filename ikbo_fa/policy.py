@@ -55,14 +55,16 @@ class AttentionPolicy:
     # Histories of their own lengths run longest first (the work list orders its groups by key
     # count) only where a row may hold this many keys (L, or max_kv_len; a work list built without
     # max_kv_len orders always). Shorter rows cost a tile about the same whatever their length, so
-    # their groups stay in user order, and the work list is the one of padded K/V.
+    # their groups stay in user order, and the work list is the one of padded K/V (H100, short-history
+    # preset: 128-key kv_offsets 12.1 against 13.8 us at S_q 1, 1.06x the padded time instead of
+    # 1.21x): docs/perf/2026-12-06-attention-short-rows-user-order.md.
     order_min_keys: int = 257
     # Split-KV over histories of their own lengths: rows whose keys fit one split go to out
     # directly, not through the workspace and the merge (AttentionConfig.whole_rows_out).
     whole_rows_out: bool = True
-    # KV broadcast over padded K/V: K/V blocks per CTA that the forward kernel prefetches into L2
-    # while the work list runs (the first blocks its first tiles read; 0: none; at most
-    # MAX_PREFETCH_BLOCKS). 2: on the H100 (S_q sweep, B 2048, ratio 64, H 2, graph) 21.0 against
+    # KV broadcast: K/V blocks per CTA that the forward kernel prefetches into L2 while the work
+    # list runs (each row's first blocks the tiles read, from the shapes or from the row lengths;
+    # 0: none; at most MAX_PREFETCH_BLOCKS). 2: on the H100 (S_q sweep, B 2048, ratio 64, H 2, graph) 21.0 against
     # 22.1 us at S_q 1, L 1024 and 100.0 against 101.1 at L 8192, within 1% at every other point
     # of the sweep: docs/perf/2026-12-06-attention-h100-presets.md.
     prefetch_blocks: int = 2
