@@ -97,8 +97,7 @@ class AttentionConfig:
                                           ("-lse", self.return_lse), ("-serial", not self.overlap),
                                           ("-split", self.split_kv), ("-pair", self.split_pair),
                                           ("-dyn", self.dynamic_walk), ("-whole", self.whole_rows_out),
-                                          ("-userorder", self.direction == "kv" and self.own_lengths
-                                           and not self.longest_first)) if on)
+                                          ("-userorder", not self.longest_first)) if on)
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -133,7 +132,7 @@ def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, h
     own = direction == "kv" and (jagged or has_kv_lengths)
     cfg = AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
                           split_kv=split_kv, split_pair=split_pair,
-                          whole_rows_out=whole_rows_out and split_kv and (jagged or has_kv_lengths),
+                          whole_rows_out=whole_rows_out and split_kv and own,
                           longest_first=longest_first or not own)
     return dataclasses.replace(cfg, dynamic_walk=True) if dynamic_walk and cfg.ordered and not split_pair else cfg
 

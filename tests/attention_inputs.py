@@ -111,3 +111,14 @@ def run_with_policy(policy, q, kv, idx, **kw):
     _, lse = ikbo_fa.attention(q, kv, idx, out=out, return_lse=True, validate=False, policy=policy, **kw)
     plan = module.launch_plan(q, kv, idx, out=out, return_lse=True, policy=policy, **kw)
     return out, lse, plan
+
+
+def capture_graph(fn):
+    """A CUDA graph of ``fn()`` captured on a side stream (the caller compiles and plans first)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ikbo_fa
-from attention_inputs import random_jagged_problem, random_problem, run_with_policy, user_groups
+from attention_inputs import capture_graph, random_jagged_problem, random_problem, run_with_policy, user_groups
 from ikbo_fa import AttentionPolicy
 from ikbo_fa.config import MAX_PREFETCH_BLOCKS
 
@@ -64,12 +64,7 @@ def test_graph_replay_with_new_idx_and_kv():
     q, k, v, idx = user_groups(12, 32, 64, 2, 2048, order="shuffled")
     out = torch.full((idx.shape[0], *q.shape[1:]), NAN, dtype=q.dtype, device=q.device)
     ikbo_fa.attention(q, (k, v), idx, out=out, policy=PREFETCH)  # compile and plan outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        ikbo_fa.attention(q, (k, v), idx, out=out, policy=PREFETCH)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture_graph(lambda: ikbo_fa.attention(q, (k, v), idx, out=out, policy=PREFETCH))
     g = torch.Generator().manual_seed(13)
     for _ in range(2):
         idx.copy_(torch.randint(0, 32, idx.shape, generator=g).cuda())
@@ -132,12 +127,7 @@ def test_row_prefetch_graph_replay_with_new_offsets_and_kv():
     out = torch.full((idx.shape[0], *q.shape[1:]), NAN, dtype=q.dtype, device=q.device)
     ikbo_fa.attention(q, kv, idx, kv_offsets=offsets, out=out, **kw)  # compile and plan outside the capture
     assert ikbo_fa_attention_plan(q, kv, idx, offsets, out, kw).prefetch_blocks == MAX_PREFETCH_BLOCKS
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        ikbo_fa.attention(q, kv, idx, kv_offsets=offsets, out=out, validate=False, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture_graph(lambda: ikbo_fa.attention(q, kv, idx, kv_offsets=offsets, out=out, validate=False, **kw))
     g = torch.Generator().manual_seed(32)
     for _ in range(2):
         cuts = torch.randint(0, total + 1, (5,), generator=g).sort().values

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ikbo_fa
-from attention_inputs import random_jagged_problem, random_problem, run_with_policy
+from attention_inputs import capture_graph, random_jagged_problem, random_problem, run_with_policy
 from ikbo_fa import AttentionPolicy
 
 pytestmark = pytest.mark.gpu
@@ -79,12 +79,7 @@ def test_graph_replay_with_new_idx_and_offsets():
     ikbo_fa.attention(q, kv, idx, kv_offsets=offsets, out=out, **kw)  # compile and plan outside the capture
     _, _, plan = run_with_policy(AttentionPolicy(), q, kv, idx, kv_offsets=offsets, **kw)
     assert not plan.ordered
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        ikbo_fa.attention(q, kv, idx, kv_offsets=offsets, out=out, validate=False, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture_graph(lambda: ikbo_fa.attention(q, kv, idx, kv_offsets=offsets, out=out, validate=False, **kw))
     g = torch.Generator().manual_seed(52)
     for _ in range(3):
         lens = torch.randint(0, 257, (6,), generator=g)
