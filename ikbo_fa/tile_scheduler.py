@@ -242,7 +242,6 @@ class AttentionTileScheduler:
         return TileInfo(h, kv_coord, first, n_valid, chunk, q_coord, row0, sched.q_flat, invalid, n_keys, kv_base,
                         out_head, whole)
 
-
     @cute.jit
     def row_keys(self, row: Int32, mKvLen, mKvOffsets, kv_len: Int32, max_keys: Int32):
         """(keys, first key) of K/V row ``row``: ``kv_len`` and 0 over padded K/V; its kv_lengths

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ikbo_fa
-from attention_inputs import random_jagged_problem, user_groups
+from attention_inputs import capture_graph, random_jagged_problem, user_groups
 from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist
 
 pytestmark = pytest.mark.gpu
@@ -94,12 +94,7 @@ def test_graph_of_one_work_list_and_two_calls():
         ikbo_fa.attention(q, (k2, v2), idx, out=outs[1], work_list=wl)
 
     step()  # compiled and planned outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture_graph(step)
     g = torch.Generator().manual_seed(34)
     for _ in range(2):
         idx.copy_(torch.randint(0, 32, idx.shape, generator=g).cuda())
