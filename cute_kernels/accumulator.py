@@ -7,7 +7,10 @@ two rows (8 apart) by pairs of neighbouring columns. These views give its regist
 from __future__ import annotations
 
 import cutlass.cute as cute
+from cutlass import Float32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def acc_mn_view(acc):
@@ -39,3 +42,14 @@ def warpgroup_gemm(tiled_mma, acc, tA, tB, zero_init: bool):
         cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
+
+
+@dsl_user_op
+def fence_operand(frag, *, loc=None, ip=None):
+    """Pin an fp32 fragment's registers in program order: an empty volatile asm reads and writes
+    each, so the compiler moves no read or write of them across it, nor across the wgmma issues
+    and waits around it (left free, it may sink adds of a retired wgmma result past the next
+    wgmma, which then copies registers in flight and serializes)."""
+    for i in range(cute.size(frag)):
+        frag[i] = Float32(llvm.inline_asm(T.f32(), [Float32(frag[i]).ir_value(loc=loc, ip=ip)], "", "=f,0",
+                                          has_side_effects=True, is_align_stack=False, loc=loc, ip=ip))

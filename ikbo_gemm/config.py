@@ -185,8 +185,12 @@ class LinearConfig:
     # staging layout only: bf16); 16-bit operands: None, the output is theirs.
     out_dtype: Optional[torch.dtype] = None
     # Consumer warpgroups on one tile: 1, ping-pong (each runs whole tiles in turn); 2, both on
-    # every tile, tile_m / 2 rows each (candidate phase, 16-bit operands, no split_k).
+    # every tile, tile_m / 2 rows each (candidate phase, no split_k; FP8 only when promoting).
     consumers_per_tile: int = 1
+    # FP8: each k-block summed from zero in a partial fragment, then added into the fp32
+    # accumulator ("promotion"): the 8-bit wgmma's accumulator keeps about 14 mantissa bits.
+    # Two partials in turn beside the accumulator: at most PROMOTE_OUTPUTS a consumer, no split_k.
+    promote: bool = False
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16, FP8):
@@ -208,10 +212,17 @@ class LinearConfig:
                              f"{self.consumers_per_tile} consumer(s) holds more than the 192 fp32 accumulator "
                              f"registers per consumer thread that fit without spills")
         if self.consumers_per_tile == 2 and (self.tile_m != 128 or self.phase != "cand" or self.split_k > 1
-                                             or self.dtype == FP8):
+                                             or (self.dtype == FP8 and not self.promote)):
             raise ValueError(f"LinearConfig: two consumers on one tile need tile_m 128, the candidate phase, no "
-                             f"split_k and 16-bit operands; got tile_m {self.tile_m}, phase {self.phase!r}, "
-                             f"split_k {self.split_k}, {self.dtype}")
+                             f"split_k and 16-bit operands or FP8 with promote; got tile_m {self.tile_m}, phase "
+                             f"{self.phase!r}, split_k {self.split_k}, {self.dtype}, promote {self.promote}")
+        if not isinstance(self.promote, bool):
+            raise TypeError(f"LinearConfig.promote must be a bool, got {self.promote!r}")
+        if self.promote and (self.dtype != FP8 or self.split_k > 1
+                             or self.tile_m * self.tile_n // self.consumers_per_tile > PROMOTE_OUTPUTS):
+            raise ValueError(f"LinearConfig: promote needs FP8 operands, no split_k and at most {PROMOTE_OUTPUTS} "
+                             f"outputs a consumer (two partial fragments beside the accumulator); got {self.dtype}, "
+                             f"split_k {self.split_k}, {self.tile_m} x {self.tile_n} on {self.consumers_per_tile}")
         if self.phase not in PHASES:
             raise ValueError(f"LinearConfig.phase must be 'user' or 'cand', got {self.phase!r}")
         if self.activation not in ACTIVATIONS:
@@ -235,6 +246,7 @@ class LinearConfig:
         extra = "".join(f"-{x}" for x in (self.activation, "bias" if self.has_bias else None) if x)
         split = f"-k{self.split_k}" if self.split_k > 1 else ""
         split += "-shared" if self.consumers_per_tile == 2 else ""
+        split += "-promote" if self.promote else ""
         out = f"-out_{str(self.out_dtype)[6:]}" if self.out_dtype else ""
         return (f"linear-{self.phase}-{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-m{self.tile_m}-n{self.tile_n}"
                 f"-c{self.cluster_m}{split}{extra}{out}")
@@ -272,6 +284,11 @@ LINEAR_SPLIT_TILES = tuple(t for t in LINEAR_TILES if t[0] * t[1] <= 128 * 128)
 # The FP8 candidate phase's tiles: at most 128 accumulator values and 32 columns a thread, so that
 # the scales of its columns fit beside them (wider ones spill in the epilogue).
 LINEAR_FP8_CAND_TILES = ((128, 128), (128, 64), (64, 128))
+# FP8 with promotion (LinearConfig.promote): a consumer's accumulator and its two partial
+# fragments take 3 x PROMOTE_OUTPUTS / 128 registers a thread. The candidate phase's 128 x 128
+# tile is then shared by both consumers; the user phase's tiles are these.
+PROMOTE_OUTPUTS = 64 * 128
+LINEAR_PROMOTE_TILES = ((128, 64), (64, 128))
 LINEAR_SPLITS = (2, 4)
 # k-blocks each CTA of a split tile runs at least.
 MIN_SPLIT_K_BLOCKS = 8
@@ -304,14 +321,16 @@ def pick_cand_split(rows: int, n: int, k_blocks: int, sms: int, clusters,
 
 
 def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1, split_cand=1,
-                   split_user=1, out_dtype=None) -> tuple:
-    """(user phase, candidate phase) configurations of one call (``out_dtype``: FP8's output). The
-    candidate tile LINEAR_SHARED_TILE is both consumers' (``consumers_per_tile`` 2)."""
+                   split_user=1, out_dtype=None, promote=False) -> tuple:
+    """(user phase, candidate phase) configurations of one call (``out_dtype``: FP8's output;
+    ``promote``: both phases promote). The candidate tile LINEAR_SHARED_TILE, and 128 x 128 when
+    promoting, is both consumers' (``consumers_per_tile`` 2)."""
     user_out = torch.bfloat16 if dtype == FP8 else None  # the user phase stores fp32 either way
-    consumers = 2 if tuple(tile_cand) == LINEAR_SHARED_TILE else 1
-    return (LinearConfig(dtype, idx_dtype, *tile_user, "user", split_k=split_user, out_dtype=user_out),
+    consumers = 2 if tuple(tile_cand) == LINEAR_SHARED_TILE or (promote and tuple(tile_cand) == (128, 128)) else 1
+    return (LinearConfig(dtype, idx_dtype, *tile_user, "user", split_k=split_user, out_dtype=user_out,
+                         promote=promote),
             LinearConfig(dtype, idx_dtype, *tile_cand, "cand", activation, has_bias, cluster_cand, split_cand,
-                         out_dtype, consumers_per_tile=consumers))
+                         out_dtype, consumers_per_tile=consumers, promote=promote))
 
 
 LINEAR_SHIPPED_CONFIGS = [
@@ -341,4 +360,11 @@ LINEAR_SHIPPED_CONFIGS = [
     for tm, tn in LINEAR_FP8_CAND_TILES for cluster in (1, 2) for act, bias in ((None, False), ("relu", True))
 ] + [
     LinearConfig(FP8, torch.int32, 128, 128, "cand", None, False, cluster, out_dtype=torch.float16) for cluster in (1, 2)
+] + [  # FP8 with promotion: the user tiles, and the candidate tiles (128 x 128 shared by both consumers)
+    LinearConfig(FP8, torch.int32, tm, tn, "user", out_dtype=torch.bfloat16, promote=True)
+    for tm, tn in LINEAR_PROMOTE_TILES
+] + [
+    LinearConfig(FP8, torch.int32, tm, tn, "cand", act, bias, cluster, out_dtype=torch.bfloat16,
+                 consumers_per_tile=2 if (tm, tn) == (128, 128) else 1, promote=True)
+    for tm, tn in LINEAR_FP8_CAND_TILES for cluster in (1, 2) for act, bias in ((None, False), ("relu", True))
 ]

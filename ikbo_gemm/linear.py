@@ -65,6 +65,7 @@ from .checks import FP8, check_linear_inputs, check_out_dtype
 from .compile import compile_linear_config
 from .config import (
     LINEAR_FP8_CAND_TILES,
+    LINEAR_PROMOTE_TILES,
     LINEAR_SHARED_TILE,
     LINEAR_SPLIT_TILES,
     LINEAR_TILES,
@@ -128,9 +129,13 @@ class PlanRules:
     user_tile: Optional[tuple] = None
     # at most this many K slices of the user phase (workspace slabs, or CTAs of a K-split cluster)
     user_splits: Optional[int] = None
+    # FP8 calls: both phases promote each k-block's sum into fp32 registers (LinearConfig.promote),
+    # as accurate as torch._scaled_mm; the 128 x 128 candidate tile shared by both consumers, user
+    # tiles of LINEAR_PROMOTE_TILES, no K split. 16-bit calls: no effect.
+    fp8_promote: bool = False
 
     def __post_init__(self):
-        for name in ("split_k", "user_pairs", "wide_user", "user_cluster_split"):
+        for name in ("split_k", "user_pairs", "wide_user", "user_cluster_split", "fp8_promote"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PlanRules.{name} must be a bool, got {getattr(self, name)!r}")
         split = self.cand_split
@@ -147,6 +152,11 @@ class PlanRules:
                 raise ValueError(f"PlanRules.{name} must be a positive int or None, got {v!r}")
         if self.user_tile is not None and self.user_tile not in LINEAR_TILES:
             raise ValueError(f"PlanRules.user_tile must be one of {LINEAR_TILES}, got {self.user_tile!r}")
+        if self.fp8_promote and (self.split_k or self.user_pairs or (split is not None and split[1] > 1)
+                                 or self.user_tile not in (None, *LINEAR_PROMOTE_TILES)):
+            raise ValueError(f"PlanRules.fp8_promote takes no K split (split_k, user_pairs, a cand_split over "
+                             f"clusters) and user tiles of {LINEAR_PROMOTE_TILES} only; got split_k={self.split_k}, "
+                             f"user_pairs={self.user_pairs}, cand_split={split!r}, user_tile={self.user_tile!r}")
 
 
 DEFAULT_RULES = PlanRules()
@@ -158,6 +168,8 @@ SPLIT_WIDE_USER_RULES = PlanRules(split_k=True, wide_user=True)
 NO_SHARED_TILE_RULES = PlanRules(shared_tile_min_k=None)
 # The user phase's K slices each a workspace slab of its own (user_cluster_split off).
 NO_USER_CLUSTER_SPLIT_RULES = PlanRules(user_cluster_split=False)
+# FP8 calls with promotion (docs/perf/2026-12-07-fp8-accumulator-promotion.md).
+FP8_PROMOTE_RULES = PlanRules(fp8_promote=True)
 
 
 def split_weight(weight: torch.Tensor, k_user: int, user_first: bool = True):
@@ -232,7 +244,7 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: Pla
         out_dtype = check_out_dtype(out_dtype, x_cand.dtype)
         user_cfg, cand_cfg = linear_configs(x_cand.dtype, idx.dtype, grids.tile_user, grids.tile_cand, activation,
                                             bias is not None, grids.cluster, grids.split_cand, grids.split_user,
-                                            out_dtype if fp8 else None)
+                                            out_dtype if fp8 else None, promote=fp8 and rules.fp8_promote)
         plan = _Plan(
             user=_kernel(user_cfg),
             cand=_kernel(cand_cfg),
@@ -271,18 +283,21 @@ class _Grids:
 def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,
            fp8: bool = False) -> _Grids:
     """Both phases' grids. ``clusters(size)``: clusters of that many CTAs resident at once. FP8:
-    the candidate tiles of LINEAR_FP8_CAND_TILES, the user phase's K slices as slabs."""
+    the candidate tiles of LINEAR_FP8_CAND_TILES, the user phase's K slices as slabs; promoting
+    (``rules.fp8_promote``), the user tiles of LINEAR_PROMOTE_TILES."""
+    user_tiles = LINEAR_PROMOTE_TILES if fp8 and rules.fp8_promote else LINEAR_TILES
     g = _chosen_grids(B, U, N, K_cand, K_user, sms, clusters, rules, LINEAR_FP8_CAND_TILES if fp8 else LINEAR_TILES,
-                      shared_tile=not fp8, cluster_split=not fp8)
+                      shared_tile=not fp8, cluster_split=not fp8, user_tile_set=user_tiles)
     if rules.cand_clusters is not None:
         g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster))
     return g
 
 
 def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,
-                  cand_tile_set: tuple, shared_tile: bool = True, cluster_split: bool = True) -> _Grids:
+                  cand_tile_set: tuple, shared_tile: bool = True, cluster_split: bool = True,
+                  user_tile_set: tuple = LINEAR_TILES) -> _Grids:
     kb_cand, kb_user = -(-K_cand // 64), -(-K_user // 64)
-    tile_user = rules.user_tile or pick_linear_tile(U, N)
+    tile_user = rules.user_tile or pick_linear_tile(U, N, user_tile_set)
     if rules.cand_split is not None:
         tile_cand, split_cand = rules.cand_split
     elif rules.split_k:
@@ -303,7 +318,7 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
     ahead = base
     wide_user = rules.wide_user or (rules.wide_user_min_n is not None and N >= rules.wide_user_min_n)
     if wide_user:
-        wide = _wide_user_tile(U, N)
+        wide = _wide_user_tile(U, N, user_tile_set)
         wide_tiles = _tiles(U, N, wide)
         wide_splits = _user_splits(wide_tiles, kb_user, sms, most)
         ahead = dict(base, tile_user=wide, splits=wide_splits, grid_user=min(sms, wide_splits * wide_tiles))
@@ -383,10 +398,10 @@ def _spare_user_grid(user_tiles: int, user_work: float, cand_work: float, free: 
 WIDE_USER_SLICES = 8
 
 
-def _wide_user_tile(U: int, N: int) -> tuple[int, int]:
+def _wide_user_tile(U: int, N: int, tiles: tuple = LINEAR_TILES) -> tuple[int, int]:
     """The user tile of PlanRules.wide_user: 64 x 128 where U fits one 64-row tile (the phase
     then streams w_user; narrower tiles make more CTAs for the same bytes), else the usual."""
-    return (64, 128) if U <= 64 else pick_linear_tile(U, N)
+    return (64, 128) if U <= 64 else pick_linear_tile(U, N, tiles)
 
 
 def _user_splits(user_tiles: int, k_blocks: int, sms: int, most: int = 4) -> int:

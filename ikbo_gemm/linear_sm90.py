@@ -26,7 +26,7 @@ from cute_kernels.accumulator import acc_mn_view
 from cute_kernels.arguments import GemmSmemLayouts, kernel_arguments
 from cute_kernels.cluster_reduce import ClusterReduce, ExchangeMemory
 from cute_kernels.interop import cutlass_dtype
-from cute_kernels.mainloop import pingpong_mainloop
+from cute_kernels.mainloop import pingpong_mainloop, promoting_mainloop
 from cute_kernels.scheduler import strided_tiles
 from cute_kernels.warp_specialized import (
     Barrier,
@@ -162,9 +162,10 @@ class LinearSm90:
       warpgroups 1, 2, consumers (setmaxnreg 240): each runs whole tiles, alternating (tile t
         of this CTA's walk on consumer t % 2): the wgmma main loop, then its epilogue while
         the other consumer runs its main loop. With split_k consumer 0 runs every tile. With
-        ``cfg.consumers_per_tile`` = 2 (a shared tile, 128 x 256: LINEAR_SHARED_TILE) both run
-        every tile, consumer c its rows [64 c, 64 c + 64) (m64n256 wgmmas: each k-step reads
-        the B tile once for 64 rows a consumer, where ping-pong 128 x 128 reads it twice),
+        ``cfg.consumers_per_tile`` = 2 (a shared tile: 128 x 256, LINEAR_SHARED_TILE, or FP8's
+        128 x 128 with promotion) both run every tile, consumer c its rows [64 c, 64 c + 64)
+        (m64n256 wgmmas: each k-step reads the B tile once for 64 rows a consumer, where
+        ping-pong 128 x 128 reads it twice),
         and the epilogues of both follow the main loop.
 
     Pipelines (PipelineTmaAsync; checked in ``__init__``):
@@ -217,6 +218,11 @@ class LinearSm90:
     loop ends: the workspace holds scaled user results, and the candidate epilogue then adds
     the slabs, the bias and the activation exactly as the 16-bit one does, rounding once to
     ``cfg.out_dtype``. A thread loads each of its rows' and columns' scales once per tile.
+    With ``cfg.promote`` each k-block's wgmmas sum from zero into one of two partial fragments
+    in turn, and the consumer adds the retired one into its fp32 accumulator while the next
+    k-block's wgmmas run (cute_kernels.mainloop.promoting_mainloop); the wgmmas drain once
+    every 4 k-blocks, at different k-blocks in the two consumers of a shared tile. The 128 x
+    128 candidate tile is then a shared tile (64 rows a consumer).
 
     Arguments (cute_kernels.arguments): the host passes LinearOperands, LinearEpilogue and
     LinearLaunch; the kernel hands the loads to the producer (LinearLoads) and the epilogue's
@@ -458,6 +464,10 @@ class LinearSm90:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        # Promotion: two partial fragments of the accumulator's shape, one k-block each in turn.
+        partials = None
+        if const_expr(self.cfg.promote):
+            partials = [cute.make_rmem_tensor_like(acc) for _ in range(2)]
         # (row, col) within the tile of each accumulator register.
         coords = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
 
@@ -483,8 +493,14 @@ class LinearSm90:
             tile = self.decode(t, work, rank)
             if const_expr(turns):
                 self.ping_pong.wait(consumer_idx)
-            state = pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_count, True,
-                                      ping_pong, consumer_idx)
+            if const_expr(self.cfg.promote):
+                # A shared tile's consumers drain at different k-blocks (promoting_mainloop).
+                stagger = consumer_idx == 1 if const_expr(self.shared_tile) else False
+                state = promoting_mainloop(ab_pipeline, state, tiled_mma, acc, partials, tCrA, tCrB, tile.k_count,
+                                           ping_pong, consumer_idx, stagger)
+            else:
+                state = pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_count, True,
+                                          ping_pong, consumer_idx)
             if const_expr(self.split > 1):
                 self.reduce.exchange(acc_mn_view(acc), exchange, rank, tile_i,
                                      t + walk.stride < work.size(), tidx, int(LinearBarrier.EPILOGUE))

@@ -47,6 +47,7 @@ ACTIVATIONS = {"none": lambda x: x, "relu": torch.relu, "gelu": F.gelu,
                "sigmoid": torch.sigmoid}
 OURS = "ikbo linear"
 OURS_FP8 = "ikbo linear fp8"
+OURS_FP8_PROMOTED = "ikbo linear fp8, promoted"  # PlanRules(fp8_promote=True)
 # Extra providers: the op under launch-plan rules other than its own (linear.PlanRules), by the
 # name of the rule set in ikbo_gemm.linear, and the column of the op's row that compares them.
 PLAN_VARIANTS = {"ikbo linear, small-grid rules": ("SMALL_GRID_RULES", "x_small_grid"),
@@ -59,7 +60,7 @@ SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x
                    **{name: column for name, (_, column) in PLAN_VARIANTS.items()}}
 FP8_SPEEDUP_COLUMNS = {"fp8 cat+scaled_mm": "x_fp8_cat", "fp8 decomposition": "x_fp8_decomp",
                        "torch.compile fp8 decomposition": "x_fp8_compiled", "fp8 scaled_mm floor": "x_fp8_floor",
-                       OURS: "x_ikbo_bf16"}
+                       OURS: "x_ikbo_bf16", OURS_FP8_PROMOTED: "x_fp8_promoted"}
 
 
 def linear_flops(B: int, U: int, N: int, K_user: int, K_cand: int) -> int:
@@ -243,8 +244,9 @@ def _fp8_floor(p: LinearProblem, w, i: LinearInputs) -> torch.Tensor:
     return activate(scaled_mm(pad16(q.x_cand), q.x_cand_scale, w[0], w[2], p.N) + i.bias, p.activation)
 
 
-def _ours_fp8(quantize: bool):
-    """ikbo_gemm.linear on the FP8 operands; ``quantize``: quantize_fp8 of the features in the call."""
+def _ours_fp8(quantize: bool, promote: bool = False):
+    """ikbo_gemm.linear on the FP8 operands; ``quantize``: quantize_fp8 of the features in the call;
+    ``promote``: PlanRules(fp8_promote=True)."""
     def run(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
         q, op = i.fp8, LIBS.get(IKBO[0])
         scales = {k: v for k, v in vars(q).items() if k.endswith("_scale")}
@@ -252,8 +254,9 @@ def _ours_fp8(quantize: bool):
         if quantize:
             (x_cand, scales["x_cand_scale"]), (x_user, scales["x_user_scale"]) = map(op.quantize_fp8,
                                                                                      (i.x_cand, i.x_user))
+        rules = op.PlanRules(fp8_promote=True) if promote else None
         return op.linear(x_cand, x_user, p.idx, q.w_cand, q.w_user, i.bias, activation=_act(p), validate=False,
-                         **scales)
+                         rules=rules, **scales)
     return run
 
 
@@ -276,6 +279,7 @@ def providers(fp8: bool = False) -> list:
         Provider(OURS, lambda p, i: LIBS.get(IKBO[0]).linear, _ours, needs=IKBO),
         Provider(OURS_FP8, no_setup, _ours_fp8(False), needs=IKBO, fp8="operands"),
         Provider("ikbo linear fp8 + quantize", no_setup, _ours_fp8(True), needs=IKBO, fp8="operands"),
+        Provider(OURS_FP8_PROMOTED, no_setup, _ours_fp8(False, promote=True), needs=IKBO, fp8="operands", extra=True),
     ]
     return [pr for pr in provs if fp8 or not pr.fp8]
 

@@ -10,6 +10,7 @@ import torch
 import ikbo_fa
 import ikbo_gemm
 from ikbo_fa.config import AttentionConfig
+from cute_kernels.mainloop import PROMOTE_GROUP
 from ikbo_gemm.lce_sm90 import LceSm90
 
 # Warp-specialized TMA -> wgmma pipelines with a register split, and programmatic dependent
@@ -51,10 +52,17 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
     if op == "linear" and cfg.phase == "cand":
         assert "cp.async.bulk.tensor.2d.global.shared" in kernel.ptx, f"{op} {cfg}: no TMA store of the output"
     if op == "linear" and cfg.consumers_per_tile == 2:
-        # A shared tile: each consumer's 64 rows in m64n256 wgmmas (one 128 x 256 tile, no
+        # A shared tile: each consumer's 64 rows in m64n{tile_n} wgmmas (one 128 x tile_n tile, no
         # ping-pong turns: no named-barrier arrive).
-        assert "wgmma.mma_async.sync.aligned.m64n256k16" in kernel.ptx, f"{op} {cfg}"
+        k = 32 if cfg.dtype == torch.float8_e4m3fn else 16
+        assert f"wgmma.mma_async.sync.aligned.m64n{cfg.tile_n}k{k}" in kernel.ptx, f"{op} {cfg}"
         assert "bar.arrive" not in kernel.ptx, f"{op} {cfg}"
+    if op == "linear" and cfg.promote:
+        # Promotion: each k-block's partial added in fp32 once wait_group(1) retires it, the
+        # groups closed by wait_group(0) (the C75xx check below: no wgmma serialized).
+        assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", kernel.ptx), f"{op} {cfg}"
+        regs = cfg.tile_m * cfg.tile_n // (128 * cfg.consumers_per_tile)  # accumulator registers a thread
+        assert kernel.ptx.count("add.f32") >= regs * PROMOTE_GROUP, f"{op} {cfg}"
     if op == "linear" and cfg.split_k > 1:
         # The K-split exchange: 16-byte stores into the peers' shared memory that complete on their
         # mbarrier, the buffer released remotely, the cluster barrier before exit.

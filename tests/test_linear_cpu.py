@@ -295,6 +295,43 @@ def test_shared_tile_plan():
     assert _grids(300, 3, 200, 64, 1000, cand_split=(shared, 1)).tile_cand == shared
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dtype=BF16, out_dtype=None), "promote needs FP8 operands"),
+    (dict(split_k=2, tile_n=64, consumers_per_tile=1), "promote needs FP8 operands, no split_k"),
+    (dict(tile_n=128, consumers_per_tile=1), "at most 8192 outputs a consumer"),
+    (dict(promote=1), "LinearConfig.promote must be a bool"),
+])
+def test_promote_config_errors(kwargs, match):
+    base = dict(dtype=torch.float8_e4m3fn, idx_dtype=torch.int32, tile_m=128, tile_n=128, phase="cand",
+                out_dtype=BF16, consumers_per_tile=2, promote=True)
+    with pytest.raises((ValueError, TypeError), match=match):
+        LinearConfig(**dict(base, **kwargs))
+
+
+def test_fp8_promote_plan():
+    """PlanRules.fp8_promote: FP8 calls promote in both phases, the 128 x 128 candidate tile shared
+    by both consumers (narrower ones ping-pong), user tiles of at most 64 x 128 outputs; 16-bit
+    calls keep their plan."""
+    from ikbo_gemm.config import LINEAR_PROMOTE_TILES, linear_configs
+    from ikbo_gemm.linear import DEFAULT_RULES, FP8_PROMOTE_RULES, _grids as plan_grids
+
+    for B, U, N, K_user, K_cand in ((2048, 30, 1024, 2048, 2048), (8192, 117, 4096, 512, 1024),
+                                    (65536, 4096, 100, 50, 500), (1, 1, 1, 16, 16), (256, 3, 256, 2048, 2048)):
+        g = plan_grids(B, U, N, K_cand, K_user, 132, H200_CLUSTERS, FP8_PROMOTE_RULES, fp8=True)
+        plain = plan_grids(B, U, N, K_cand, K_user, 132, H200_CLUSTERS, DEFAULT_RULES, fp8=True)
+        assert g.tile_user in LINEAR_PROMOTE_TILES and (g.split_cand, g.split_user) == (1, 1)
+        assert g.tile_cand == plain.tile_cand  # the same tiles, shared or not
+        user, cand = linear_configs(torch.float8_e4m3fn, torch.int32, g.tile_user, g.tile_cand, "relu", True,
+                                    g.cluster, out_dtype=BF16, promote=True)
+        assert user.promote and cand.promote
+        assert cand.consumers_per_tile == (2 if g.tile_cand == (128, 128) else 1)
+    bf16 = plan_grids(2048, 30, 1024, 2048, 2048, 132, H200_CLUSTERS, FP8_PROMOTE_RULES)
+    assert bf16 == plan_grids(2048, 30, 1024, 2048, 2048, 132, H200_CLUSTERS, DEFAULT_RULES)
+    wide = plan_grids(512, 7, 4096, 1024, 1024, 132, H200_CLUSTERS, ikbo_gemm.PlanRules(fp8_promote=True,
+                                                                                         wide_user=True), fp8=True)
+    assert wide.tile_user == (64, 128) and wide.splits > 1
+
+
 def test_a_split_with_an_empty_slice_is_refused():
     forced = dict(cand_split=((128, 128), 4))
     with pytest.raises(ValueError, match="3 k-blocks leave a CTA of a 4-way K split none"):
@@ -388,6 +425,11 @@ def test_wide_user_phase_by_size():
     (dict(user_tile=(32, 128)), ValueError, "PlanRules.user_tile must be one of"),
     (dict(split_k=1), TypeError, "PlanRules.split_k must be a bool"),
     (dict(user_cluster_split=1), TypeError, "PlanRules.user_cluster_split must be a bool"),
+    (dict(fp8_promote=1), TypeError, "PlanRules.fp8_promote must be a bool"),
+    (dict(fp8_promote=True, split_k=True), ValueError, "PlanRules.fp8_promote takes no K split"),
+    (dict(fp8_promote=True, user_pairs=True), ValueError, "PlanRules.fp8_promote takes no K split"),
+    (dict(fp8_promote=True, cand_split=((128, 128), 2)), ValueError, "PlanRules.fp8_promote takes no K split"),
+    (dict(fp8_promote=True, user_tile=(128, 128)), ValueError, "user tiles of"),
 ])
 def test_plan_rules_check_their_fields(rules, error, match):
     from ikbo_gemm.linear import PlanRules
