@@ -21,11 +21,20 @@ class LceConfig:
     tile_n: int = 64  # output columns per tile (one or two wgmma atoms of 64)
     # FP8 operands (dtype float8_e4m3fn): the output's dtype, bf16 or fp16; 16-bit operands: None.
     out_dtype: Optional[torch.dtype] = None
+    # FP8: each k-block summed from zero and added into the fp32 accumulator (as LinearConfig's):
+    # two partial fragments beside it, so at most PROMOTE_OUTPUTS a consumer.
+    promote: bool = False
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
             raise ValueError(f"LceConfig.dtype must be torch.float16 or torch.bfloat16 (or torch.float8_e4m3fn "
                              f"with an out_dtype), got {self.dtype}")
+        if not isinstance(self.promote, bool):
+            raise TypeError(f"LceConfig.promote must be a bool, got {self.promote!r}")
+        if self.promote and (self.dtype != torch.float8_e4m3fn or self.tile_n * self.tile_w > PROMOTE_OUTPUTS):
+            raise ValueError(f"LceConfig: promote needs FP8 operands and at most {PROMOTE_OUTPUTS} outputs a tile "
+                             f"(two partial fragments beside the accumulator); got {self.dtype}, "
+                             f"{self.tile_n} x {self.tile_w}")
         if (self.out_dtype in (torch.float16, torch.bfloat16)) != (self.dtype == torch.float8_e4m3fn):
             raise ValueError(f"LceConfig.out_dtype must be torch.bfloat16 or torch.float16 with FP8 operands, "
                              f"else None; got {self.out_dtype} with {self.dtype}")
@@ -53,6 +62,7 @@ class LceConfig:
 
     def __str__(self) -> str:
         out = f"-out_{str(self.out_dtype)[6:]}" if self.out_dtype else ""
+        out += "-promote" if self.promote else ""
         return (f"{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-n{self.tile_n}-w{self.tile_w}"
                 f"-c{self.cluster_n}x{self.cluster_b}{out}")
 
@@ -114,6 +124,11 @@ class LceGeometry:
 # (at most 192 without spills). 128-column tiles come in every height of 8 rows from 128 to
 # 192, so that M pads to little.
 TILES = ((64, 128), (64, 192), (64, 224), (64, 256)) + tuple((128, w) for w in range(128, 193, 8))
+# Outputs a consumer holds when promoting (LceConfig.promote, LinearConfig.promote): its accumulator
+# and two partial fragments take 3 x PROMOTE_OUTPUTS / 128 registers a thread.
+PROMOTE_OUTPUTS = 64 * 128
+# The LCE tiles that promote.
+PROMOTE_TILES = tuple(t for t in TILES if t[0] * t[1] <= PROMOTE_OUTPUTS)
 CLUSTERS = {64: ((1, 1), (2, 1), (4, 1), (4, 2)), 128: ((1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (4, 2))}
 
 SHIPPED_CONFIGS = [
@@ -128,6 +143,9 @@ SHIPPED_CONFIGS = [
     for tile_n, tile_w, cn, cb, out in (
         (128, 152, 2, 4, torch.bfloat16), (128, 152, 2, 1, torch.bfloat16), (128, 192, 4, 2, torch.bfloat16),
         (64, 128, 1, 1, torch.bfloat16), (64, 256, 4, 2, torch.bfloat16), (128, 152, 2, 4, torch.float16))
+] + [  # FP8 with promotion: its one tile, each cluster
+    LceConfig(torch.float8_e4m3fn, torch.int32, tile_w, cn, cb, tile_n, out_dtype=torch.bfloat16, promote=True)
+    for tile_n, tile_w in PROMOTE_TILES for cn, cb in CLUSTERS[tile_n]
 ]
 
 # Each k-block a CTA's shared memory takes in (tile_n + tile_w) x 64 operand elements for
@@ -144,13 +162,15 @@ def tile_cost(tile_n: int, tile_w: int, m: int, n: int, load_bound_cost: float =
 
 
 def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: int,
-                load_bound_cost: float = LOAD_BOUND_COST, out_dtype: Optional[torch.dtype] = None) -> LceConfig:
+                load_bound_cost: float = LOAD_BOUND_COST, out_dtype: Optional[torch.dtype] = None,
+                promote: bool = False) -> LceConfig:
     """The tile of least ``tile_cost`` (ties: the wider, then the taller); a cluster as wide
     as the tile's column slices of N allow (up to 4) and, with more than one batch, deep in
     batches: 128-column tiles fill 4 or 8 CTAs (each w tile then feeds all of them), 64-column
     tiles go two batches deep when 4 slices wide. FP8 operands tile as 16-bit ones (a k-block
-    holds the same bytes); ``out_dtype`` is their output's."""
-    tile_n, tile_w = min(TILES, key=lambda t: (tile_cost(*t, m, n, load_bound_cost), -t[0], -t[1]))
+    holds the same bytes); ``out_dtype`` is their output's; ``promote``: among PROMOTE_TILES."""
+    tile_n, tile_w = min(PROMOTE_TILES if promote else TILES,
+                         key=lambda t: (tile_cost(*t, m, n, load_bound_cost), -t[0], -t[1]))
     column_tiles = -(-n // tile_n)
     cn = max(c for c in (1, 2, 4) if c <= column_tiles)
     if b == 1:
@@ -159,7 +179,7 @@ def pick_config(dtype: torch.dtype, idx_dtype: torch.dtype, m: int, n: int, b: i
         cb = min(4, 8 // cn)
     else:
         cb = 2 if cn == 4 else 1
-    return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n, out_dtype)
+    return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n, out_dtype, promote)
 
 
 # ---------------------------------------------------------------------------------- linear
@@ -284,10 +304,8 @@ LINEAR_SPLIT_TILES = tuple(t for t in LINEAR_TILES if t[0] * t[1] <= 128 * 128)
 # The FP8 candidate phase's tiles: at most 128 accumulator values and 32 columns a thread, so that
 # the scales of its columns fit beside them (wider ones spill in the epilogue).
 LINEAR_FP8_CAND_TILES = ((128, 128), (128, 64), (64, 128))
-# FP8 with promotion (LinearConfig.promote): a consumer's accumulator and its two partial
-# fragments take 3 x PROMOTE_OUTPUTS / 128 registers a thread. The candidate phase's 128 x 128
-# tile is then shared by both consumers; the user phase's tiles are these.
-PROMOTE_OUTPUTS = 64 * 128
+# FP8 with promotion (LinearConfig.promote; PROMOTE_OUTPUTS a consumer): the candidate phase's
+# 128 x 128 tile is then shared by both consumers; the user phase's tiles are these.
 LINEAR_PROMOTE_TILES = ((128, 64), (64, 128))
 LINEAR_SPLITS = (2, 4)
 # k-blocks each CTA of a split tile runs at least.

@@ -56,7 +56,7 @@ from cute_kernels.checks import (
 
 from .checks import FP8, check_lce_inputs, check_out_dtype, check_schedule
 from .compile import compile_lce_config
-from .config import CLUSTERS, LOAD_BOUND_COST, TILES, LceConfig, LceGeometry, pick_config, round_up
+from .config import CLUSTERS, LOAD_BOUND_COST, PROMOTE_TILES, TILES, LceConfig, LceGeometry, pick_config, round_up
 from .lce_sm90 import LceEpilogue, LceLaunch, LceOperands
 from .linear import _scale_vector
 from .reference import lce_reference
@@ -71,10 +71,14 @@ class LcePolicy:
     spare_sms: bool = True  # a second launch on the SMs that batch-deep clusters leave idle (_spare_sm_split)
     load_bound_cost: float = LOAD_BOUND_COST  # the weight of a load-bound tile's work (config.tile_cost)
     tiling: Optional[tuple] = None  # (tile_n, tile_w, cluster_n, cluster_b) forced; None: config.pick_config's
+    # FP8 calls: each k-block's sum added into fp32 registers (LceConfig.promote), as accurate as
+    # torch._scaled_mm; tiles of PROMOTE_TILES only. 16-bit calls: no effect.
+    fp8_promote: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.spare_sms, bool):
-            raise TypeError(f"LcePolicy.spare_sms must be a bool, got {self.spare_sms!r}")
+        for name in ("spare_sms", "fp8_promote"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LcePolicy.{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.load_bound_cost, bool) or not isinstance(self.load_bound_cost, (int, float)) \
                 or not self.load_bound_cost >= 1:
             raise ValueError(f"LcePolicy.load_bound_cost must be a number >= 1, got {self.load_bound_cost!r}")
@@ -83,17 +87,22 @@ class LcePolicy:
                                   and t[2:] in CLUSTERS[t[0]]):
             raise ValueError(f"LcePolicy.tiling must be (tile_n, tile_w, cluster_n, cluster_b) of a shipped "
                              f"configuration (config.TILES, config.CLUSTERS), got {t!r}")
+        if self.fp8_promote and t is not None and t[:2] not in PROMOTE_TILES:
+            raise ValueError(f"LcePolicy.fp8_promote takes tiles of {PROMOTE_TILES} only, got tiling {t!r}")
 
     def config(self, dtype, idx_dtype, m: int, n: int, b: int, out_dtype=None) -> LceConfig:
         """The configuration of a problem (``out_dtype``: FP8's output): the forced tiling, else
-        pick_config's."""
+        pick_config's (promoting with ``fp8_promote`` and FP8 operands)."""
+        promote = self.fp8_promote and dtype == torch.float8_e4m3fn
         if self.tiling is None:
-            return pick_config(dtype, idx_dtype, m, n, b, self.load_bound_cost, out_dtype)
+            return pick_config(dtype, idx_dtype, m, n, b, self.load_bound_cost, out_dtype, promote)
         tile_n, tile_w, cn, cb = self.tiling
-        return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n, out_dtype)
+        return LceConfig(dtype, idx_dtype, tile_w, cn, cb, tile_n, out_dtype, promote)
 
 
 DEFAULT_POLICY = LcePolicy()
+# FP8 calls with promotion (docs/perf/2026-12-07-fp8-accumulator-promotion.md).
+FP8_PROMOTE_POLICY = LcePolicy(fp8_promote=True)
 
 
 def _kernel(cfg: LceConfig) -> CompiledKernel:

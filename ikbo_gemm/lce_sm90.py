@@ -23,7 +23,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels.arguments import GemmSmemLayouts, kernel_arguments
 from cute_kernels.interop import cutlass_dtype
-from cute_kernels.mainloop import pingpong_mainloop
+from cute_kernels.mainloop import pingpong_mainloop, promoting_mainloop
 from cute_kernels.scheduler import strided_tiles
 from cute_kernels.staged_stores import StagedStores
 from cute_kernels.warp_specialized import (
@@ -241,7 +241,10 @@ class LceSm90:
     batch entry's) is loaded before the main loop, one row a thread, and staged in shared memory
     after it, so no sub-tile waits on a global load. Starting the main loop from the user tile
     divided by the candidate scale (the 16-bit overlap) would make a zero or tiny scale inf or
-    NaN, and would add the user term into the 8-bit wgmma's narrow accumulation.
+    NaN, and would add the user term into the 8-bit wgmma's narrow accumulation. With
+    ``cfg.promote`` (64 x 128 tiles) each k-block's wgmmas sum from zero into one of two partial
+    fragments in turn, added into the fp32 accumulator once done
+    (cute_kernels.mainloop.promoting_mainloop; the wgmmas drain once every 4 k-blocks).
 
     Arguments (cute_kernels.arguments): the host passes LceOperands, LceEpilogue and LceLaunch;
     the kernel hands each phase's loads to the producer (PhaseLoads) and the epilogue's tensors
@@ -586,6 +589,8 @@ class LceSm90:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.tile_w)), Float32)
+        # Promotion: two partial fragments of the accumulator's shape, one k-block each in turn.
+        partials = [cute.make_rmem_tensor_like(acc) for _ in range(2)] if const_expr(self.cfg.promote) else None
 
         # Register -> shared staging of the output (transposing stmatrix), per-consumer buffers.
         r2s = cute.make_tiled_copy_S(
@@ -645,8 +650,12 @@ class LceSm90:
                 for i in cutlass.range(cute.size(acc), unroll_full=True):
                     acc[i] = acc[i] + poison
             self.ping_pong.wait(consumer_idx)
-            state = pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_blocks, zero_init,
-                                      self.ping_pong, consumer_idx)
+            if const_expr(self.cfg.promote):
+                state = promoting_mainloop(ab_pipeline, state, tiled_mma, acc, partials, tCrA, tCrB, tile.k_blocks,
+                                           self.ping_pong, consumer_idx, False)
+            else:
+                state = pingpong_mainloop(ab_pipeline, state, tiled_mma, acc, tCrA, tCrB, tile.k_blocks, zero_init,
+                                          self.ping_pong, consumer_idx)
             if const_expr(self.fp8):
                 self.stage_row_scales(my_sS, row_scales, consumer_idx, tidx)
             if tile.is_user:

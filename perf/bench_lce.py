@@ -256,7 +256,9 @@ def _fp8_floor_per_tensor(p: LceProblem, st, i: LceInputs) -> torch.Tensor:
     return fp8_batched_gemm(q.w_cand_pt, q.w_cand_pt_scale, q.e_cand16_pt, q.e_cand_pt_scale, p.N).permute(1, 0, 2)
 
 
-def _ours_fp8(quantize: bool) -> Callable:
+def _ours_fp8(quantize: bool, promote: bool = False) -> Callable:
+    """The op on the FP8 operands; ``quantize``: quantize_fp8 of e in the call; ``promote``:
+    LcePolicy(fp8_promote=True)."""
     def run(p: LceProblem, st, i: LceInputs) -> torch.Tensor:
         q, op = i.fp8, LIBS.get(IKBO[0])
         scales = {n: getattr(q, n) for n in ("w_cand_scale", "w_user_scale", "e_cand_scale",
@@ -265,7 +267,8 @@ def _ours_fp8(quantize: bool) -> Callable:
         if quantize:
             (e_cand, scales["e_cand_scale"]), (e_user, scales["e_user_scale"]) = (
                 op.quantize_fp8(e, dim=(1, 2), layout="transposed") for e in (i.e_cand, i.e_user))
-        return op.lce(q.w_cand, q.w_user, e_cand, e_user, p.idx, validate=False, **scales)
+        policy = op.LcePolicy(fp8_promote=True) if promote else None
+        return op.lce(q.w_cand, q.w_user, e_cand, e_user, p.idx, validate=False, policy=policy, **scales)
     return run
 
 
@@ -291,6 +294,8 @@ def providers(fp8: bool = False) -> list:
         Provider("ikbo fused", no_setup, _ours("fused"), needs=IKBO),
         Provider("ikbo fp8", no_setup, _ours_fp8(False), needs=IKBO, fp8="operands"),
         Provider("ikbo fp8 + quantize", no_setup, _ours_fp8(True), needs=IKBO, fp8="operands"),
+        Provider("ikbo fp8, promoted", no_setup, _ours_fp8(False, promote=True), needs=IKBO, fp8="operands",
+                 extra=True),
     ]
     return [pr for pr in provs if fp8 or not pr.fp8]
 

@@ -85,5 +85,5 @@ def needed(provs: Sequence[Provider]) -> list:
 
 
 def select(provs: Sequence[Provider], names: Optional[Sequence[str]]) -> list:
-    """The providers named (all when ``names`` is empty), in declaration order."""
-    return [prov for prov in provs if not names or prov.name in names]
+    """The providers named (when ``names`` is empty, all but the extra ones), in declaration order."""
+    return [prov for prov in provs if (prov.name in names if names else not getattr(prov, "extra", False))]

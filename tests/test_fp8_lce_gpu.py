@@ -43,20 +43,54 @@ def test_matches_the_dequantized_formula(case):
     assert_fp8_kernel_rounding(out, lce_fp8_f64(**kw), lce_fp8_accumulation(**kw), out_dtype)
 
 
-FP8_TILINGS = sorted({(c.tile_n, c.tile_w, c.cluster_n, c.cluster_b) for c in ikbo_gemm.SHIPPED_CONFIGS
+FP8_TILINGS = sorted({((c.tile_n, c.tile_w, c.cluster_n, c.cluster_b), c.promote) for c in ikbo_gemm.SHIPPED_CONFIGS
                       if isinstance(c, ikbo_gemm.LceConfig) and c.dtype == torch.float8_e4m3fn})
 
 
 @pytest.mark.usefixtures("kernel_only")
-@pytest.mark.parametrize("tiling", FP8_TILINGS, ids=lambda t: "n{}-w{}-c{}x{}".format(*t))
-def test_each_shipped_fp8_tiling(tiling):
-    """Every shipped FP8 tile and cluster, on sizes that are not multiples of it (rows of w past
-    M, columns past N, candidates past a cluster's batch depth, K past a 128-element k-block)."""
-    B, U, M, N, K_user, K_cand = 301, 7, 433, 200, 300, 150
+@pytest.mark.parametrize("tiling, promote", FP8_TILINGS,
+                         ids=lambda t: "n{}-w{}-c{}x{}".format(*t) if isinstance(t, tuple) else f"promote{int(t)}")
+def test_each_shipped_fp8_tiling(tiling, promote):
+    """Every shipped FP8 tile and cluster (promoting or not), on sizes that are not multiples of it
+    (rows of w past M, columns past N, candidates past a cluster's batch depth, K past a
+    128-element k-block, K of 1 to 7 k-blocks: every promotion group shape)."""
+    B, U, M, N, K_user, K_cand = 301, 7, 433, 200, 300, 850
     kw = lce_fp8_problem(B, U, M, N, K_user, K_cand, seed=sum(tiling), device=DEVICE)
     out = torch.full((B, M, N), float("nan"), dtype=BF16, device=DEVICE)
-    ikbo_gemm.lce(**kw, out=out, validate=False, policy=ikbo_gemm.LcePolicy(tiling=tiling))
+    ikbo_gemm.lce(**kw, out=out, validate=False, policy=ikbo_gemm.LcePolicy(tiling=tiling, fp8_promote=promote))
     assert_fp8_kernel_rounding(out, lce_fp8_f64(**kw), lce_fp8_accumulation(**kw), BF16)
+
+
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("promote, ratio", [(True, 1.01), (False, 1.3)], ids=["promote", "default"])
+def test_error_against_scaled_mm(promote, ratio):
+    """Error against the fp32 formula on the dequantized operands, the published shape: with
+    ``fp8_promote`` no worse than torch._scaled_mm's (row-wise, per batch entry, fp32 out, then
+    bf16) on the same operands, within 1%; without, within 1.3x."""
+    B, U, M, N, K_user, K_cand = 64, 4, 433, 256, 1184, 872
+    kw = lce_fp8_problem(B, U, M, N, K_user, K_cand, seed=9, device=DEVICE)
+    exact = lce_fp8_f64(**kw)
+
+    def mm(w8, sw, e8, se):  # w8 [M, K], e8 [N, K] (K-major): [M, N] in fp32
+        return torch._scaled_mm(w8, e8.t(), sw[:, None], se.expand(1, e8.shape[0]).contiguous(),
+                                out_dtype=torch.float32)
+
+    def pad(t):  # _scaled_mm's K: a multiple of 16 (zeros past K)
+        z = torch.zeros(*t.shape[:-1], -(-t.shape[-1] // 16) * 16, dtype=t.dtype, device=t.device)
+        z[..., :t.shape[-1]] = t
+        return z
+
+    idx = kw["idx"].long()
+    peer = torch.stack([
+        mm(pad(kw["w_cand"]), kw["w_cand_scale"], pad(kw["e_cand"][b]), kw["e_cand_scale"][b:b + 1])
+        + mm(pad(kw["w_user"]), kw["w_user_scale"], pad(kw["e_user"][idx[b]]), kw["e_user_scale"][idx[b]:idx[b] + 1])
+        for b in range(B)]).to(BF16)
+    ours = ikbo_gemm.lce(**kw, policy=ikbo_gemm.LcePolicy(fp8_promote=promote))
+
+    def err(o):
+        return float((o.double() - exact).norm() / exact.norm())
+
+    assert err(ours) <= err(peer) * ratio + 1e-6, (err(ours), err(peer))
 
 
 @pytest.mark.usefixtures("kernel_only")

@@ -320,10 +320,31 @@ def test_policy_is_part_of_the_plan(emulated):
     (dict(tiling=(64, 128, 1, 4)), ValueError, r"LcePolicy.tiling must be"),
     (dict(load_bound_cost=0.5), ValueError, r"LcePolicy.load_bound_cost must be a number >= 1"),
     (dict(spare_sms=1), TypeError, r"LcePolicy.spare_sms must be a bool"),
+    (dict(fp8_promote=1), TypeError, r"LcePolicy.fp8_promote must be a bool"),
+    (dict(fp8_promote=True, tiling=(128, 152, 2, 4)), ValueError, r"LcePolicy.fp8_promote takes tiles of"),
 ])
 def test_policy_checks_its_fields(policy, error, match):
     with pytest.raises(error, match=match):
         lce_mod.LcePolicy(**policy)
+
+
+def test_fp8_promote_policy_picks_a_promoting_tile():
+    """LcePolicy.fp8_promote: FP8 calls take a tile of PROMOTE_TILES with promotion on (the
+    clusters as pick_config gives them); 16-bit calls keep their configuration."""
+    from ikbo_gemm.config import PROMOTE_TILES
+
+    policy = lce_mod.LcePolicy(fp8_promote=True)
+    for m, n, b in ((433, 256, 1024), (1, 1, 1), (100, 1000, 4096), (64, 16, 65536)):
+        cfg = policy.config(torch.float8_e4m3fn, torch.int32, m, n, b, torch.bfloat16)
+        assert cfg.promote and (cfg.tile_n, cfg.tile_w) in PROMOTE_TILES
+        assert policy.config(torch.bfloat16, torch.int32, m, n, b) == pick_config(torch.bfloat16, torch.int32, m, n, b)
+    forced = lce_mod.LcePolicy(fp8_promote=True, tiling=(64, 128, 4, 2))
+    assert forced.config(torch.float8_e4m3fn, torch.int32, 433, 256, 1024, torch.bfloat16) == LceConfig(
+        torch.float8_e4m3fn, torch.int32, 128, 4, 2, 64, torch.bfloat16, promote=True)
+    with pytest.raises(ValueError, match="promote needs FP8 operands"):
+        LceConfig(torch.bfloat16, torch.int32, 128, 1, 1, 64, promote=True)
+    with pytest.raises(ValueError, match="at most 8192 outputs a tile"):
+        LceConfig(torch.float8_e4m3fn, torch.int32, 152, 2, 4, 128, torch.bfloat16, promote=True)
 
 
 def test_policy_argument_is_checked():
