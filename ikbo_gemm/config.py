@@ -61,8 +61,7 @@ class LceConfig:
         return 128 if self.dtype == torch.float8_e4m3fn else 64
 
     def __str__(self) -> str:
-        out = f"-out_{str(self.out_dtype)[6:]}" if self.out_dtype else ""
-        out += "-promote" if self.promote else ""
+        out = ("-promote" if self.promote else "") + (f"-out_{str(self.out_dtype)[6:]}" if self.out_dtype else "")
         return (f"{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-n{self.tile_n}-w{self.tile_w}"
                 f"-c{self.cluster_n}x{self.cluster_b}{out}")
 
