@@ -7,6 +7,7 @@ import random
 import pytest
 
 from tools import attention_timeline as timeline
+from tools import timeline as shared
 
 
 def test_summary_spans_and_kernels():
@@ -23,7 +24,7 @@ def test_summary_spans_and_kernels():
         calls.append((c0, t - 1))
     kernels.append(("elsewhere", t + 100, 7.0))  # outside every call: not counted
     rng.shuffle(kernels)
-    res = timeline.summarize(calls, kernels)
+    res = shared.summarize(calls, kernels)
     assert res["span_us"] == pytest.approx(sorted(spans)[2])
     assert set(res["kernels"]) == {"worklist", "fwd", "merge"}
     assert res["kernels"]["worklist"]["starts_at_us"] == 0.0
@@ -33,7 +34,7 @@ def test_summary_spans_and_kernels():
 
 
 def test_summary_without_events():
-    assert timeline.summarize([(0.0, 1.0)], []) == {"span_us": None, "kernels": {}}
+    assert shared.summarize([(0.0, 1.0)], []) == {"span_us": None, "kernels": {}}
 
 
 def test_arguments():

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -27,44 +25,7 @@ from perf import compare_fa4 as cf
 from perf.attention_providers import providers, variant
 from perf.attention_workload import make_inputs, make_problem
 from perf.providers import LIBS, needed
-
-
-def summarize(calls: list, kernels: list) -> dict:
-    """Per-call timelines -> medians. ``calls``: (start, end) of each call on the host's clock;
-    ``kernels``: (name, start, duration) of each GPU kernel, in microseconds on the same clock.
-    A kernel belongs to the call during which it started."""
-    spans, per_kernel = [], defaultdict(list)
-    for c0, c1 in calls:
-        inside = [k for k in kernels if c0 <= k[1] <= c1]
-        if not inside:
-            continue
-        start = min(k[1] for k in inside)
-        spans.append(max(k[1] + k[2] for k in inside) - start)
-        for name, t0, dur in inside:
-            per_kernel[name[:60]].append((dur, t0 - start))
-    summary = {name: {"us": statistics.median(d for d, _ in v), "starts_at_us": statistics.median(s for _, s in v),
-                      "per_call": len(v) / max(1, len(spans))} for name, v in per_kernel.items()}
-    return {"span_us": statistics.median(spans) if spans else None, "kernels": summary}
-
-
-def _timeline(fn, iters: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for i in range(iters):
-            with torch.profiler.record_function(f"call{i}"):
-                fn()
-                torch.cuda.synchronize()
-    cuda = torch.autograd.DeviceType.CUDA
-    kernels = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
-               if e.device_type == cuda and e.time_range.elapsed_us() > 0
-               and "Memcpy" not in e.name and "Memset" not in e.name]
-    calls = [(e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.name.startswith("call") and e.device_type != cuda]
-    return summarize(calls, kernels)
+from tools.timeline import print_timeline, trace
 
 
 def parse_args(argv=None):
@@ -110,13 +71,11 @@ def main(argv=None) -> int:
                 if LIBS.skip_note(prov):
                     continue
                 st = prov.setup(p, inp)
-                res = _timeline(lambda: prov.run(p, st, inp), args.iters)
+                res = trace(lambda: prov.run(p, st, inp), args.iters)
                 res.update(provider=prov.name, S_q=s_q, L=L, B=args.B, ratio=args.ratio, H=args.H, D=args.D,
                            jagged=args.jagged)
                 results.append(res)
-                print(f"S_q {s_q} L {L} B {args.B} H {args.H} D {args.D} {prov.name}: span {res['span_us']:.1f} us")
-                for k, v in sorted(res["kernels"].items(), key=lambda kv: kv[1]["starts_at_us"]):
-                    print(f"    +{v['starts_at_us']:7.1f} us  {v['us']:7.1f} us  x{v['per_call']:.0f}  {k}")
+                print_timeline(f"S_q {s_q} L {L} B {args.B} H {args.H} D {args.D} {prov.name}", res)
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}, indent=1))
     return 0

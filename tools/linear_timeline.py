@@ -1,0 +1,128 @@
+"""Where the GPU time of one ikbo_gemm.linear call goes: each kernel's start and duration.
+
+    python -m tools.linear_timeline --B 2048 --K 4096,4096 --N 1024 [--ratio 70 --dtype bf16]
+    python -m tools.linear_timeline --B 2048 --K 4096,4096 --N 1024 --rules wide_user=1 --rules user_tile=64,128
+
+For each shape the op (and ``ikbo linear RULES`` under each ``--rules`` set of PlanRules fields),
+the compiled torch decomposition and the candidate GEMM alone (the floor; FP8: their FP8 forms)
+run eagerly with a device sync between calls, under torch.profiler. Per provider it prints each
+kernel's start from the call's first kernel and its median duration: the user and candidate
+launches of the op, and how much they overlap. Launch gaps that CUDA graphs remove are in the
+span; host time is not. Writes JSON where ``--out`` names a file.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from perf import bench_linear as bl
+from perf.gemm_bench import DTYPES, GemmProvider, no_setup
+from perf.providers import LIBS, needed
+from tools.timeline import print_timeline, trace
+
+PEERS = {"bf16": ("torch.compile decomposition", "torch addmm floor"),
+         "fp16": ("torch.compile decomposition", "torch addmm floor"),
+         "fp8": ("torch.compile fp8 decomposition", "fp8 scaled_mm floor")}
+
+
+def rules_arg(text: str) -> tuple:
+    """``field=value,...`` of ikbo_gemm.PlanRules -> (text, PlanRules): 1/0 for a bool, an int, none,
+    or numbers joined by commas for a tuple (cand_split: tile_m,tile_n,split)."""
+    from ikbo_gemm.linear import PlanRules
+
+    fields = {f.name: f for f in dataclasses.fields(PlanRules)}
+    kw = {}
+    for part in text.split(";"):
+        name, sep, value = part.partition("=")
+        if not sep or name not in fields:
+            raise argparse.ArgumentTypeError(f"--rules: {part!r} is not FIELD=VALUE of PlanRules ({', '.join(fields)})")
+        try:
+            if value.lower() == "none":
+                v = None
+            elif fields[name].type in (bool, "bool"):
+                v = {"1": True, "0": False, "true": True, "false": False}[value.lower()]
+            elif "," in value:
+                nums = tuple(int(x) for x in value.split(","))
+                v = ((nums[0], nums[1]), nums[2]) if name == "cand_split" else nums
+            else:
+                v = int(value)
+        except (KeyError, ValueError, IndexError) as e:
+            raise argparse.ArgumentTypeError(f"--rules: bad value in {part!r}") from e
+        kw[name] = v
+    try:
+        return text, PlanRules(**kw)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"--rules {text!r}: {e}") from e
+
+
+def _with(rules_text: str, rules, fp8: bool) -> GemmProvider:
+    """The op under ``rules`` (FP8: on the quantized operands)."""
+    def run(p, st, i):
+        op = LIBS.get(bl.IKBO[0])
+        act = None if p.activation == "none" else p.activation
+        if not fp8:
+            return op.linear(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, activation=act, validate=False,
+                             rules=rules)
+        q = i.fp8
+        scales = {k: v for k, v in vars(q).items() if k.endswith("_scale")}
+        return op.linear(q.x_cand, q.x_user, p.idx, q.w_cand, q.w_user, i.bias, activation=act, validate=False,
+                         rules=rules, **scales)
+    return GemmProvider(f"ikbo linear {rules_text}", no_setup, run, needs=bl.IKBO)
+
+
+def providers(dtype: str, rules: list) -> list:
+    named = {p.name: p for p in bl.providers(fp8=dtype == "fp8")}
+    ours = named[bl.OURS_FP8 if dtype == "fp8" else bl.OURS]
+    return [ours, *(_with(text, r, dtype == "fp8") for text, r in rules), *(named[n] for n in PEERS[dtype])]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m tools.linear_timeline", description=__doc__.splitlines()[0])
+    ap.add_argument("--B", type=int, nargs="+", default=[2048])
+    ap.add_argument("--ratio", type=int, default=70)
+    ap.add_argument("--K", type=bl._k_pair, nargs="+", default=[(4096, 4096)], metavar="K_USER,K_CAND")
+    ap.add_argument("--N", type=int, nargs="+", default=[1024])
+    ap.add_argument("--dtype", choices=sorted(PEERS), default="bf16")
+    ap.add_argument("--activation", choices=sorted(bl.ACTIVATIONS), default="relu")
+    ap.add_argument("--rules", type=rules_arg, action="append", default=[], metavar="FIELD=VALUE[;...]",
+                    help="also trace the op under ikbo_gemm.PlanRules(FIELD=VALUE, ...), e.g. wide_user=1")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("linear_timeline needs a CUDA GPU")
+    provs = providers(args.dtype, args.rules)
+    for note in LIBS.load(needed(provs)):
+        print(note)
+    results = []
+    for B in args.B:
+        for K_user, K_cand in args.K:
+            for N in args.N:
+                p = bl.make_problem(B, args.ratio, K_user, K_cand, N, DTYPES[args.dtype], args.activation,
+                                    device="cuda")
+                inp = bl.make_inputs(p, torch.Generator(device="cuda").manual_seed(0), device="cuda")
+                for prov in provs:
+                    if LIBS.skip_note(prov):
+                        continue
+                    st = prov.setup(p, inp)
+                    res = trace(functools.partial(prov.run, p, st, inp), args.iters)
+                    res.update(provider=prov.name, B=B, U=p.U, K_user=K_user, K_cand=K_cand, N=N, dtype=args.dtype)
+                    results.append(res)
+                    print_timeline(f"B {B} U {p.U} K {K_user}+{K_cand} N {N} {args.dtype} {prov.name}", res)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
