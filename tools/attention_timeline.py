@@ -14,9 +14,7 @@ GPU). Launch gaps that CUDA graphs remove are in the span; host time is not. Wri
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,7 +23,7 @@ from perf import compare_fa4 as cf
 from perf.attention_providers import providers, variant
 from perf.attention_workload import make_inputs, make_problem
 from perf.providers import LIBS, needed
-from tools.timeline import print_timeline, trace
+from tools.timeline import trace_providers, write_results
 
 
 def parse_args(argv=None):
@@ -67,17 +65,10 @@ def main(argv=None) -> int:
             p = make_problem(args.B, args.ratio, s_q, L, args.H, args.D, torch.bfloat16, "kv", "sorted", rng,
                              jagged=args.jagged)
             inp = make_inputs(p, gen)
-            for prov in provs:
-                if LIBS.skip_note(prov):
-                    continue
-                st = prov.setup(p, inp)
-                res = trace(lambda: prov.run(p, st, inp), args.iters)
-                res.update(provider=prov.name, S_q=s_q, L=L, B=args.B, ratio=args.ratio, H=args.H, D=args.D,
-                           jagged=args.jagged)
-                results.append(res)
-                print_timeline(f"S_q {s_q} L {L} B {args.B} H {args.H} D {args.D} {prov.name}", res)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}, indent=1))
+            fields = dict(S_q=s_q, L=L, B=args.B, ratio=args.ratio, H=args.H, D=args.D, jagged=args.jagged)
+            trace_providers(provs, p, inp, args.iters, f"S_q {s_q} L {L} B {args.B} H {args.H} D {args.D}", fields,
+                            results)
+    write_results(args.out, results)
     return 0
 
 

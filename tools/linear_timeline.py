@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
-import json
 import sys
-from pathlib import Path
 
 import torch
 
 from perf import bench_linear as bl
 from perf.gemm_bench import DTYPES, GemmProvider, no_setup
 from perf.providers import LIBS, needed
-from tools.timeline import print_timeline, trace
+from tools.timeline import trace_providers, write_results
 
 PEERS = {"bf16": ("torch.compile decomposition", "torch addmm floor"),
          "fp16": ("torch.compile decomposition", "torch addmm floor"),
@@ -111,16 +108,10 @@ def main(argv=None) -> int:
                 p = bl.make_problem(B, args.ratio, K_user, K_cand, N, DTYPES[args.dtype], args.activation,
                                     device="cuda")
                 inp = bl.make_inputs(p, torch.Generator(device="cuda").manual_seed(0), device="cuda")
-                for prov in provs:
-                    if LIBS.skip_note(prov):
-                        continue
-                    st = prov.setup(p, inp)
-                    res = trace(functools.partial(prov.run, p, st, inp), args.iters)
-                    res.update(provider=prov.name, B=B, U=p.U, K_user=K_user, K_cand=K_cand, N=N, dtype=args.dtype)
-                    results.append(res)
-                    print_timeline(f"B {B} U {p.U} K {K_user}+{K_cand} N {N} {args.dtype} {prov.name}", res)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}, indent=1))
+                fields = dict(B=B, U=p.U, K_user=K_user, K_cand=K_cand, N=N, dtype=args.dtype)
+                trace_providers(provs, p, inp, args.iters, f"B {B} U {p.U} K {K_user}+{K_cand} N {N} {args.dtype}",
+                                fields, results)
+    write_results(args.out, results)
     return 0
 
 

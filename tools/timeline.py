@@ -2,10 +2,15 @@
 between calls), and the per-call medians of each kernel's start and duration."""
 from __future__ import annotations
 
+import functools
+import json
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
 import torch
+
+from perf.providers import LIBS
 
 
 def summarize(calls: list, kernels: list) -> dict:
@@ -54,3 +59,22 @@ def print_timeline(title: str, res: dict) -> None:
     print(f"{title}: span {'-' if span is None else f'{span:.1f}'} us")
     for k, v in sorted(res["kernels"].items(), key=lambda kv: kv[1]["starts_at_us"]):
         print(f"    +{v['starts_at_us']:7.1f} us  {v['us']:7.1f} us  x{v['per_call']:.0f}  {k}")
+
+
+def trace_providers(provs, p, inputs, iters: int, title: str, fields: dict, results: list) -> None:
+    """Trace each provider whose libraries loaded on problem ``p``: its summary, with ``fields``,
+    appended to ``results`` and printed under ``title``."""
+    for prov in provs:
+        if LIBS.skip_note(prov):
+            continue
+        st = prov.setup(p, inputs)
+        res = trace(functools.partial(prov.run, p, st, inputs), iters)
+        res.update(provider=prov.name, **fields)
+        results.append(res)
+        print_timeline(f"{title} {prov.name}", res)
+
+
+def write_results(path, results: list) -> None:
+    """The rows as JSON at ``path`` (nothing where it is None), with the GPU's name."""
+    if path:
+        Path(path).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}, indent=1))
