@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from cute_kernels.policy_spec import parse_spec, spec_of
+
 from .config import MAX_PREFETCH_BLOCKS
 
 
@@ -106,34 +108,13 @@ class AttentionPolicy:
 
     @classmethod
     def parse(cls, spec: str) -> "AttentionPolicy":
-        """``'split_pair=0,prefetch_blocks=2'`` -> DEFAULT_POLICY with those fields replaced (bools
-        from 0/1/true/false, ints in decimal; an empty spec is DEFAULT_POLICY). A pair that is not
-        NAME=VALUE for a field raises ValueError listing the fields."""
-        fields = {f.name: f.type for f in dataclasses.fields(cls)}
-        changes = {}
-        for pair in filter(None, (p.strip() for p in spec.split(","))):
-            name, eq, text = (s.strip() for s in pair.partition("="))
-            if name not in fields or not eq:
-                raise ValueError(f"policy {spec!r}: {pair!r} is not NAME=VALUE for a field of AttentionPolicy "
-                                 f"({', '.join(fields)})")
-            changes[name] = _value(spec, name, fields[name], text)
-        return dataclasses.replace(DEFAULT_POLICY, **changes)
+        """``'split_pair=0,prefetch_blocks=2'`` -> DEFAULT_POLICY with those fields replaced
+        (``cute_kernels.policy_spec``: bools from 0/1/true/false, ints in decimal)."""
+        return parse_spec(DEFAULT_POLICY, spec)
 
     def spec(self) -> str:
         """The fields that differ from DEFAULT_POLICY as ``parse`` reads them ('' for the default)."""
-        return ",".join(f"{f.name}={int(v) if isinstance(v, bool) else v}" for f in dataclasses.fields(self)
-                        if (v := getattr(self, f.name)) != getattr(DEFAULT_POLICY, f.name))
-
-
-def _value(spec: str, name: str, kind: str, text: str):
-    if kind == "bool":
-        value = {"0": False, "1": True, "false": False, "true": True}.get(text.lower())
-        if value is None:
-            raise ValueError(f"policy {spec!r}: {name} takes 0, 1, true or false, got {text!r}")
-        return value
-    if not text.lstrip("-").isdigit():
-        raise ValueError(f"policy {spec!r}: {name} takes an integer, got {text!r}")
-    return int(text)
+        return spec_of(self, DEFAULT_POLICY)
 
 
 DEFAULT_POLICY = AttentionPolicy()

@@ -59,6 +59,7 @@ from cute_kernels import (
     sm_count,
     store_target,
 )
+from cute_kernels.policy_spec import parse_spec, spec_of
 from cute_kernels.checks import check_index_range, check_out_target, policy_or_default, validation_enabled
 
 from .checks import FP8, check_linear_inputs, check_out_dtype
@@ -157,6 +158,16 @@ class PlanRules:
             raise ValueError(f"PlanRules.fp8_promote takes no K split (split_k, user_pairs, a cand_split over "
                              f"clusters) and user tiles of {LINEAR_PROMOTE_TILES} only; got split_k={self.split_k}, "
                              f"user_pairs={self.user_pairs}, cand_split={split!r}, user_tile={self.user_tile!r}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "PlanRules":
+        """``'wide_user=1,user_tile=64x128'`` -> DEFAULT_RULES with those fields replaced
+        (``cute_kernels.policy_spec``; cand_split as tile_m x tile_n x split)."""
+        return parse_spec(DEFAULT_RULES, spec, {"cand_split": lambda t: (t[:2], t[2]) if len(t) == 3 else t})
+
+    def spec(self) -> str:
+        """The fields that differ from DEFAULT_RULES as ``parse`` reads them ('' for the default)."""
+        return spec_of(self, DEFAULT_RULES)
 
 
 DEFAULT_RULES = PlanRules()

@@ -244,20 +244,31 @@ def _fp8_floor(p: LinearProblem, w, i: LinearInputs) -> torch.Tensor:
     return activate(scaled_mm(pad16(q.x_cand), q.x_cand_scale, w[0], w[2], p.N) + i.bias, p.activation)
 
 
-def _ours_fp8(quantize: bool, promote: bool = False):
-    """ikbo_gemm.linear on the FP8 operands; ``quantize``: quantize_fp8 of the features in the call;
-    ``promote``: PlanRules(fp8_promote=True)."""
-    def run(p: LinearProblem, st, i: LinearInputs) -> torch.Tensor:
+def _ours_fp8(quantize: bool):
+    """ikbo_gemm.linear on the FP8 operands, under the PlanRules its setup gave (None: the op's);
+    ``quantize``: quantize_fp8 of the features in the call."""
+    def run(p: LinearProblem, rules, i: LinearInputs) -> torch.Tensor:
         q, op = i.fp8, LIBS.get(IKBO[0])
         scales = {k: v for k, v in vars(q).items() if k.endswith("_scale")}
         x_cand, x_user = q.x_cand, q.x_user
         if quantize:
             (x_cand, scales["x_cand_scale"]), (x_user, scales["x_user_scale"]) = map(op.quantize_fp8,
                                                                                      (i.x_cand, i.x_user))
-        rules = op.PlanRules(fp8_promote=True) if promote else None
         return op.linear(x_cand, x_user, p.idx, q.w_cand, q.w_user, i.bias, activation=_act(p), validate=False,
                          rules=rules, **scales)
     return run
+
+
+def ours_with_rules(name: str, spec: str, fp8: bool = False, extra: bool = True) -> Provider:
+    """The op under ``ikbo_gemm.PlanRules.parse(spec)`` (read at setup), on the 16-bit or (``fp8``)
+    FP8 operands."""
+    def rules(p, i):
+        return LIBS.get(IKBO[0]).PlanRules.parse(spec)
+
+    if fp8:
+        return Provider(name, rules, _ours_fp8(False), needs=IKBO, fp8="operands", extra=extra)
+    return Provider(name, lambda p, i: functools.partial(LIBS.get(IKBO[0]).linear, rules=rules(p, i)), _ours,
+                    needs=IKBO, extra=extra)
 
 
 def providers(fp8: bool = False) -> list:
@@ -279,7 +290,7 @@ def providers(fp8: bool = False) -> list:
         Provider(OURS, lambda p, i: LIBS.get(IKBO[0]).linear, _ours, needs=IKBO),
         Provider(OURS_FP8, no_setup, _ours_fp8(False), needs=IKBO, fp8="operands"),
         Provider("ikbo linear fp8 + quantize", no_setup, _ours_fp8(True), needs=IKBO, fp8="operands"),
-        Provider(OURS_FP8_PROMOTED, no_setup, _ours_fp8(False, promote=True), needs=IKBO, fp8="operands", extra=True),
+        ours_with_rules(OURS_FP8_PROMOTED, "fp8_promote=1", fp8=True),
     ]
     return [pr for pr in provs if fp8 or not pr.fp8]
 

@@ -11,21 +11,30 @@ from ikbo_gemm.linear import PlanRules
 from tools import linear_timeline as timeline
 
 
-def test_rules_argument():
-    text, rules = timeline.rules_arg("wide_user=1;user_tile=64,128;wide_user_min_n=none")
-    assert text == "wide_user=1;user_tile=64,128;wide_user_min_n=none"
-    assert rules == PlanRules(wide_user=True, user_tile=(64, 128), wide_user_min_n=None)
-    assert timeline.rules_arg("cand_split=128,128,2")[1] == PlanRules(cand_split=((128, 128), 2))
-    assert timeline.rules_arg("fp8_promote=true")[1] == PlanRules(fp8_promote=True)
-    for bad in ("no_such=1", "wide_user", "wide_user=2", "user_tile=32,128", "fp8_promote=1;split_k=1",
+def test_rules_argument_is_a_plan_rules_spec():
+    assert timeline.rules_arg("wide_user=1,user_tile=64x128") == "wide_user=1,user_tile=64x128"
+    for bad in ("no_such=1", "wide_user", "wide_user=2", "user_tile=32x128", "fp8_promote=1,split_k=1",
                 "user_splits=x"):
         with pytest.raises(argparse.ArgumentTypeError):
             timeline.rules_arg(bad)
 
 
+def test_plan_rules_spec_round_trip():
+    """PlanRules.parse / spec (cute_kernels.policy_spec): bools, ints, none, tuples joined by x."""
+    rules = PlanRules.parse("wide_user=1, user_tile=64x128,wide_user_min_n=none,cand_split=128x128x2")
+    assert rules == PlanRules(wide_user=True, user_tile=(64, 128), wide_user_min_n=None, cand_split=((128, 128), 2))
+    assert PlanRules.parse(rules.spec()) == rules and PlanRules.parse("") == PlanRules() and PlanRules().spec() == ""
+    assert PlanRules.parse("fp8_promote=true") == PlanRules(fp8_promote=True)
+    for bad, match in (("user_tile=64,128", "not NAME=VALUE"), ("user_tile=64xa", "integers joined by x"),
+                       ("user_splits=x", "takes an integer"), ("split_k=yes", "takes 0, 1, true or false")):
+        with pytest.raises(ValueError, match=match):
+            PlanRules.parse(bad)
+
+
 def test_arguments_and_providers():
     args = timeline.parse_args(["--B", "2048", "8192", "--K", "1024,2048", "--rules", "wide_user=1",
                                 "--dtype", "fp8"])
+    assert args.rules == ["wide_user=1"]
     assert (args.B, args.K, args.N, args.dtype) == ([2048, 8192], [(1024, 2048)], [1024], "fp8")
     names = [p.name for p in timeline.providers(args.dtype, args.rules)]
     assert names == ["ikbo linear fp8", "ikbo linear wide_user=1", "torch.compile fp8 decomposition",

@@ -1,7 +1,7 @@
 """Where the GPU time of one ikbo_gemm.linear call goes: each kernel's start and duration.
 
     python -m tools.linear_timeline --B 2048 --K 4096,4096 --N 1024 [--ratio 70 --dtype bf16]
-    python -m tools.linear_timeline --B 2048 --K 4096,4096 --N 1024 --rules wide_user=1 --rules user_tile=64,128
+    python -m tools.linear_timeline --B 2048 --K 4096,4096 --N 1024 --rules wide_user=1 --rules user_tile=64x128
 
 For each shape the op (and ``ikbo linear RULES`` under each ``--rules`` set of PlanRules fields),
 the compiled torch decomposition and the candidate GEMM alone (the floor; FP8: their FP8 forms)
@@ -13,13 +13,12 @@ span; host time is not. Writes JSON where ``--out`` names a file.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import torch
 
 from perf import bench_linear as bl
-from perf.gemm_bench import DTYPES, GemmProvider, no_setup
+from perf.gemm_bench import DTYPES
 from perf.providers import LIBS, needed
 from tools.timeline import trace_providers, write_results
 
@@ -28,55 +27,23 @@ PEERS = {"bf16": ("torch.compile decomposition", "torch addmm floor"),
          "fp8": ("torch.compile fp8 decomposition", "fp8 scaled_mm floor")}
 
 
-def rules_arg(text: str) -> tuple:
-    """``field=value,...`` of ikbo_gemm.PlanRules -> (text, PlanRules): 1/0 for a bool, an int, none,
-    or numbers joined by commas for a tuple (cand_split: tile_m,tile_n,split)."""
+def rules_arg(spec: str) -> str:
+    """A --rules value: checked by ikbo_gemm.PlanRules.parse, kept as text."""
     from ikbo_gemm.linear import PlanRules
 
-    fields = {f.name: f for f in dataclasses.fields(PlanRules)}
-    kw = {}
-    for part in text.split(";"):
-        name, sep, value = part.partition("=")
-        if not sep or name not in fields:
-            raise argparse.ArgumentTypeError(f"--rules: {part!r} is not FIELD=VALUE of PlanRules ({', '.join(fields)})")
-        try:
-            if value.lower() == "none":
-                v = None
-            elif fields[name].type in (bool, "bool"):
-                v = {"1": True, "0": False, "true": True, "false": False}[value.lower()]
-            elif "," in value:
-                nums = tuple(int(x) for x in value.split(","))
-                v = ((nums[0], nums[1]), nums[2]) if name == "cand_split" else nums
-            else:
-                v = int(value)
-        except (KeyError, ValueError, IndexError) as e:
-            raise argparse.ArgumentTypeError(f"--rules: bad value in {part!r}") from e
-        kw[name] = v
     try:
-        return text, PlanRules(**kw)
+        PlanRules.parse(spec)
     except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(f"--rules {text!r}: {e}") from e
-
-
-def _with(rules_text: str, rules, fp8: bool) -> GemmProvider:
-    """The op under ``rules`` (FP8: on the quantized operands)."""
-    def run(p, st, i):
-        op = LIBS.get(bl.IKBO[0])
-        act = None if p.activation == "none" else p.activation
-        if not fp8:
-            return op.linear(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, activation=act, validate=False,
-                             rules=rules)
-        q = i.fp8
-        scales = {k: v for k, v in vars(q).items() if k.endswith("_scale")}
-        return op.linear(q.x_cand, q.x_user, p.idx, q.w_cand, q.w_user, i.bias, activation=act, validate=False,
-                         rules=rules, **scales)
-    return GemmProvider(f"ikbo linear {rules_text}", no_setup, run, needs=bl.IKBO)
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return spec
 
 
 def providers(dtype: str, rules: list) -> list:
+    """The op, the op under each PlanRules spec of ``rules``, then the peers of ``dtype``."""
     named = {p.name: p for p in bl.providers(fp8=dtype == "fp8")}
     ours = named[bl.OURS_FP8 if dtype == "fp8" else bl.OURS]
-    return [ours, *(_with(text, r, dtype == "fp8") for text, r in rules), *(named[n] for n in PEERS[dtype])]
+    return [ours, *(bl.ours_with_rules(f"ikbo linear {spec}", spec, dtype == "fp8") for spec in rules),
+            *(named[n] for n in PEERS[dtype])]
 
 
 def parse_args(argv=None):
@@ -87,8 +54,8 @@ def parse_args(argv=None):
     ap.add_argument("--N", type=int, nargs="+", default=[1024])
     ap.add_argument("--dtype", choices=sorted(PEERS), default="bf16")
     ap.add_argument("--activation", choices=sorted(bl.ACTIVATIONS), default="relu")
-    ap.add_argument("--rules", type=rules_arg, action="append", default=[], metavar="FIELD=VALUE[;...]",
-                    help="also trace the op under ikbo_gemm.PlanRules(FIELD=VALUE, ...), e.g. wide_user=1")
+    ap.add_argument("--rules", type=rules_arg, action="append", default=[], metavar="SPEC",
+                    help="also trace the op under ikbo_gemm.PlanRules.parse(SPEC), e.g. wide_user=1,user_tile=64x128")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
