@@ -33,6 +33,26 @@ def test_summary_spans_and_kernels():
     assert res["kernels"]["fwd"]["us"] == pytest.approx(fwd[2])
 
 
+def test_summary_tells_launches_of_one_kernel_apart():
+    """The two phases of one kernel class in a call: "name #1" (first launched) and "name #2"."""
+    rng = random.Random()
+    calls, kernels, first, second = [], [], [], []
+    t = rng.uniform(0, 1000)
+    for _ in range(5):
+        u, c = rng.uniform(2, 6), rng.uniform(20, 40)
+        k0 = t + rng.uniform(1, 3)
+        kernels += [("gemm", k0 + 0.5, c), ("gemm", k0, u)]  # listed out of launch order
+        first.append(u)
+        second.append(c)
+        calls.append((t, t + 50))
+        t += 60
+    res = shared.summarize(calls, kernels)
+    assert set(res["kernels"]) == {"gemm #1", "gemm #2"}
+    assert res["kernels"]["gemm #1"]["us"] == pytest.approx(sorted(first)[2])
+    assert res["kernels"]["gemm #2"]["us"] == pytest.approx(sorted(second)[2])
+    assert res["kernels"]["gemm #2"]["starts_at_us"] == pytest.approx(0.5)
+
+
 def test_summary_without_events():
     assert shared.summarize([(0.0, 1.0)], []) == {"span_us": None, "kernels": {}}
 

@@ -16,16 +16,21 @@ from perf.providers import LIBS
 def summarize(calls: list, kernels: list) -> dict:
     """Per-call timelines -> medians. ``calls``: (start, end) of each call on the host's clock;
     ``kernels``: (name, start, duration) of each GPU kernel, in microseconds on the same clock.
-    A kernel belongs to the call during which it started."""
+    A kernel belongs to the call during which it started. Launches of one kernel within a call
+    (the two phases of one kernel class) are told apart by their order: "name #1", "name #2"."""
     spans, per_kernel = [], defaultdict(list)
     for c0, c1 in calls:
-        inside = [k for k in kernels if c0 <= k[1] <= c1]
+        inside = sorted((k for k in kernels if c0 <= k[1] <= c1), key=lambda k: k[1])
         if not inside:
             continue
-        start = min(k[1] for k in inside)
+        start = inside[0][1]
         spans.append(max(k[1] + k[2] for k in inside) - start)
-        for name, t0, dur in inside:
-            per_kernel[name[:60]].append((dur, t0 - start))
+        names = [name[:60] for name, _, _ in inside]
+        seen = defaultdict(int)
+        for name, (_, t0, dur) in zip(names, inside):
+            seen[name] += 1
+            label = f"{name} #{seen[name]}" if names.count(name) > 1 else name
+            per_kernel[label].append((dur, t0 - start))
     summary = {name: {"us": statistics.median(d for d, _ in v), "starts_at_us": statistics.median(s for _, s in v),
                       "per_call": len(v) / max(1, len(spans))} for name, v in per_kernel.items()}
     return {"span_us": statistics.median(spans) if spans else None, "kernels": summary}
@@ -44,8 +49,9 @@ def trace(fn, iters: int) -> dict:
                 fn()
                 torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
+    marks = {f"call{i}" for i in range(iters)}  # the ranges' GPU-side annotations are not kernels
     kernels = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
-               if e.device_type == cuda and e.time_range.elapsed_us() > 0
+               if e.device_type == cuda and e.time_range.elapsed_us() > 0 and e.name not in marks
                and "Memcpy" not in e.name and "Memset" not in e.name]
     calls = [(e.time_range.start, e.time_range.end) for e in prof.events()
              if e.name.startswith("call") and e.device_type != cuda]
