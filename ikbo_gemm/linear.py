@@ -123,6 +123,12 @@ class PlanRules:
     # N 1024 to 4096 (B 4096, K 1024 + 2048, N 4096: 119 -> 108 us):
     # docs/perf/2026-12-06-linear-user-cluster-split.md.
     user_cluster_split: bool = True
+    # The user phase on the SMs a partial candidate wave leaves idle only where each of its CTAs,
+    # streaming its operands, ends about when the candidate main loops do (_spare_user_time_fits;
+    # else it runs ahead, in many short CTAs: the wide user phase); off: by MACs alone. Off until
+    # timed over the grid: on the H100 at the one point profiled (bf16, B 2048, K 4096 + 4096,
+    # N 1024) it is faster, elsewhere it is not yet timed (docs/perf/2026-12-07-linear-timeline-h100.md).
+    spare_by_time: bool = False
     cand_split: Optional[tuple] = None  # ((tile_m, tile_n), split_k) of the candidate phase
     cand_clusters: Optional[int] = None  # at most this many candidate clusters (each then walks more tiles)
     # (tile_m, tile_n) of the user phase (where wide_user does not pick; K-split clusters take
@@ -136,7 +142,7 @@ class PlanRules:
     fp8_promote: bool = False
 
     def __post_init__(self):
-        for name in ("split_k", "user_pairs", "wide_user", "user_cluster_split", "fp8_promote"):
+        for name in ("split_k", "user_pairs", "wide_user", "user_cluster_split", "spare_by_time", "fp8_promote"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PlanRules.{name} must be a bool, got {getattr(self, name)!r}")
         split = self.cand_split
@@ -179,6 +185,8 @@ SPLIT_WIDE_USER_RULES = PlanRules(split_k=True, wide_user=True)
 NO_SHARED_TILE_RULES = PlanRules(shared_tile_min_k=None)
 # The user phase's K slices each a workspace slab of its own (user_cluster_split off).
 NO_USER_CLUSTER_SPLIT_RULES = PlanRules(user_cluster_split=False)
+# The spare SMs' user CTAs chosen by their streaming time as well as their MACs.
+SPARE_BY_TIME_RULES = PlanRules(spare_by_time=True)
 # FP8 calls with promotion (docs/perf/2026-12-07-fp8-accumulator-promotion.md).
 FP8_PROMOTE_RULES = PlanRules(fp8_promote=True)
 
@@ -326,15 +334,20 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
     # The user phase where its grid may run before candidate CTAs (every return below but the
     # spare SMs' ones). wide_user: narrower tiles and up to 8 K slices, so that those start
     # sooner, and never the spare SMs' long user CTAs (whose K loops may outlast the candidates').
-    ahead = base
     wide_user = rules.wide_user or (rules.wide_user_min_n is not None and N >= rules.wide_user_min_n)
-    if wide_user:
-        wide = _wide_user_tile(U, N, user_tile_set)
-        wide_tiles = _tiles(U, N, wide)
-        wide_splits = _user_splits(wide_tiles, kb_user, sms, most)
-        ahead = dict(base, tile_user=wide, splits=wide_splits, grid_user=min(sms, wide_splits * wide_tiles))
-    if rules.user_cluster_split and cluster_split:
-        ahead = _user_cluster_split(ahead, U, N, kb_user, clusters)
+
+    def ahead_grids(wide: bool) -> dict:
+        ahead = base
+        if wide:
+            wide_tile = _wide_user_tile(U, N, user_tile_set)
+            wide_tiles = _tiles(U, N, wide_tile)
+            wide_splits = _user_splits(wide_tiles, kb_user, sms, most)
+            ahead = dict(base, tile_user=wide_tile, splits=wide_splits, grid_user=min(sms, wide_splits * wide_tiles))
+        if rules.user_cluster_split and cluster_split:
+            ahead = _user_cluster_split(ahead, U, N, kb_user, clusters)
+        return ahead
+
+    ahead = ahead_grids(wide_user)
     if split_cand > 1:
         # One cluster per tile (pick_cand_split keeps them one wave); the kernel needs a k-block
         # in every CTA's slice.
@@ -350,6 +363,11 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
         return _Grids(**ahead, **cand_grid)  # wide_user, or no SM left idle by a partial wave
     spare = _spare_user_grid(user_tiles, tile_user[0] * tile_user[1] * K_user, cand_work,
                              sms - cand_clusters * cluster)
+    if spare and rules.spare_by_time and not _spare_user_time_fits(
+            -(-user_tiles // spare) * (min(U, tile_user[0]) + tile_user[1]) * K_user, cand_work):
+        # The spare SMs' user CTAs would stream their w_user columns for longer than the
+        # candidate main loops run: the user phase runs ahead, in many short CTAs instead.
+        return _Grids(**ahead_grids(True), **cand_grid)
     if cluster == 2 and clusters(2) - spare < cand_clusters and rules.user_pairs and kb_user >= 2:
         # Single user CTAs, each on an SM of its own 2-CTA slot, would leave too few slots for
         # the candidate clusters (some would wait for a user CTA); K-split pairs take whole slots.
@@ -402,6 +420,28 @@ def _spare_user_grid(user_tiles: int, user_work: float, cand_work: float, free: 
         return 0
     spare = min(free, user_tiles)
     return spare if -(-user_tiles // spare) * user_work <= cand_work else 0
+
+
+# What one CTA moves, as measured on the H100 (bf16; FP8 in the plan's 64-element k-blocks, the same
+# bytes and wgmma time per block): a spare SM's user CTA streamed its operands at about 41 bytes a
+# cycle, a 128 x 128 candidate tile ran about 1,415 MACs a cycle, at about 1.75 GHz.
+SM_STREAM_BYTES_PER_CYCLE = 41
+SM_MACS_PER_CYCLE = 1415
+SM_CYCLES_PER_US = 1750
+# How far the spare SMs' user CTAs may outlast the candidate main loops: the candidate epilogue
+# waits for them, but a call's fixed costs hide a little of it.
+SPARE_SLACK_US = 2.0
+
+
+def _spare_user_time_fits(user_load: int, cand_work: int) -> bool:
+    """Whether a spare SM's user CTA, streaming ``user_load`` 16-bit operand elements (its tiles'
+    x_user rows and w_user columns over K_user), ends within SPARE_SLACK_US of a candidate CTA's
+    main loop of ``cand_work`` MACs. A user tile of few rows and the whole K_user moves its bytes
+    at what one SM can pull from L2, not at its MAC rate: on the H100 (B 2048, K 4096 + 4096,
+    N 1024, bf16) four such CTAs took 31 us beside candidate main loops of 27 us, and the
+    candidate epilogues waited for them (docs/perf/2026-12-07-linear-timeline-h100.md)."""
+    user_cycles = 2 * user_load / SM_STREAM_BYTES_PER_CYCLE
+    return user_cycles - cand_work / SM_MACS_PER_CYCLE <= SPARE_SLACK_US * SM_CYCLES_PER_US
 
 
 # Most K slices of the user phase with PlanRules.wide_user (4 without): each is a workspace slab

@@ -54,7 +54,8 @@ PLAN_VARIANTS = {"ikbo linear, small-grid rules": ("SMALL_GRID_RULES", "x_small_
                  "ikbo linear, wide user phase": ("WIDE_USER_RULES", "x_wide_user"),
                  "ikbo linear, split K + wide user": ("SPLIT_WIDE_USER_RULES", "x_split_wide_user"),
                  "ikbo linear, no shared tile": ("NO_SHARED_TILE_RULES", "x_no_shared_tile"),
-                 "ikbo linear, no user cluster split": ("NO_USER_CLUSTER_SPLIT_RULES", "x_no_user_cluster_split")}
+                 "ikbo linear, no user cluster split": ("NO_USER_CLUSTER_SPLIT_RULES", "x_no_user_cluster_split"),
+                 "ikbo linear, spare SMs by time": ("SPARE_BY_TIME_RULES", "x_spare_by_time")}
 SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x_decomp",
                    "torch.compile decomposition": "x_compiled", "torch addmm floor": "x_floor",
                    **{name: column for name, (_, column) in PLAN_VARIANTS.items()}}
@@ -291,6 +292,7 @@ def providers(fp8: bool = False) -> list:
         Provider(OURS_FP8, no_setup, _ours_fp8(False), needs=IKBO, fp8="operands"),
         Provider("ikbo linear fp8 + quantize", no_setup, _ours_fp8(True), needs=IKBO, fp8="operands"),
         ours_with_rules(OURS_FP8_PROMOTED, "fp8_promote=1", fp8=True),
+        ours_with_rules("ikbo linear fp8, spare SMs by time", "spare_by_time=1", fp8=True),
     ]
     return [pr for pr in provs if fp8 or not pr.fp8]
 

@@ -195,6 +195,31 @@ def test_the_user_phase_takes_the_idle_sms_of_a_partial_candidate_wave():
     assert _spare_user_grid(4, 64 * 256 * 1024, tile * 2048, 0) == 0
 
 
+def test_spare_user_ctas_end_with_the_candidate_main_loops():
+    """PlanRules.spare_by_time (off by default): the spare SMs take the user phase only where its CTAs,
+    streaming their operands, end within SPARE_SLACK_US of the candidate main loops; else it runs
+    ahead as the wide user phase does. B 2048, N 1024 (128 candidate CTAs, 4 idle SMs)."""
+    from ikbo_gemm.linear import (SM_CYCLES_PER_US, SM_MACS_PER_CYCLE, SM_STREAM_BYTES_PER_CYCLE, SPARE_SLACK_US,
+                                  _spare_user_time_fits)
+
+    plain = dict(split_k=False, user_pairs=False, spare_by_time=True)
+    # K 1024 + 2048: a 64 x 256 user tile of 1024 keys streams in less time than a 2048-deep
+    # candidate tile's main loop: the spare SMs, as before
+    g = _grids(2048, 29, 1024, 1024, 2048, **plain)
+    assert (g.tile_user, g.split_user, g.splits, g.grid_user, g.grid_cand) == ((64, 256), 1, 1, 4, 128)
+    # K 4096 + 4096: it would stream (29 + 256) x 4096 elements for about 5 us past the main loops
+    g = _grids(2048, 29, 1024, 4096, 4096, **plain)
+    assert (g.tile_user, g.split_user, g.splits, g.grid_user, g.grid_cand) == ((64, 128), 4, 1, 32, 128)
+    assert g == _grids(2048, 29, 1024, 4096, 4096, wide_user=True, **plain)
+    old = _grids(2048, 29, 1024, 4096, 4096, split_k=False, user_pairs=False)
+    assert (old.tile_user, old.grid_user, old.splits) == ((64, 256), 4, 1)
+    # the bound itself: cycles of streaming past the main loop's, against the slack
+    cand = 128 * 128 * 4096
+    slack = SPARE_SLACK_US * SM_CYCLES_PER_US
+    fits = (cand / SM_MACS_PER_CYCLE + slack) * SM_STREAM_BYTES_PER_CYCLE / 2
+    assert _spare_user_time_fits(int(fits) - 1, cand) and not _spare_user_time_fits(int(fits) + 2, cand)
+
+
 def _grids(B, U, N, K_user, K_cand, **rules):
     """The grids on an H200 with the small-grid rules on (unless ``rules`` says otherwise)."""
     from ikbo_gemm.linear import PlanRules, _grids

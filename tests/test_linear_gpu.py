@@ -92,6 +92,7 @@ CASES = {
     "b1000-ratio1-k4096-k7-n8": (F16, 1000, 1000, 8, 4096, 7, "gelu_tanh", False, torch.int64, True),
     "b4096-ratio10-n4096": (BF16, 4096, 410, 4096, 1000, 4096, "relu", True, torch.int32, False),
     "b2048-ratio70-n4096-fp16": (F16, 2048, 30, 4096, 512, 512, None, True, torch.int32, True),
+    "b2048-ratio70-k4096-k4096-n1024": (BF16, 2048, 30, 1024, 4096, 4096, "relu", True, torch.int32, True),
 }
 
 
