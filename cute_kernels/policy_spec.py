@@ -42,7 +42,7 @@ def _flat(t: tuple) -> tuple:
 def _value(spec: str, name: str, kind: str, text: str, convert: Optional[Callable]):
     if kind.startswith("Optional") and text.lower() == "none":
         return None
-    if kind == "bool":
+    if kind in ("bool", "Optional[bool]"):
         value = {"0": False, "1": True, "false": False, "true": True}.get(text.lower())
         if value is None:
             raise ValueError(f"policy {spec!r}: {name} takes 0, 1, true or false, got {text!r}")

@@ -21,7 +21,8 @@ overlaps another tile's main loop.
 Grids of few tiles. Where the candidate tiles fill at most half the SMs, each CTA runs one
 tile and the phase takes one tile's time: the op then takes a smaller tile
 (``config.pick_cand_tile``). Where the candidate grid is one partial wave, the user phase runs
-on the SMs it leaves idle. Where N >= 4096 the user phase runs in narrow tiles and up to 8 K
+on the SMs it leaves idle, with 16-bit operands only where its CTAs end about when the candidate
+main loops do (``PlanRules.spare_by_time``; else it runs ahead as the wide user phase). Where N >= 4096 the user phase runs in narrow tiles and up to 8 K
 slices wherever it may hold back candidate CTAs (``PlanRules.wide_user_min_n``; ``wide_user``
 at every N). Where the user phase runs ahead of the candidate grid in K slices, with 16-bit
 operands it splits K instead over clusters of 2 or 4 CTAs a tile that add their partial sums
@@ -125,10 +126,12 @@ class PlanRules:
     user_cluster_split: bool = True
     # The user phase on the SMs a partial candidate wave leaves idle only where each of its CTAs,
     # streaming its operands, ends about when the candidate main loops do (_spare_user_time_fits;
-    # else it runs ahead, in many short CTAs: the wide user phase); off: by MACs alone. Off until
-    # timed over the grid: on the H100 at the one point profiled (bf16, B 2048, K 4096 + 4096,
-    # N 1024) it is faster, elsewhere it is not yet timed (docs/perf/2026-12-07-linear-timeline-h100.md).
-    spare_by_time: bool = False
+    # else it runs ahead, in many short CTAs: the wide user phase); False: by MACs alone; None:
+    # 16-bit operands only. On the H100 (graph) it ran 3 to 10% faster at every bf16 point where
+    # it changes the plan; with FP8 operands, whose user phase then runs as up to 8 workspace
+    # slabs, 17% faster at B 2048, N 1024 and 17 to 25% slower at B 4096, N 256
+    # (docs/perf/2026-12-07-linear-timeline-h100.md).
+    spare_by_time: Optional[bool] = None
     cand_split: Optional[tuple] = None  # ((tile_m, tile_n), split_k) of the candidate phase
     cand_clusters: Optional[int] = None  # at most this many candidate clusters (each then walks more tiles)
     # (tile_m, tile_n) of the user phase (where wide_user does not pick; K-split clusters take
@@ -142,7 +145,7 @@ class PlanRules:
     fp8_promote: bool = False
 
     def __post_init__(self):
-        for name in ("split_k", "user_pairs", "wide_user", "user_cluster_split", "spare_by_time", "fp8_promote"):
+        for name in ("split_k", "user_pairs", "wide_user", "user_cluster_split", "fp8_promote"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PlanRules.{name} must be a bool, got {getattr(self, name)!r}")
         split = self.cand_split
@@ -150,6 +153,8 @@ class PlanRules:
                 (split[0] in LINEAR_TILES and split[1] in (1, 2, 4)) or (split[0] == LINEAR_SHARED_TILE and split[1] == 1))):
             raise ValueError(f"PlanRules.cand_split must be ((tile_m, tile_n) of {LINEAR_TILES}, 1, 2 or 4) or "
                              f"({LINEAR_SHARED_TILE}, 1), got {split!r}")
+        if not (self.spare_by_time is None or isinstance(self.spare_by_time, bool)):
+            raise TypeError(f"PlanRules.spare_by_time must be None or a bool, got {self.spare_by_time!r}")
         if self.cand_clusters is not None and (isinstance(self.cand_clusters, bool)
                                                or not isinstance(self.cand_clusters, int) or self.cand_clusters < 1):
             raise ValueError(f"PlanRules.cand_clusters must be a positive int, got {self.cand_clusters!r}")
@@ -185,8 +190,8 @@ SPLIT_WIDE_USER_RULES = PlanRules(split_k=True, wide_user=True)
 NO_SHARED_TILE_RULES = PlanRules(shared_tile_min_k=None)
 # The user phase's K slices each a workspace slab of its own (user_cluster_split off).
 NO_USER_CLUSTER_SPLIT_RULES = PlanRules(user_cluster_split=False)
-# The spare SMs' user CTAs chosen by their streaming time as well as their MACs.
-SPARE_BY_TIME_RULES = PlanRules(spare_by_time=True)
+# The spare SMs' user CTAs chosen by their MACs alone, for 16-bit operands too (spare_by_time off).
+SPARE_BY_MACS_RULES = PlanRules(spare_by_time=False)
 # FP8 calls with promotion (docs/perf/2026-12-07-fp8-accumulator-promotion.md).
 FP8_PROMOTE_RULES = PlanRules(fp8_promote=True)
 
@@ -306,7 +311,8 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
     (``rules.fp8_promote``), the user tiles of LINEAR_PROMOTE_TILES."""
     user_tiles = LINEAR_PROMOTE_TILES if fp8 and rules.fp8_promote else LINEAR_TILES
     g = _chosen_grids(B, U, N, K_cand, K_user, sms, clusters, rules, LINEAR_FP8_CAND_TILES if fp8 else LINEAR_TILES,
-                      shared_tile=not fp8, cluster_split=not fp8, user_tile_set=user_tiles)
+                      shared_tile=not fp8, cluster_split=not fp8, user_tile_set=user_tiles,
+                      spare_by_time=not fp8 if rules.spare_by_time is None else rules.spare_by_time)
     if rules.cand_clusters is not None:
         g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster))
     return g
@@ -314,7 +320,7 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
 
 def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,
                   cand_tile_set: tuple, shared_tile: bool = True, cluster_split: bool = True,
-                  user_tile_set: tuple = LINEAR_TILES) -> _Grids:
+                  user_tile_set: tuple = LINEAR_TILES, spare_by_time: bool = True) -> _Grids:
     kb_cand, kb_user = -(-K_cand // 64), -(-K_user // 64)
     tile_user = rules.user_tile or pick_linear_tile(U, N, user_tile_set)
     if rules.cand_split is not None:
@@ -363,7 +369,7 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
         return _Grids(**ahead, **cand_grid)  # wide_user, or no SM left idle by a partial wave
     spare = _spare_user_grid(user_tiles, tile_user[0] * tile_user[1] * K_user, cand_work,
                              sms - cand_clusters * cluster)
-    if spare and rules.spare_by_time and not _spare_user_time_fits(
+    if spare and spare_by_time and not _spare_user_time_fits(
             -(-user_tiles // spare) * (min(U, tile_user[0]) + tile_user[1]) * K_user, cand_work):
         # The spare SMs' user CTAs would stream their w_user columns for longer than the
         # candidate main loops run: the user phase runs ahead, in many short CTAs instead.

@@ -55,7 +55,7 @@ PLAN_VARIANTS = {"ikbo linear, small-grid rules": ("SMALL_GRID_RULES", "x_small_
                  "ikbo linear, split K + wide user": ("SPLIT_WIDE_USER_RULES", "x_split_wide_user"),
                  "ikbo linear, no shared tile": ("NO_SHARED_TILE_RULES", "x_no_shared_tile"),
                  "ikbo linear, no user cluster split": ("NO_USER_CLUSTER_SPLIT_RULES", "x_no_user_cluster_split"),
-                 "ikbo linear, spare SMs by time": ("SPARE_BY_TIME_RULES", "x_spare_by_time")}
+                 "ikbo linear, spare SMs by MACs": ("SPARE_BY_MACS_RULES", "x_spare_by_macs")}
 SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x_decomp",
                    "torch.compile decomposition": "x_compiled", "torch addmm floor": "x_floor",
                    **{name: column for name, (_, column) in PLAN_VARIANTS.items()}}

@@ -196,13 +196,15 @@ def test_the_user_phase_takes_the_idle_sms_of_a_partial_candidate_wave():
 
 
 def test_spare_user_ctas_end_with_the_candidate_main_loops():
-    """PlanRules.spare_by_time (off by default): the spare SMs take the user phase only where its CTAs,
-    streaming their operands, end within SPARE_SLACK_US of the candidate main loops; else it runs
-    ahead as the wide user phase does. B 2048, N 1024 (128 candidate CTAs, 4 idle SMs)."""
-    from ikbo_gemm.linear import (SM_CYCLES_PER_US, SM_MACS_PER_CYCLE, SM_STREAM_BYTES_PER_CYCLE, SPARE_SLACK_US,
-                                  _spare_user_time_fits)
+    """PlanRules.spare_by_time (None: 16-bit operands only): the spare SMs take the user phase only
+    where its CTAs, streaming their operands, end within SPARE_SLACK_US of the candidate main
+    loops; else it runs ahead as the wide user phase does. B 2048, N 1024 (128 candidate CTAs, 4
+    idle SMs)."""
+    from ikbo_gemm.linear import (DEFAULT_RULES, SM_CYCLES_PER_US, SM_MACS_PER_CYCLE, SM_STREAM_BYTES_PER_CYCLE,
+                                  SPARE_SLACK_US, PlanRules, _grids as plan_grids, _spare_user_time_fits)
 
-    plain = dict(split_k=False, user_pairs=False, spare_by_time=True)
+    assert DEFAULT_RULES.spare_by_time is None
+    plain = dict(split_k=False, user_pairs=False)
     # K 1024 + 2048: a 64 x 256 user tile of 1024 keys streams in less time than a 2048-deep
     # candidate tile's main loop: the spare SMs, as before
     g = _grids(2048, 29, 1024, 1024, 2048, **plain)
@@ -211,8 +213,14 @@ def test_spare_user_ctas_end_with_the_candidate_main_loops():
     g = _grids(2048, 29, 1024, 4096, 4096, **plain)
     assert (g.tile_user, g.split_user, g.splits, g.grid_user, g.grid_cand) == ((64, 128), 4, 1, 32, 128)
     assert g == _grids(2048, 29, 1024, 4096, 4096, wide_user=True, **plain)
-    old = _grids(2048, 29, 1024, 4096, 4096, split_k=False, user_pairs=False)
+    assert g == _grids(2048, 29, 1024, 4096, 4096, spare_by_time=True, **plain)
+    old = _grids(2048, 29, 1024, 4096, 4096, spare_by_time=False, **plain)
     assert (old.tile_user, old.grid_user, old.splits) == ((64, 256), 4, 1)
+    # FP8 operands (K in the plan's 64-element blocks): the spare SMs by MACs unless forced
+    fp8 = [plan_grids(2048, 29, 1024, 2048, 2048, 132, H200_CLUSTERS, PlanRules(spare_by_time=s), fp8=True)
+           for s in (None, True, False)]
+    assert fp8[0] == fp8[2] and (fp8[0].grid_user, fp8[0].splits) == (4, 1)
+    assert fp8[1].grid_user > 4 and fp8[1].splits > 1
     # the bound itself: cycles of streaming past the main loop's, against the slack
     cand = 128 * 128 * 4096
     slack = SPARE_SLACK_US * SM_CYCLES_PER_US
@@ -231,10 +239,10 @@ def _grids(B, U, N, K_user, K_cand, **rules):
 def test_user_pairs_keep_the_candidate_clusters_whole():
     """B 2048, N 1024: 64 two-CTA candidate clusters of the 66 an H200 holds. Four single user
     CTAs could sit on four slots (62 left); two K-split pairs take the two spare slots."""
-    g = _grids(2048, 29, 1024, 4096, 4096)
+    g = _grids(2048, 29, 1024, 4096, 4096, spare_by_time=False)
     assert (g.tile_cand, g.cluster, g.split_cand, g.grid_cand) == ((128, 128), 2, 1, 128)
     assert (g.tile_user, g.split_user, g.splits, g.grid_user) == ((64, 256), 2, 1, 4)
-    old = _grids(2048, 29, 1024, 4096, 4096, user_pairs=False)
+    old = _grids(2048, 29, 1024, 4096, 4096, user_pairs=False, spare_by_time=False)
     assert (old.split_user, old.splits, old.grid_user) == (1, 1, 4)
     # where singles leave slots enough (B 8192, N 256: 64 clusters, 2 user CTAs), or the user K
     # has a single k-block, singles as before
@@ -391,8 +399,8 @@ def test_user_cluster_split_plan():
     assert _grids(8192, 117, 1152, 4096, 1024).tile_user == (128, 128)
     assert _grids(8192, 117, 1024, 128, 1024).splits == 1  # one slice: as before
     # the spare SMs' user CTAs (B 2048, N 1024: 4 user CTAs of the whole K): as before
-    assert _grids(2048, 29, 1024, 4096, 4096, split_k=False, user_pairs=False) == _grids(
-        2048, 29, 1024, 4096, 4096, split_k=False, user_pairs=False, user_cluster_split=False)
+    assert _grids(2048, 29, 1024, 1024, 2048, split_k=False, user_pairs=False) == _grids(
+        2048, 29, 1024, 1024, 2048, split_k=False, user_pairs=False, user_cluster_split=False)
     fp8 = plan_grids(8192, 117, 4096, 1024, 512, 132, H200_CLUSTERS, DEFAULT_RULES, fp8=True)
     assert fp8.splits > 1 and fp8.split_user == 1  # FP8: slabs
 
@@ -408,7 +416,7 @@ def test_wide_user_phase_plan():
     g = _grids(512, 7, 4096, 4096, 4096, wide_user=True, **plain)
     assert (g.tile_user, g.splits, g.grid_user, g.grid_cand) == ((64, 128), 4, 128, 128)
     # B 2048, N 1024, K 4096: 4 user CTAs of the whole K on the spare SMs before; now 8 x 8 slices
-    old = _grids(2048, 29, 1024, 4096, 4096, **plain)
+    old = _grids(2048, 29, 1024, 4096, 4096, spare_by_time=False, **plain)
     assert (old.grid_user, old.splits) == (4, 1)
     g = _grids(2048, 29, 1024, 4096, 4096, wide_user=True, **plain)
     assert (g.tile_user, g.splits, g.grid_user, g.tile_cand, g.grid_cand) == ((64, 128), 8, 64, (128, 128), 128)

@@ -24,6 +24,10 @@ def test_plan_rules_spec_round_trip():
     rules = PlanRules.parse("wide_user=1, user_tile=64x128,wide_user_min_n=none,cand_split=128x128x2")
     assert rules == PlanRules(wide_user=True, user_tile=(64, 128), wide_user_min_n=None, cand_split=((128, 128), 2))
     assert PlanRules.parse(rules.spec()) == rules and PlanRules.parse("") == PlanRules() and PlanRules().spec() == ""
+    # an Optional[bool] field: 0 / 1 as bools, none as None
+    assert PlanRules.parse("spare_by_time=1").spare_by_time is True
+    assert PlanRules.parse("spare_by_time=0").spare_by_time is False
+    assert PlanRules.parse("spare_by_time=1,spare_by_time=none").spare_by_time is None
     assert PlanRules.parse("fp8_promote=true") == PlanRules(fp8_promote=True)
     for bad, match in (("user_tile=64,128", "not NAME=VALUE"), ("user_tile=64xa", "integers joined by x"),
                        ("user_splits=x", "takes an integer"), ("split_k=yes", "takes 0, 1, true or false")):
