@@ -22,9 +22,9 @@ Grids of few tiles. Where the candidate tiles fill at most half the SMs, each CT
 tile and the phase takes one tile's time: the op then takes a smaller tile
 (``config.pick_cand_tile``). Where the candidate grid is one partial wave, the user phase runs
 on the SMs it leaves idle, with 16-bit operands only where its CTAs end about when the candidate
-main loops do (``PlanRules.spare_by_time``; else it runs ahead as the wide user phase). Where N >= 4096 the user phase runs in narrow tiles and up to 8 K
-slices wherever it may hold back candidate CTAs (``PlanRules.wide_user_min_n``; ``wide_user``
-at every N). Where the user phase runs ahead of the candidate grid in K slices, with 16-bit
+main loops do (``PlanRules.spare_by_time``; else it runs ahead as the wide user phase). Where
+N >= 4096 the user phase runs in narrow tiles and up to 8 K slices wherever it may hold back
+candidate CTAs (``PlanRules.wide_user_min_n``; ``wide_user`` at every N). Where the user phase runs ahead of the candidate grid in K slices, with 16-bit
 operands it splits K instead over clusters of 2 or 4 CTAs a tile that add their partial sums
 in shared memory: one workspace slab (``PlanRules.user_cluster_split``). ``PlanRules`` adds
 choices that are off: the tiles' K loop split over clusters of 2 or 4 CTAs that add their
