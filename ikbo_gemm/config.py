@@ -372,6 +372,9 @@ LINEAR_SHIPPED_CONFIGS = [
     for dtype in (torch.float16, torch.bfloat16) for tm, tn in LINEAR_SPLIT_TILES for split in LINEAR_SPLITS
 ] + [  # FP8 operands, bf16 out (and one tile's fp16 out)
     LinearConfig(FP8, torch.int32, tm, tn, "user", out_dtype=torch.bfloat16) for tm, tn in LINEAR_TILES
+] + [  # ... the user phase's K-split clusters (PlanRules.user_cluster_split=True)
+    LinearConfig(FP8, torch.int32, tm, tn, "user", split_k=split, out_dtype=torch.bfloat16)
+    for tm, tn in LINEAR_SPLIT_TILES for split in LINEAR_SPLITS
 ] + [
     LinearConfig(FP8, torch.int32, tm, tn, "cand", act, bias, cluster, out_dtype=torch.bfloat16)
     for tm, tn in LINEAR_FP8_CAND_TILES for cluster in (1, 2) for act, bias in ((None, False), ("relu", True))

@@ -24,12 +24,13 @@ tile and the phase takes one tile's time: the op then takes a smaller tile
 on the SMs it leaves idle, with 16-bit operands only where its CTAs end about when the candidate
 main loops do (``PlanRules.spare_by_time``; else it runs ahead as the wide user phase). Where
 N >= 4096 the user phase runs in narrow tiles and up to 8 K slices wherever it may hold back
-candidate CTAs (``PlanRules.wide_user_min_n``; ``wide_user`` at every N). Where the user phase runs ahead of the candidate grid in K slices, with 16-bit
-operands it splits K instead over clusters of 2 or 4 CTAs a tile that add their partial sums
-in shared memory: one workspace slab (``PlanRules.user_cluster_split``). ``PlanRules`` adds
-choices that are off: the tiles' K loop split over clusters of 2 or 4 CTAs that add their
-partial sums in shared memory (``config.pick_cand_split``), and the user phase as K-split pairs
-on the 2-CTA slots that candidate clusters leave (both slower on the whole, timed).
+candidate CTAs (``PlanRules.wide_user_min_n``; ``wide_user`` at every N). Where the user phase
+runs ahead of the candidate grid in K slices, with 16-bit operands (FP8: with
+``PlanRules.user_cluster_split=True``) it splits K instead over clusters of 2 or 4 CTAs a tile
+that add their partial sums in shared memory: one workspace slab. ``PlanRules`` adds choices
+that are off: the tiles' K loop split over clusters of 2 or 4 CTAs that add their partial sums
+in shared memory (``config.pick_cand_split``), and the user phase as K-split pairs on the 2-CTA
+slots that candidate clusters leave (both slower on the whole, timed).
 
 Memory: besides the output, each call allocates the fp32 workspace, 4 bytes per element of
 [U, N] with U rounded up to the user tile's rows (128 or 64) and N to the tile width, times
@@ -123,7 +124,9 @@ class PlanRules:
     # ratio 70, graph) 0.90 to 1.003x the time without it over B 2048 to 8192, both K pairs and
     # N 1024 to 4096 (B 4096, K 1024 + 2048, N 4096: 119 -> 108 us):
     # docs/perf/2026-12-06-linear-user-cluster-split.md.
-    user_cluster_split: bool = True
+    # None: 16-bit operands only (FP8 keeps its slabs: with FP8 operands not yet timed); True: FP8
+    # too (not with fp8_promote); False: neither.
+    user_cluster_split: Optional[bool] = None
     # The user phase on the SMs a partial candidate wave leaves idle only where each of its CTAs,
     # streaming its operands, ends about when the candidate main loops do (_spare_user_time_fits;
     # else it runs ahead, in many short CTAs: the wide user phase); False: by MACs alone; None:
@@ -145,7 +148,7 @@ class PlanRules:
     fp8_promote: bool = False
 
     def __post_init__(self):
-        for name in ("split_k", "user_pairs", "wide_user", "user_cluster_split", "fp8_promote"):
+        for name in ("split_k", "user_pairs", "wide_user", "fp8_promote"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PlanRules.{name} must be a bool, got {getattr(self, name)!r}")
         split = self.cand_split
@@ -153,8 +156,9 @@ class PlanRules:
                 (split[0] in LINEAR_TILES and split[1] in (1, 2, 4)) or (split[0] == LINEAR_SHARED_TILE and split[1] == 1))):
             raise ValueError(f"PlanRules.cand_split must be ((tile_m, tile_n) of {LINEAR_TILES}, 1, 2 or 4) or "
                              f"({LINEAR_SHARED_TILE}, 1), got {split!r}")
-        if not (self.spare_by_time is None or isinstance(self.spare_by_time, bool)):
-            raise TypeError(f"PlanRules.spare_by_time must be None or a bool, got {self.spare_by_time!r}")
+        for name in ("user_cluster_split", "spare_by_time"):
+            if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
+                raise TypeError(f"PlanRules.{name} must be None or a bool, got {getattr(self, name)!r}")
         if self.cand_clusters is not None and (isinstance(self.cand_clusters, bool)
                                                or not isinstance(self.cand_clusters, int) or self.cand_clusters < 1):
             raise ValueError(f"PlanRules.cand_clusters must be a positive int, got {self.cand_clusters!r}")
@@ -190,6 +194,8 @@ SPLIT_WIDE_USER_RULES = PlanRules(split_k=True, wide_user=True)
 NO_SHARED_TILE_RULES = PlanRules(shared_tile_min_k=None)
 # The user phase's K slices each a workspace slab of its own (user_cluster_split off).
 NO_USER_CLUSTER_SPLIT_RULES = PlanRules(user_cluster_split=False)
+# FP8 calls too with the user phase's K slices as K-split clusters.
+USER_CLUSTER_SPLIT_RULES = PlanRules(user_cluster_split=True)
 # The spare SMs' user CTAs chosen by their MACs alone, for 16-bit operands too (spare_by_time off).
 SPARE_BY_MACS_RULES = PlanRules(spare_by_time=False)
 # FP8 calls with promotion (docs/perf/2026-12-07-fp8-accumulator-promotion.md).
@@ -307,11 +313,14 @@ class _Grids:
 def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,
            fp8: bool = False) -> _Grids:
     """Both phases' grids. ``clusters(size)``: clusters of that many CTAs resident at once. FP8:
-    the candidate tiles of LINEAR_FP8_CAND_TILES, the user phase's K slices as slabs; promoting
-    (``rules.fp8_promote``), the user tiles of LINEAR_PROMOTE_TILES."""
+    the candidate tiles of LINEAR_FP8_CAND_TILES, the user phase's K slices as slabs (K-split
+    clusters with ``rules.user_cluster_split=True``); promoting (``rules.fp8_promote``), the
+    user tiles of LINEAR_PROMOTE_TILES and no K-split clusters."""
     user_tiles = LINEAR_PROMOTE_TILES if fp8 and rules.fp8_promote else LINEAR_TILES
     g = _chosen_grids(B, U, N, K_cand, K_user, sms, clusters, rules, LINEAR_FP8_CAND_TILES if fp8 else LINEAR_TILES,
-                      shared_tile=not fp8, cluster_split=not fp8, user_tile_set=user_tiles,
+                      shared_tile=not fp8, user_tile_set=user_tiles,
+                      cluster_split=(not fp8 if rules.user_cluster_split is None else rules.user_cluster_split)
+                      and not (fp8 and rules.fp8_promote),
                       spare_by_time=not fp8 if rules.spare_by_time is None else rules.spare_by_time)
     if rules.cand_clusters is not None:
         g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster))
@@ -349,7 +358,7 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
             wide_tiles = _tiles(U, N, wide_tile)
             wide_splits = _user_splits(wide_tiles, kb_user, sms, most)
             ahead = dict(base, tile_user=wide_tile, splits=wide_splits, grid_user=min(sms, wide_splits * wide_tiles))
-        if rules.user_cluster_split and cluster_split:
+        if cluster_split:
             ahead = _user_cluster_split(ahead, U, N, kb_user, clusters)
         return ahead
 

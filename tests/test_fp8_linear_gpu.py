@@ -29,9 +29,11 @@ CASES = [  # B, U, N, K_user, K_cand, per_tensor, activation, out_dtype
 
 
 PROMOTE = ikbo_gemm.PlanRules(fp8_promote=True)
+# The user phase's K slices as K-split clusters, and the spare SMs by time (both off for FP8 by default).
+CLUSTER_SPLIT = ikbo_gemm.PlanRules(user_cluster_split=True, spare_by_time=True)
 
 
-@pytest.mark.parametrize("rules", [None, PROMOTE], ids=["default", "promote"])
+@pytest.mark.parametrize("rules", [None, PROMOTE, CLUSTER_SPLIT], ids=["default", "promote", "cluster-split"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c))
 def test_matches_the_dequantized_layer(case, rules):
     B, U, N, K_user, K_cand, per_tensor, activation, out_dtype = case

@@ -373,13 +373,13 @@ def test_a_split_with_an_empty_slice_is_refused():
 
 
 def test_user_cluster_split_plan():
-    """user_cluster_split (on by default): the user phase's K slices as one K-split cluster a tile
-    (one slab), in a tile a K split takes; as before where there is one slice, where the user phase
-    takes the spare SMs, and with FP8 operands."""
+    """user_cluster_split (None, the default: 16-bit operands): the user phase's K slices as one
+    K-split cluster a tile (one slab), in a tile a K split takes; as before where there is one
+    slice, where the user phase takes the spare SMs, and with FP8 operands unless it is True."""
     from ikbo_gemm.config import LINEAR_SPLIT_TILES
     from ikbo_gemm.linear import DEFAULT_RULES, NO_USER_CLUSTER_SPLIT_RULES, _grids as plan_grids
 
-    assert DEFAULT_RULES.user_cluster_split and not NO_USER_CLUSTER_SPLIT_RULES.user_cluster_split
+    assert DEFAULT_RULES.user_cluster_split is None and NO_USER_CLUSTER_SPLIT_RULES.user_cluster_split is False
     for B, N, K in ((8192, 1024, 1024), (8192, 4096, 2048), (2048, 4096, 4096), (512, 4096, 4096)):
         plain = _grids(B, -(-B // 70), N, K, 1024, user_cluster_split=False)
         g = _grids(B, -(-B // 70), N, K, 1024)
@@ -402,7 +402,19 @@ def test_user_cluster_split_plan():
     assert _grids(2048, 29, 1024, 1024, 2048, split_k=False, user_pairs=False) == _grids(
         2048, 29, 1024, 1024, 2048, split_k=False, user_pairs=False, user_cluster_split=False)
     fp8 = plan_grids(8192, 117, 4096, 1024, 512, 132, H200_CLUSTERS, DEFAULT_RULES, fp8=True)
-    assert fp8.splits > 1 and fp8.split_user == 1  # FP8: slabs
+    assert fp8.splits > 1 and fp8.split_user == 1  # FP8: slabs, unless the rule says so
+    from ikbo_gemm.linear import FP8_PROMOTE_RULES, USER_CLUSTER_SPLIT_RULES
+    from ikbo_gemm.config import LINEAR_SHIPPED_CONFIGS, linear_configs
+    fp8 = plan_grids(8192, 117, 4096, 1024, 512, 132, H200_CLUSTERS, USER_CLUSTER_SPLIT_RULES, fp8=True)
+    assert fp8.splits == 1 and fp8.split_user == 4 and fp8.tile_user in LINEAR_SPLIT_TILES
+    user_cfg, _ = linear_configs(torch.float8_e4m3fn, torch.int32, fp8.tile_user, fp8.tile_cand, "relu", True,
+                                 fp8.cluster, fp8.split_cand, fp8.split_user, torch.bfloat16)
+    assert user_cfg in LINEAR_SHIPPED_CONFIGS
+    # ... and never with promotion (no promoting K-split configurations)
+    promote = dataclasses.replace(FP8_PROMOTE_RULES, user_cluster_split=True)
+    assert plan_grids(8192, 117, 4096, 1024, 512, 132, H200_CLUSTERS, promote, fp8=True).split_user == 1
+    # 16-bit calls: None and True the same
+    assert _grids(8192, 117, 4096, 1024, 512, user_cluster_split=True) == _grids(8192, 117, 4096, 1024, 512)
 
 
 def test_wide_user_phase_plan():
@@ -457,7 +469,8 @@ def test_wide_user_phase_by_size():
     (dict(user_splits=True), ValueError, "PlanRules.user_splits must be a positive int or None"),
     (dict(user_tile=(32, 128)), ValueError, "PlanRules.user_tile must be one of"),
     (dict(split_k=1), TypeError, "PlanRules.split_k must be a bool"),
-    (dict(user_cluster_split=1), TypeError, "PlanRules.user_cluster_split must be a bool"),
+    (dict(user_cluster_split=1), TypeError, "PlanRules.user_cluster_split must be None or a bool"),
+    (dict(spare_by_time=0), TypeError, "PlanRules.spare_by_time must be None or a bool"),
     (dict(fp8_promote=1), TypeError, "PlanRules.fp8_promote must be a bool"),
     (dict(fp8_promote=True, split_k=True), ValueError, "PlanRules.fp8_promote takes no K split"),
     (dict(fp8_promote=True, user_pairs=True), ValueError, "PlanRules.fp8_promote takes no K split"),
