@@ -319,12 +319,16 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
     user_tiles = LINEAR_PROMOTE_TILES if fp8 and rules.fp8_promote else LINEAR_TILES
     g = _chosen_grids(B, U, N, K_cand, K_user, sms, clusters, rules, LINEAR_FP8_CAND_TILES if fp8 else LINEAR_TILES,
                       shared_tile=not fp8, user_tile_set=user_tiles,
-                      cluster_split=(not fp8 if rules.user_cluster_split is None else rules.user_cluster_split)
-                      and not (fp8 and rules.fp8_promote),
-                      spare_by_time=not fp8 if rules.spare_by_time is None else rules.spare_by_time)
+                      cluster_split=_for_operands(rules.user_cluster_split, fp8) and not (fp8 and rules.fp8_promote),
+                      spare_by_time=_for_operands(rules.spare_by_time, fp8))
     if rules.cand_clusters is not None:
         g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster))
     return g
+
+
+def _for_operands(choice: Optional[bool], fp8: bool) -> bool:
+    """A PlanRules choice that may be None: the choice, or None's meaning, 16-bit operands only."""
+    return not fp8 if choice is None else choice
 
 
 def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,
@@ -544,11 +548,6 @@ def linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, o
             (x_cand, x_user, w_cand, w_user, bias),
             out,
         )
-
-
-def linear_with_rules(*args, rules: Optional[PlanRules] = None, **kwargs):
-    """:func:`linear` with ``rules`` (the name the benchmarks call)."""
-    return linear(*args, rules=rules, **kwargs)
 
 
 def _scale_vector(scale: torch.Tensor, rows: int) -> torch.Tensor:

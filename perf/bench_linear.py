@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib
 import itertools
 import sys
 from typing import Optional
@@ -50,12 +49,14 @@ OURS_FP8 = "ikbo linear fp8"
 OURS_FP8_PROMOTED = "ikbo linear fp8, promoted"  # PlanRules(fp8_promote=True)
 # Extra providers: the op under launch-plan rules other than its own (linear.PlanRules), by the
 # name of the rule set in ikbo_gemm.linear, and the column of the op's row that compares them.
-PLAN_VARIANTS = {"ikbo linear, small-grid rules": ("SMALL_GRID_RULES", "x_small_grid"),
-                 "ikbo linear, wide user phase": ("WIDE_USER_RULES", "x_wide_user"),
-                 "ikbo linear, split K + wide user": ("SPLIT_WIDE_USER_RULES", "x_split_wide_user"),
-                 "ikbo linear, no shared tile": ("NO_SHARED_TILE_RULES", "x_no_shared_tile"),
-                 "ikbo linear, no user cluster split": ("NO_USER_CLUSTER_SPLIT_RULES", "x_no_user_cluster_split"),
-                 "ikbo linear, spare SMs by MACs": ("SPARE_BY_MACS_RULES", "x_spare_by_macs")}
+# The op under other launch-plan rules (ikbo_gemm.PlanRules.parse specs; each is a named rule set
+# of ikbo_gemm.linear: SMALL_GRID_RULES, WIDE_USER_RULES, ...), and its ratio column.
+PLAN_VARIANTS = {"ikbo linear, small-grid rules": ("split_k=1,user_pairs=1", "x_small_grid"),
+                 "ikbo linear, wide user phase": ("wide_user=1", "x_wide_user"),
+                 "ikbo linear, split K + wide user": ("split_k=1,wide_user=1", "x_split_wide_user"),
+                 "ikbo linear, no shared tile": ("shared_tile_min_k=none", "x_no_shared_tile"),
+                 "ikbo linear, no user cluster split": ("user_cluster_split=0", "x_no_user_cluster_split"),
+                 "ikbo linear, spare SMs by MACs": ("spare_by_time=0", "x_spare_by_macs")}
 SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x_decomp",
                    "torch.compile decomposition": "x_compiled", "torch addmm floor": "x_floor",
                    **{name: column for name, (_, column) in PLAN_VARIANTS.items()}}
@@ -182,14 +183,6 @@ def _act(p: LinearProblem) -> Optional[str]:
     return None if p.activation == "none" else p.activation
 
 
-def _with_rules(rules_name: str):
-    """Setup of a plan-rules provider: the op with ``ikbo_gemm.linear.<rules_name>``."""
-    def setup(p: LinearProblem, i: LinearInputs):
-        linear_module = importlib.import_module("ikbo_gemm.linear")  # the module (the package's linear is the op)
-        return functools.partial(linear_module.linear_with_rules, rules=getattr(linear_module, rules_name))
-    return setup
-
-
 def _ours(p: LinearProblem, op, i: LinearInputs) -> torch.Tensor:
     return op(i.x_cand, i.x_user, p.idx, i.w_cand, i.w_user, i.bias, activation=_act(p), validate=False)
 
@@ -286,8 +279,7 @@ def providers(fp8: bool = False) -> list:
         torch_path("torch.compile fp8 decomposition", fp8_decomposition, _fp8_decomposition_args, _fp8_weights,
                    compiled=True, fp8="operands"),
         Provider("fp8 scaled_mm floor", _fp8_weights, _fp8_floor, floor=True, fp8="operands"),
-        *(Provider(name, _with_rules(rules), _ours, needs=IKBO, extra=True)
-          for name, (rules, _) in PLAN_VARIANTS.items()),
+        *(ours_with_rules(name, spec) for name, (spec, _) in PLAN_VARIANTS.items()),
         Provider(OURS, lambda p, i: LIBS.get(IKBO[0]).linear, _ours, needs=IKBO),
         Provider(OURS_FP8, no_setup, _ours_fp8(False), needs=IKBO, fp8="operands"),
         Provider("ikbo linear fp8 + quantize", no_setup, _ours_fp8(True), needs=IKBO, fp8="operands"),

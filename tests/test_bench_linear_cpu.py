@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ikbo_gemm
+
 from perf import bench_linear as bli
 from perf import harness
 from perf.providers import LIBS
@@ -17,7 +19,8 @@ from perf.providers import LIBS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torch_linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None):
+def torch_linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=None, out=None, validate=None,
+                 rules=None):
     """ikbo_gemm.linear's signature, computed by torch (the op may not exist yet)."""
     y = x_cand @ w_cand.T + (x_user @ w_user.T)[idx.long()]
     if bias is not None:
@@ -28,7 +31,8 @@ def torch_linear(x_cand, x_user, idx, w_cand, w_user, bias=None, *, activation=N
 @pytest.fixture
 def linear_on_cpu(monkeypatch, gemm_benchmarks_on_cpu, compile_eagerly):
     """bench_linear's main() on the CPU, the op stood in for by torch."""
-    monkeypatch.setitem(LIBS.modules, bli.IKBO[0], type("M", (), {"linear": staticmethod(torch_linear)}))
+    monkeypatch.setitem(LIBS.modules, bli.IKBO[0], type("M", (), {"linear": staticmethod(torch_linear),
+                                                                 "PlanRules": ikbo_gemm.PlanRules}))
     return compile_eagerly
 
 
@@ -248,3 +252,9 @@ def test_plan_rules_run_only_when_named(linear_on_cpu, tmp_path):
     assert set(rows) == {"torch decomposition", *variants, bli.OURS}
     for name, (_, column) in bli.PLAN_VARIANTS.items():
         assert rows[name]["status"] == "ok" and rows[bli.OURS][column] > 0
+    # each variant's spec is one of ikbo_gemm.linear's named rule sets
+    from ikbo_gemm.linear import (NO_SHARED_TILE_RULES, NO_USER_CLUSTER_SPLIT_RULES, SMALL_GRID_RULES,
+                                  SPARE_BY_MACS_RULES, SPLIT_WIDE_USER_RULES, WIDE_USER_RULES, PlanRules)
+    named = {SMALL_GRID_RULES, WIDE_USER_RULES, SPLIT_WIDE_USER_RULES, NO_SHARED_TILE_RULES,
+             NO_USER_CLUSTER_SPLIT_RULES, SPARE_BY_MACS_RULES}
+    assert {PlanRules.parse(spec) for spec, _ in bli.PLAN_VARIANTS.values()} == named
