@@ -231,7 +231,7 @@ class LinearSm90:
 
     TILE_K = 64  # elements of a 16-bit k-block; FP8 k-blocks hold twice as many (the same bytes)
     EPI_N = 16  # output columns per staged epilogue sub-tile (one 4-matrix stmatrix wide)
-    EPI_STAGES = 2
+    EPI_STAGES = (4, 3, 2)  # staging buffers a consumer: the most that cost no operand stage
     REGISTERS = RegisterSplit(producer=24, consumer=240)
     THREADS = REGISTERS.threads
     # Each named barrier's threads, and its ids (one per consumer warpgroup), as the docstring states.
@@ -262,14 +262,23 @@ class LinearSm90:
         elt = self.dtype.width // 8
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         self.stage_bytes = (cfg.tile_m + cfg.tile_n) * self.tile_k * elt
-        # Staging buffers: EPI_STAGES per consumer (the user phase stores from registers; it
-        # keeps one unused buffer so that both phases share one shared-memory layout).
-        self.epi_buffers = 2 * self.EPI_STAGES if cfg.phase == "cand" else 1
-        epi_bytes = self.epi_buffers * self.consumer_rows * self.EPI_N * (self.out_dtype.width // 8)
-        # As many stages as fit beside the staging buffers, the exchange's receive buffer and the
-        # barriers (1024 bytes: the operands are 1024-byte aligned).
+        # Staging buffers: epi_stages per consumer (the user phase stores from registers; it
+        # keeps one unused buffer so that both phases share one shared-memory layout). Each
+        # staged sub-tile waits for the bulk store epi_stages - 1 sub-tiles back to have read
+        # its buffer: more buffers, fewer of those waits in a row, as long as they cost no
+        # operand stage.
         red_bytes = self.reduce.tx_bytes if self.reduce else 0
-        self.ab_stages = min(8, (smem - epi_bytes - red_bytes - 1024) // self.stage_bytes)
+
+        def ab_stages(epi_stages: int) -> int:
+            # As many stages as fit beside the staging buffers, the exchange's receive buffer and
+            # the barriers (1024 bytes: the operands are 1024-byte aligned).
+            buffers = 2 * epi_stages if cfg.phase == "cand" else 1
+            epi_bytes = buffers * self.consumer_rows * self.EPI_N * (self.out_dtype.width // 8)
+            return min(8, (smem - epi_bytes - red_bytes - 1024) // self.stage_bytes)
+
+        self.ab_stages = ab_stages(self.EPI_STAGES[-1])
+        self.epi_stages = next(e for e in self.EPI_STAGES if ab_stages(e) == self.ab_stages)
+        self.epi_buffers = 2 * self.epi_stages if cfg.phase == "cand" else 1
         if self.ab_stages < 2:
             raise ValueError(f"LinearSm90: a {cfg.tile_m} x {cfg.tile_n} tile leaves room for "
                              f"{self.ab_stages} pipeline stages; at least 2 are needed")
@@ -607,7 +616,7 @@ class LinearSm90:
                 rOut = cute.make_rmem_tensor_like(sub, self.out_dtype)
                 rOut.store(sub.load().to(self.out_dtype))
                 # The sub-tile's turn among those this CTA stores (every sub-tile without split_k).
-                buf = consumer_idx * self.EPI_STAGES + (epi_count + s // self.split) % self.EPI_STAGES
+                buf = consumer_idx * self.epi_stages + (epi_count + s // self.split) % self.epi_stages
                 cute.copy(r2s, r2s.retile(rOut), tRS_sC[(None, None, None, buf)])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 self.epi_sync(consumer_idx)
@@ -620,7 +629,7 @@ class LinearSm90:
                                                                           tile.n * self.epi_subtiles + s)], 0, 2))
                     cute.copy(stores.out_atom, tS, tG)
                     cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(self.EPI_STAGES - 1, read=True)
+                    cute.arch.cp_async_bulk_wait_group(self.epi_stages - 1, read=True)
                 self.epi_sync(consumer_idx)
 
     def sub_mma(self, tiled_mma):
