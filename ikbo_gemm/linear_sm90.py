@@ -193,12 +193,13 @@ class LinearSm90:
         it has read the other CTAs' partial sums.
 
     Timelines. Producer warp 0, per tile: for each k-block, wait for a free stage, load A and B.
-    Consumer c, per tile of its lane of the walk (shared tile: every tile, no turns): wait
-    for its MMA_ORDER turn -> main loop
+    Consumer c, per tile of its lane of the walk (shared tile: every tile, no turns): (candidate
+    phase: load each of its rows' user index, and where the registers allow each of its
+    columns' bias) -> wait for its MMA_ORDER turn -> main loop
     (wgmma one group in flight, stages released one behind) -> hand the turn over ->
     (split_k: send the sub-tiles other CTAs own, add the partial sums of its own) -> epilogue:
     user phase: fp32 stores of its fragment into ws; candidate phase: (first tile: wait for the
-    user grid) per row the user index, then per sub-tile of its rows x EPI_N: + ws row + bias,
+    user grid) per sub-tile of its rows x EPI_N: + ws row + bias,
     activation, round, stmatrix into its staging buffer, TMA store.
 
     Tile order: cluster tiles (cluster_m row tiles x one column tile) numbered column tile
@@ -232,6 +233,9 @@ class LinearSm90:
     TILE_K = 64  # elements of a 16-bit k-block; FP8 k-blocks hold twice as many (the same bytes)
     EPI_N = 16  # output columns per staged epilogue sub-tile (one 4-matrix stmatrix wide)
     EPI_STAGES = (4, 3, 2)  # staging buffers a consumer: the most that cost no operand stage
+    # The bias of a thread's columns is loaded before the main loop where its registers and the
+    # accumulator's take at most this many (more spilled: 128 x 192, 64 x 256 with a K split).
+    BIAS_AHEAD_REGISTERS = 160
     REGISTERS = RegisterSplit(producer=24, consumer=240)
     THREADS = REGISTERS.threads
     # Each named barrier's threads, and its ids (one per consumer warpgroup), as the docstring states.
@@ -256,6 +260,9 @@ class LinearSm90:
         self.shared_tile = cfg.consumers_per_tile == 2
         self.consumer_rows = cfg.tile_m // cfg.consumers_per_tile
         self.epi_tile = (self.consumer_rows, self.EPI_N)
+        # A thread's accumulator: consumer_rows x tile_n / 128 fp32 registers over tile_n / 4 columns.
+        self.bias_ahead = cfg.has_bias and (self.consumer_rows * cfg.tile_n // 128 + cfg.tile_n // 4
+                                            <= self.BIAS_AHEAD_REGISTERS)
         self.epi_subtiles = cfg.tile_n // self.EPI_N
         # The exchange of a K-split cluster: 2 accumulator rows per 64 tile rows a thread holds.
         self.reduce = ClusterReduce(self.split, self.epi_subtiles, 2 * cfg.tile_m // 64) if self.split > 1 else None
@@ -500,6 +507,12 @@ class LinearSm90:
         tile_i = Int32(0)
         while t < work.size():
             tile = self.decode(t, work, rank)
+            row_in = col_in = None
+            if const_expr(self.cfg.phase == "cand"):
+                # The epilogue's per-row users and per-column bias: inputs of the call, not of the
+                # user grid, so loaded now, in flight while the main loop runs.
+                row_in = self.row_users(coords, stores, tile, n_rows)
+                col_in = self.column_bias(coords, stores, tile, n_cols)
             if const_expr(turns):
                 self.ping_pong.wait(consumer_idx)
             if const_expr(self.cfg.promote):
@@ -518,8 +531,8 @@ class LinearSm90:
             if const_expr(self.cfg.phase == "user"):
                 self.store_user_tile(acc, coords, stores.out, tile, rank)
             else:
-                self.store_output_tile(acc, coords, tiled_mma, sC, stores, tile, n_rows, n_cols, epi_count,
-                                       consumer_idx, warp_in_wg, tidx, rank)
+                self.store_output_tile(acc, coords, tiled_mma, sC, stores, tile, row_in, col_in, n_cols,
+                                       epi_count, consumer_idx, warp_in_wg, tidx, rank)
                 epi_count += self.epi_subtiles // self.split
             if const_expr(turns):
                 # Skip the other consumer's next tile in the ring.
@@ -564,26 +577,43 @@ class LinearSm90:
                     mWs[tile.split, row0 + r, col0 + col] = acc_mn[m, c]
 
     @cute.jit
-    def store_output_tile(self, acc, coords, tiled_mma, sC, stores: LinearStores, tile: LinearTile, n_rows: Int32,
-                          n_cols: Int32, epi_count: Int32, consumer_idx: Int32, warp_in_wg: Int32, tidx: Int32,
-                          rank: Int32):
-        """+ ws[idx[row]] (its slabs in order) + bias, activation, round once; staged (its rows) x EPI_N
-        sub-tiles (split_k: those this CTA owns), TMA-stored (rows and columns past the output are
-        clipped by the store)."""
-        acc_mn = acc_mn_view(acc)
-        rows = cute.size(acc_mn, mode=[0])
-        row0 = tile.m * self.tile_m
-        col0 = tile.n * self.tile_n
-        # The user grid's ws is complete (a no-op once it has finished).
-        cute.arch.griddepcontrol_wait()
-        # Each row's user (rows past B read idx[B - 1]; they are never stored).
+    def row_users(self, coords, stores: LinearStores, tile: LinearTile, n_rows: Int32):
+        """(users, poison) of the thread's accumulator rows: each row's user (rows past B read
+        idx[B - 1]; they are never stored) and 0, or user 0 and NaN for an index out of range."""
         users = []
         poison = []
-        for m in cutlass.range_constexpr(rows):
+        row0 = tile.m * self.tile_m
+        for m in cutlass.range_constexpr(cute.size(coords, mode=[0])):
             u_raw = stores.idx[cutlass.min(row0 + coords[m, 0][0], n_rows - 1)]
             valid = (u_raw >= 0) & (u_raw < stores.n_users)  # in idx's own width: an int64 must not wrap
             users.append(Int32(u_raw) if valid else Int32(0))
             poison.append(Float32(0.0) if valid else Float32(math.nan))
+        return users, poison
+
+    @cute.jit
+    def column_bias(self, coords, stores: LinearStores, tile: LinearTile, n_cols: Int32):
+        """The bias of each of the thread's accumulator columns in fp32 (columns past N read the
+        last one: never stored); None without a bias, or where the registers are short
+        (``bias_ahead``: the epilogue loads it)."""
+        if const_expr(not self.bias_ahead):
+            return None
+        col0 = tile.n * self.tile_n
+        return [Float32(stores.bias[cutlass.min(col0 + coords[0, c][1], n_cols - 1)])
+                for c in range(cute.size(coords, mode=[1]))]
+
+    @cute.jit
+    def store_output_tile(self, acc, coords, tiled_mma, sC, stores: LinearStores, tile: LinearTile, row_in, col_in,
+                          n_cols: Int32, epi_count: Int32, consumer_idx: Int32, warp_in_wg: Int32, tidx: Int32,
+                          rank: Int32):
+        """+ ws[idx[row]] (its slabs in order) + bias, activation, round once; staged (its rows) x EPI_N
+        sub-tiles (split_k: those this CTA owns), TMA-stored (rows and columns past the output are
+        clipped by the store). ``row_in``: ``row_users``; ``col_in``: ``column_bias``."""
+        acc_mn = acc_mn_view(acc)
+        rows = cute.size(acc_mn, mode=[0])
+        col0 = tile.n * self.tile_n
+        users, poison = row_in
+        # The user grid's ws is complete (a no-op once it has finished).
+        cute.arch.griddepcontrol_wait()
 
         # The user rows, slab by slab in a fixed order (the same bits whoever ran which slice).
         per_sub = cute.size(acc_mn, mode=[1]) // self.epi_subtiles  # columns of a sub-tile
@@ -608,9 +638,11 @@ class LinearSm90:
             if self.owns(s, rank):
                 for m in cutlass.range_constexpr(rows):
                     for c in cutlass.range_constexpr(per_sub):
-                        col = col0 + coords[m, s * per_sub + c][1]
                         v = acc_mn[m, s * per_sub + c] + poison[m]
-                        if const_expr(self.cfg.has_bias):
+                        if const_expr(self.bias_ahead):
+                            v = v + col_in[s * per_sub + c]
+                        elif const_expr(self.cfg.has_bias):
+                            col = col0 + coords[m, s * per_sub + c][1]
                             v = v + Float32(stores.bias[cutlass.min(col, n_cols - 1)])
                         sub_mn[m, c] = self.activation(v)
                 rOut = cute.make_rmem_tensor_like(sub, self.out_dtype)
