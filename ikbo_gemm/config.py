@@ -372,7 +372,7 @@ LINEAR_SHIPPED_CONFIGS = [
     for dtype in (torch.float16, torch.bfloat16) for tm, tn in LINEAR_SPLIT_TILES for split in LINEAR_SPLITS
 ] + [  # FP8 operands, bf16 out (and one tile's fp16 out)
     LinearConfig(FP8, torch.int32, tm, tn, "user", out_dtype=torch.bfloat16) for tm, tn in LINEAR_TILES
-] + [  # ... the user phase's K-split clusters (PlanRules.user_cluster_split=True)
+] + [  # ... the user phase's K-split clusters (PlanRules.user_cluster_split, on by default)
     LinearConfig(FP8, torch.int32, tm, tn, "user", split_k=split, out_dtype=torch.bfloat16)
     for tm, tn in LINEAR_SPLIT_TILES for split in LINEAR_SPLITS
 ] + [

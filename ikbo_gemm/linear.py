@@ -21,13 +21,14 @@ overlaps another tile's main loop.
 Grids of few tiles. Where the candidate tiles fill at most half the SMs, each CTA runs one
 tile and the phase takes one tile's time: the op then takes a smaller tile
 (``config.pick_cand_tile``). Where the candidate grid is one partial wave, the user phase runs
-on the SMs it leaves idle, with 16-bit operands only where its CTAs end about when the candidate
-main loops do (``PlanRules.spare_by_time``; else it runs ahead as the wide user phase). Where
-N >= 4096 the user phase runs in narrow tiles and up to 8 K slices wherever it may hold back
-candidate CTAs (``PlanRules.wide_user_min_n``; ``wide_user`` at every N). Where the user phase
-runs ahead of the candidate grid in K slices, with 16-bit operands (FP8: with
-``PlanRules.user_cluster_split=True``) it splits K instead over clusters of 2 or 4 CTAs a tile
-that add their partial sums in shared memory: one workspace slab. ``PlanRules`` adds choices
+on the SMs it leaves idle only where its CTAs end about when the candidate main loops do
+(``PlanRules.spare_by_time``; else it runs ahead as the wide user phase; FP8 calls under
+``fp8_promote``: where its tiles are no more MACs than a candidate tile). Where N >= 4096 the
+user phase runs in narrow tiles and up to 8 K slices wherever it may hold back candidate CTAs
+(``PlanRules.wide_user_min_n``; ``wide_user`` at every N). Where the user phase runs ahead of
+the candidate grid in K slices, it splits K instead over clusters of 2 or 4 CTAs a tile that add
+their partial sums in shared memory: one workspace slab (``PlanRules.user_cluster_split``; not
+FP8 calls under ``fp8_promote``, whose slices stay slabs). ``PlanRules`` adds choices
 that are off: the tiles' K loop split over clusters of 2 or 4 CTAs that add their partial sums
 in shared memory (``config.pick_cand_split``), and the user phase as K-split pairs on the 2-CTA
 slots that candidate clusters leave (both slower on the whole, timed).
@@ -118,22 +119,27 @@ class PlanRules:
     # N 4096: docs/perf/2026-12-06-linear-shared-tile.md.
     shared_tile_min_k: Optional[int] = 1024
     shared_tile_max_n: Optional[int] = 1024
-    # The user phase's K slices (where its grid runs ahead of the candidate grid; 16-bit operands)
-    # as K-split clusters of 2 or 4 CTAs that add their partial sums in shared memory: one
-    # workspace slab for the candidate epilogue to read instead of one a slice. On the H100 (bf16,
-    # ratio 70, graph) 0.90 to 1.003x the time without it over B 2048 to 8192, both K pairs and
-    # N 1024 to 4096 (B 4096, K 1024 + 2048, N 4096: 119 -> 108 us):
-    # docs/perf/2026-12-06-linear-user-cluster-split.md.
-    # None: 16-bit operands only (FP8 keeps its slabs: with FP8 operands not yet timed); True: FP8
-    # too (not with fp8_promote); False: neither.
+    # The user phase's K slices (where its grid runs ahead of the candidate grid) as K-split
+    # clusters of 2 or 4 CTAs that add their partial sums in shared memory: one workspace slab for
+    # the candidate epilogue to read instead of one a slice. On the H100 (bf16, ratio 70, graph)
+    # 0.90 to 1.003x the time without it over B 2048 to 8192, both K pairs and N 1024 to 4096
+    # (B 4096, K 1024 + 2048, N 4096: 119 -> 108 us): docs/perf/2026-12-06-linear-user-cluster-split.md.
+    # FP8, with spare_by_time (H100, ratio 70, relu, graph, L2 cold; B 2048 to 8192, K 1024 + 2048
+    # to 4096 + 4096, N 256 and 1024): 0.77 to 1.00x the time of both off where the plan changes
+    # (B 2048, K 4096 + 4096, N 1024: 35.1 -> 27.0 us; B 4096, 4096 + 4096, N 256: 23.0 -> 20.1;
+    # B 8192, 1024 + 2048, N 1024: 47.1 -> 43.6; B 8192, 4096 + 4096, N 1024: 75.0 -> 69.3), within
+    # noise (3%, the spread of identical plans) elsewhere: docs/perf/2026-12-07-linear-fp8-rules-h100.md.
+    # None: on, but for FP8 calls under fp8_promote (no K-split promoting configurations: slabs);
+    # True: on (never with fp8_promote); False: off.
     user_cluster_split: Optional[bool] = None
     # The user phase on the SMs a partial candidate wave leaves idle only where each of its CTAs,
     # streaming its operands, ends about when the candidate main loops do (_spare_user_time_fits;
-    # else it runs ahead, in many short CTAs: the wide user phase); False: by MACs alone; None:
-    # 16-bit operands only. On the H100 (graph) it ran 3 to 10% faster at every bf16 point where
-    # it changes the plan; with FP8 operands, whose user phase then runs as up to 8 workspace
-    # slabs, 17% faster at B 2048, N 1024 and 17 to 25% slower at B 4096, N 256
-    # (docs/perf/2026-12-07-linear-timeline-h100.md).
+    # else it runs ahead, in many short CTAs: the wide user phase); False: by MACs alone; None: on,
+    # but for FP8 calls under fp8_promote (their user phase ahead has no K-split clusters: up to 8
+    # workspace slabs). On the H100 (graph) it ran 3 to 10% faster at every bf16 point where it
+    # changes the plan (docs/perf/2026-12-07-linear-timeline-h100.md). FP8: with user_cluster_split
+    # see that field; without it (the user phase ahead as up to 8 slabs) 17% faster at B 2048,
+    # N 1024 and 17 to 25% slower at B 4096, N 256 (19.5 against 16.5 us), the slabs' cost.
     spare_by_time: Optional[bool] = None
     cand_split: Optional[tuple] = None  # ((tile_m, tile_n), split_k) of the candidate phase
     cand_clusters: Optional[int] = None  # at most this many candidate clusters (each then walks more tiles)
@@ -194,9 +200,8 @@ SPLIT_WIDE_USER_RULES = PlanRules(split_k=True, wide_user=True)
 NO_SHARED_TILE_RULES = PlanRules(shared_tile_min_k=None)
 # The user phase's K slices each a workspace slab of its own (user_cluster_split off).
 NO_USER_CLUSTER_SPLIT_RULES = PlanRules(user_cluster_split=False)
-# FP8 calls too with the user phase's K slices as K-split clusters.
-USER_CLUSTER_SPLIT_RULES = PlanRules(user_cluster_split=True)
-# The spare SMs' user CTAs chosen by their MACs alone, for 16-bit operands too (spare_by_time off).
+# The spare SMs' user CTAs chosen by their MACs alone (spare_by_time off; the default does so
+# only for FP8 calls under fp8_promote).
 SPARE_BY_MACS_RULES = PlanRules(spare_by_time=False)
 # FP8 calls with promotion (docs/perf/2026-12-07-fp8-accumulator-promotion.md).
 FP8_PROMOTE_RULES = PlanRules(fp8_promote=True)
@@ -313,22 +318,24 @@ class _Grids:
 def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,
            fp8: bool = False) -> _Grids:
     """Both phases' grids. ``clusters(size)``: clusters of that many CTAs resident at once. FP8:
-    the candidate tiles of LINEAR_FP8_CAND_TILES, the user phase's K slices as slabs (K-split
-    clusters with ``rules.user_cluster_split=True``); promoting (``rules.fp8_promote``), the
-    user tiles of LINEAR_PROMOTE_TILES and no K-split clusters."""
-    user_tiles = LINEAR_PROMOTE_TILES if fp8 and rules.fp8_promote else LINEAR_TILES
+    the candidate tiles of LINEAR_FP8_CAND_TILES; promoting (``rules.fp8_promote``), the user
+    tiles of LINEAR_PROMOTE_TILES, the user phase's K slices as slabs (never K-split clusters)
+    and, unless the rules say True, its spare SMs by MACs (``_unless_promoted``)."""
+    promote = fp8 and rules.fp8_promote
+    user_tiles = LINEAR_PROMOTE_TILES if promote else LINEAR_TILES
     g = _chosen_grids(B, U, N, K_cand, K_user, sms, clusters, rules, LINEAR_FP8_CAND_TILES if fp8 else LINEAR_TILES,
                       shared_tile=not fp8, user_tile_set=user_tiles,
-                      cluster_split=_for_operands(rules.user_cluster_split, fp8) and not (fp8 and rules.fp8_promote),
-                      spare_by_time=_for_operands(rules.spare_by_time, fp8))
+                      cluster_split=_unless_promoted(rules.user_cluster_split, promote) and not promote,
+                      spare_by_time=_unless_promoted(rules.spare_by_time, promote))
     if rules.cand_clusters is not None:
         g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster))
     return g
 
 
-def _for_operands(choice: Optional[bool], fp8: bool) -> bool:
-    """A PlanRules choice that may be None: the choice, or None's meaning, 16-bit operands only."""
-    return not fp8 if choice is None else choice
+def _unless_promoted(choice: Optional[bool], promote: bool) -> bool:
+    """A PlanRules choice that may be None: the choice, or None's meaning, on unless the call is
+    an FP8 one under ``fp8_promote`` (``promote``)."""
+    return not promote if choice is None else choice
 
 
 def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,

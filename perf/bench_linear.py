@@ -284,9 +284,8 @@ def providers(fp8: bool = False) -> list:
         Provider(OURS_FP8, no_setup, _ours_fp8(False), needs=IKBO, fp8="operands"),
         Provider("ikbo linear fp8 + quantize", no_setup, _ours_fp8(True), needs=IKBO, fp8="operands"),
         ours_with_rules(OURS_FP8_PROMOTED, "fp8_promote=1", fp8=True),
-        ours_with_rules("ikbo linear fp8, spare SMs by time", "spare_by_time=1", fp8=True),
-        ours_with_rules("ikbo linear fp8, user cluster split", "user_cluster_split=1", fp8=True),
-        ours_with_rules("ikbo linear fp8, both", "spare_by_time=1,user_cluster_split=1", fp8=True),
+        ours_with_rules("ikbo linear fp8, spare SMs by MACs", "spare_by_time=0", fp8=True),
+        ours_with_rules("ikbo linear fp8, no user cluster split", "user_cluster_split=0", fp8=True),
     ]
     return [pr for pr in provs if fp8 or not pr.fp8]
 

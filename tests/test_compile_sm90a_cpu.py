@@ -91,8 +91,9 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
 
 def _linear_default_plan_configs():
     """The configurations ikbo_gemm.linear's default plan picks at the bench grid's shapes (B 2048
-    to 8192, ratio 70, K 1024 + 2048 and 4096 + 4096, N 1024 to 4096) on an H100 or H200 (132
-    SMs), 16-bit operands, relu and bias."""
+    to 8192, ratio 70, K 1024 + 2048, 2048 + 2048 and 4096 + 4096, N 256 to 4096) on an H100 or
+    H200 (132 SMs), relu and bias: 16-bit operands, and FP8 ones (bf16 out) under the default
+    rules and under FP8_PROMOTE_RULES."""
     import importlib
 
     from ikbo_gemm.config import linear_configs
@@ -100,18 +101,27 @@ def _linear_default_plan_configs():
     linear_mod = importlib.import_module("ikbo_gemm.linear")
     clusters = {1: 132, 2: 66, 4: 30}.__getitem__
     configs = set()
-    for B, (K_user, K_cand), N in itertools.product((2048, 4096, 8192), ((1024, 2048), (4096, 4096)),
-                                                     (1024, 2048, 4096)):
-        g = linear_mod._grids(B, -(-B // 70), N, K_cand, K_user, 132, clusters, linear_mod.DEFAULT_RULES)
+    for B, (K_user, K_cand), N in itertools.product((2048, 4096, 8192), ((1024, 2048), (2048, 2048), (4096, 4096)),
+                                                     (256, 1024, 2048, 4096)):
+        U = -(-B // 70)
+        g = linear_mod._grids(B, U, N, K_cand, K_user, 132, clusters, linear_mod.DEFAULT_RULES)
         for dtype in (torch.float16, torch.bfloat16):
             configs.update(linear_configs(dtype, torch.int32, g.tile_user, g.tile_cand, "relu", True, g.cluster,
                                           g.split_cand, g.split_user))
+        for rules in (linear_mod.DEFAULT_RULES, linear_mod.FP8_PROMOTE_RULES):
+            # FP8: the plan counts K in 64-element blocks, half of FP8's 128
+            g = linear_mod._grids(B, U, N, K_cand // 2, K_user // 2, 132, clusters, rules, fp8=True)
+            configs.update(linear_configs(torch.float8_e4m3fn, torch.int32, g.tile_user, g.tile_cand, "relu", True,
+                                          g.cluster, g.split_cand, g.split_user, torch.bfloat16,
+                                          promote=rules.fp8_promote))
     return sorted(configs, key=str)
 
 
 def test_linear_default_plan_at_the_bench_grid_picks_shipped_configs():
     """Each configuration is shipped, so compiled and checked above: the user phase's K-split
-    clusters (PlanRules.user_cluster_split) among them, 4-CTA splits included."""
+    clusters (PlanRules.user_cluster_split) among them, 4-CTA splits included, FP8 ones too."""
     configs = _linear_default_plan_configs()
-    assert any(c.phase == "user" and c.split_k == 4 for c in configs)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        assert any(c.dtype == dtype and c.phase == "user" and c.split_k == 4 for c in configs)
+    assert any(c.phase == "user" and c.promote for c in configs)
     assert [c for c in configs if c not in ikbo_gemm.SHIPPED_CONFIGS] == []

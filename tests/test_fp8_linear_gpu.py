@@ -29,11 +29,11 @@ CASES = [  # B, U, N, K_user, K_cand, per_tensor, activation, out_dtype
 
 
 PROMOTE = ikbo_gemm.PlanRules(fp8_promote=True)
-# The user phase's K slices as K-split clusters, and the spare SMs by time (both off for FP8 by default).
-CLUSTER_SPLIT = ikbo_gemm.PlanRules(user_cluster_split=True, spare_by_time=True)
+# The user phase's K slices each a workspace slab (the default runs them as K-split clusters).
+SLABS = ikbo_gemm.PlanRules(user_cluster_split=False, spare_by_time=True)
 
 
-@pytest.mark.parametrize("rules", [None, PROMOTE, CLUSTER_SPLIT], ids=["default", "promote", "cluster-split"])
+@pytest.mark.parametrize("rules", [None, PROMOTE, SLABS], ids=["default", "promote", "slabs"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c))
 def test_matches_the_dequantized_layer(case, rules):
     B, U, N, K_user, K_cand, per_tensor, activation, out_dtype = case
@@ -144,7 +144,8 @@ def test_in_a_compiled_model_with_dynamic_shapes():
                          ids=["split2", "split4", "small-grid", "wide-user", "promote-wide-user", "promote-narrow"])
 def test_launch_rules_keep_the_result(rules):
     """FP8 under the plan rules the op leaves off: K split over clusters (the partial sums added
-    before the scales), K-split user pairs, the wide user phase (up to 8 workspace slabs)."""
+    before the scales), K-split user pairs, the wide user phase (its K slices as K-split clusters;
+    promoted, as up to 8 workspace slabs)."""
     B, U, N, K = 256, 3, 256, 4096
     kw = linear_fp8_problem(B, U, N, K, K, seed=11, device=DEVICE)
     out = ikbo_gemm.linear(**kw, activation="relu", rules=ikbo_gemm.PlanRules(**rules))

@@ -34,13 +34,17 @@ def test_fp8_call_through_the_kernel_path(dims, per_tensor, out_dtype, monkeypat
     assert ((out.double() - exact).abs() <= bound).all()
 
 
-def test_fp8_plan_counts_k_blocks_of_128(monkeypatch):
-    """The user phase's K slices each hold whole 128-element k-blocks (the emulation checks it)."""
+@pytest.mark.parametrize("slabs", [False, True], ids=["cluster-split", "slabs"])
+def test_fp8_plan_counts_k_blocks_of_128(slabs, monkeypatch):
+    """The user phase's K slices each hold whole 128-element k-blocks (the emulation checks it):
+    the CTAs of a K-split cluster (the default), or workspace slabs (user_cluster_split off)."""
     kernels = linear_emulation.install(monkeypatch)
     kw = linear_fp8_problem(2000, 2, 64, 4096, 128)
-    ikbo_gemm.linear(**kw)
+    ikbo_gemm.linear(**kw, rules=ikbo_gemm.PlanRules(user_cluster_split=False) if slabs else None)
     user = kernels.launches[0]
-    assert user["splits"] > 1 and -(-4096 // 128) >= 2 * user["splits"]
+    slices = user["splits"] if slabs else user["cfg"].split_k
+    assert (user["splits"], user["cfg"].split_k) == ((slices, 1) if slabs else (1, slices))
+    assert slices > 1 and -(-4096 // 128) >= 2 * slices
 
 
 @pytest.mark.parametrize("split_k", [False, True])

@@ -196,10 +196,10 @@ def test_the_user_phase_takes_the_idle_sms_of_a_partial_candidate_wave():
 
 
 def test_spare_user_ctas_end_with_the_candidate_main_loops():
-    """PlanRules.spare_by_time (None: 16-bit operands only): the spare SMs take the user phase only
-    where its CTAs, streaming their operands, end within SPARE_SLACK_US of the candidate main
-    loops; else it runs ahead as the wide user phase does. B 2048, N 1024 (128 candidate CTAs, 4
-    idle SMs)."""
+    """PlanRules.spare_by_time (None: on, but for FP8 calls under fp8_promote): the spare SMs take
+    the user phase only where its CTAs, streaming their operands, end within SPARE_SLACK_US of the
+    candidate main loops; else it runs ahead as the wide user phase does. B 2048, N 1024 (128
+    candidate CTAs, 4 idle SMs)."""
     from ikbo_gemm.linear import (DEFAULT_RULES, SM_CYCLES_PER_US, SM_MACS_PER_CYCLE, SM_STREAM_BYTES_PER_CYCLE,
                                   SPARE_SLACK_US, PlanRules, _grids as plan_grids, _spare_user_time_fits)
 
@@ -216,11 +216,19 @@ def test_spare_user_ctas_end_with_the_candidate_main_loops():
     assert g == _grids(2048, 29, 1024, 4096, 4096, spare_by_time=True, **plain)
     old = _grids(2048, 29, 1024, 4096, 4096, spare_by_time=False, **plain)
     assert (old.tile_user, old.grid_user, old.splits) == ((64, 256), 4, 1)
-    # FP8 operands (K in the plan's 64-element blocks): the spare SMs by MACs unless forced
+    # FP8 operands (K in the plan's 64-element blocks): by time, as 16-bit ones, the user phase
+    # ahead as 4-CTA K-split clusters (one slab); by MACs the 4 spare SMs
     fp8 = [plan_grids(2048, 29, 1024, 2048, 2048, 132, H200_CLUSTERS, PlanRules(spare_by_time=s), fp8=True)
            for s in (None, True, False)]
-    assert fp8[0] == fp8[2] and (fp8[0].grid_user, fp8[0].splits) == (4, 1)
-    assert fp8[1].grid_user > 4 and fp8[1].splits > 1
+    assert fp8[0] == fp8[1] and (fp8[0].tile_user, fp8[0].split_user, fp8[0].splits, fp8[0].grid_user) == (
+        (64, 128), 4, 1, 32)
+    assert (fp8[2].split_user, fp8[2].splits, fp8[2].grid_user) == (1, 1, 4)
+    # ... under fp8_promote by MACs unless forced (no K-split clusters: by time, 8 slabs)
+    promoted = [plan_grids(2048, 29, 1024, 2048, 2048, 132, H200_CLUSTERS,
+                           PlanRules(spare_by_time=s, fp8_promote=True), fp8=True) for s in (None, True, False)]
+    assert promoted[0] == promoted[2] and (promoted[0].split_user, promoted[0].splits, promoted[0].grid_user) == (
+        1, 1, 4)
+    assert promoted[1].split_user == 1 and promoted[1].splits == 8
     # the bound itself: cycles of streaming past the main loop's, against the slack
     cand = 128 * 128 * 4096
     slack = SPARE_SLACK_US * SM_CYCLES_PER_US
@@ -373,9 +381,9 @@ def test_a_split_with_an_empty_slice_is_refused():
 
 
 def test_user_cluster_split_plan():
-    """user_cluster_split (None, the default: 16-bit operands): the user phase's K slices as one
-    K-split cluster a tile (one slab), in a tile a K split takes; as before where there is one
-    slice, where the user phase takes the spare SMs, and with FP8 operands unless it is True."""
+    """user_cluster_split (None, the default: on, but for FP8 calls under fp8_promote): the user
+    phase's K slices as one K-split cluster a tile (one slab), in a tile a K split takes; as
+    before where there is one slice and where the user phase takes the spare SMs."""
     from ikbo_gemm.config import LINEAR_SPLIT_TILES
     from ikbo_gemm.linear import DEFAULT_RULES, NO_USER_CLUSTER_SPLIT_RULES, _grids as plan_grids
 
@@ -401,18 +409,29 @@ def test_user_cluster_split_plan():
     # the spare SMs' user CTAs (B 2048, N 1024: 4 user CTAs of the whole K): as before
     assert _grids(2048, 29, 1024, 1024, 2048, split_k=False, user_pairs=False) == _grids(
         2048, 29, 1024, 1024, 2048, split_k=False, user_pairs=False, user_cluster_split=False)
-    fp8 = plan_grids(8192, 117, 4096, 1024, 512, 132, H200_CLUSTERS, DEFAULT_RULES, fp8=True)
-    assert fp8.splits > 1 and fp8.split_user == 1  # FP8: slabs, unless the rule says so
-    from ikbo_gemm.linear import FP8_PROMOTE_RULES, USER_CLUSTER_SPLIT_RULES
+    # FP8 operands: the same (the default plan is that of both rules True), slabs when off
+    from ikbo_gemm.linear import FP8_PROMOTE_RULES, PlanRules
     from ikbo_gemm.config import LINEAR_SHIPPED_CONFIGS, linear_configs
-    fp8 = plan_grids(8192, 117, 4096, 1024, 512, 132, H200_CLUSTERS, USER_CLUSTER_SPLIT_RULES, fp8=True)
+    fp8 = plan_grids(8192, 117, 4096, 1024, 512, 132, H200_CLUSTERS, DEFAULT_RULES, fp8=True)
     assert fp8.splits == 1 and fp8.split_user == 4 and fp8.tile_user in LINEAR_SPLIT_TILES
+    both = PlanRules(user_cluster_split=True, spare_by_time=True)
+    for B, N, K_user, K_cand in itertools.product((2048, 4096, 8192), (256, 1024, 4096),
+                                                  (1024, 4096), (1024, 2048, 4096)):
+        args = (B, -(-B // 70), N, K_cand // 2, K_user // 2, 132, H200_CLUSTERS)  # 64-element k-blocks
+        assert plan_grids(*args, DEFAULT_RULES, fp8=True) == plan_grids(*args, both, fp8=True)
+    slabs = plan_grids(8192, 117, 4096, 1024, 512, 132, H200_CLUSTERS, NO_USER_CLUSTER_SPLIT_RULES, fp8=True)
+    assert slabs.splits > 1 and slabs.split_user == 1
     user_cfg, _ = linear_configs(torch.float8_e4m3fn, torch.int32, fp8.tile_user, fp8.tile_cand, "relu", True,
                                  fp8.cluster, fp8.split_cand, fp8.split_user, torch.bfloat16)
     assert user_cfg in LINEAR_SHIPPED_CONFIGS
-    # ... and never with promotion (no promoting K-split configurations)
+    # ... and never with promotion (no promoting K-split configurations): there the default is
+    # both rules off
     promote = dataclasses.replace(FP8_PROMOTE_RULES, user_cluster_split=True)
     assert plan_grids(8192, 117, 4096, 1024, 512, 132, H200_CLUSTERS, promote, fp8=True).split_user == 1
+    off = dataclasses.replace(FP8_PROMOTE_RULES, user_cluster_split=False, spare_by_time=False)
+    for B, N, K in itertools.product((2048, 4096, 8192), (256, 1024, 4096), (512, 1024, 2048)):
+        args = (B, -(-B // 70), N, K, K, 132, H200_CLUSTERS)
+        assert plan_grids(*args, FP8_PROMOTE_RULES, fp8=True) == plan_grids(*args, off, fp8=True)
     # 16-bit calls: None and True the same
     assert _grids(8192, 117, 4096, 1024, 512, user_cluster_split=True) == _grids(8192, 117, 4096, 1024, 512)
 
