@@ -58,7 +58,9 @@ class KvWorklistSm90:
          3 runs again over the groups in ``perm`` order, rewriting ``tile_start``; thread 0
          zeroes ``walk``, the attention kernel's tile counter (``dynamic_walk``).
     It first lets the attention kernel queued after it launch (programmatic
-    dependent launch); that kernel waits for this grid before reading.
+    dependent launch); that kernel waits for this grid before reading. It is
+    itself launched so (its launch and phase 1 overlap the kernel before it) and
+    waits for that kernel before it touches global memory.
     No pipelines, no named barriers.
     """
 
@@ -91,7 +93,8 @@ class KvWorklistSm90:
             buckets: cute.struct.MemRange[Int32, self.BUCKETS]
 
         self.shared_storage = SharedStorage
-        self.kernel(mIdx, wl, mRows, scalars).launch(grid=[1, 1, 1], block=[self.NUM_THREADS, 1, 1], stream=stream)
+        self.kernel(mIdx, wl, mRows, scalars).launch(grid=[1, 1, 1], block=[self.NUM_THREADS, 1, 1], stream=stream,
+                                                      use_pdl=True)
 
     @cute.kernel
     def kernel(self, mIdx: cute.Tensor, wl: FwdWorkList, mRows: cute.Tensor | None, scalars: WorkListScalars):
@@ -116,6 +119,10 @@ class KvWorklistSm90:
             sHist[g] = Int32(0)
         if tidx == 0:
             sDescents[0] = Int32(0)
+        # Launched with programmatic dependent launch itself: the launch and the setup above
+        # overlap the kernel before it on the stream, which may still write idx (or read the
+        # arrays written below): no global memory is touched before this wait.
+        cute.arch.griddepcontrol_wait()
         cute.arch.sync_threads()
 
         count_groups(mIdx, sHist, sDescents, n_cand, n_users, tidx, nt, self.UNROLL)

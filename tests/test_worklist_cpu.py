@@ -100,8 +100,13 @@ def test_worklist_kernel_compiles_for_sm90a(idx_dtype, keys):
 
     ck = compile_worklist(idx_dtype, keys, keep_ptx=True, ptxas_report=True)
     for instr in (".target sm_90a", "match.any.sync", "atom.shared.add", "bar.sync",
-                  "griddepcontrol.launch_dependents"):
+                  "griddepcontrol.launch_dependents", "griddepcontrol.wait"):
         assert instr in ck.ptx, instr
+    # Launched with programmatic dependent launch: no global access before the wait for the
+    # kernel before it (which may still write idx or read the arrays this one writes).
+    wait = ck.ptx.index("griddepcontrol.wait")
+    assert all(ck.ptx.find(op) in (-1,) or ck.ptx.find(op) > wait for op in ("ld.global", "st.global")), \
+        "global memory touched before griddepcontrol.wait"
     assert ("clz.b32" in ck.ptx) == (keys is not None)  # the key buckets only where the groups are ordered
     assert ck.spill_bytes == 0, ck.ptxas_log
 
