@@ -325,7 +325,7 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
     user_tiles = LINEAR_PROMOTE_TILES if promote else LINEAR_TILES
     g = _chosen_grids(B, U, N, K_cand, K_user, sms, clusters, rules, LINEAR_FP8_CAND_TILES if fp8 else LINEAR_TILES,
                       shared_tile=not fp8, user_tile_set=user_tiles,
-                      cluster_split=_unless_promoted(rules.user_cluster_split, promote) and not promote,
+                      cluster_split=not promote and rules.user_cluster_split is not False,
                       spare_by_time=_unless_promoted(rules.spare_by_time, promote))
     if rules.cand_clusters is not None:
         g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster))
