@@ -152,6 +152,11 @@ class PlanRules:
     # as accurate as torch._scaled_mm; the 128 x 128 candidate tile shared by both consumers, user
     # tiles of LINEAR_PROMOTE_TILES, no K split. 16-bit calls: no effect.
     fp8_promote: bool = False
+    # The candidate walk in bands of this many cluster row groups, row group fastest within a
+    # band (1: column tile fastest, the tiles running together sharing their A rows); tiles of at
+    # most 128 x 128 a consumer (config.RASTER_MAX_TILE; wider ones keep column tile fastest).
+    # Not timed: docs/perf/2026-12-07-linear-l2-requests-h100.md.
+    cand_raster_m: int = 1
 
     def __post_init__(self):
         for name in ("split_k", "user_pairs", "wide_user", "fp8_promote"):
@@ -168,6 +173,8 @@ class PlanRules:
         if self.cand_clusters is not None and (isinstance(self.cand_clusters, bool)
                                                or not isinstance(self.cand_clusters, int) or self.cand_clusters < 1):
             raise ValueError(f"PlanRules.cand_clusters must be a positive int, got {self.cand_clusters!r}")
+        if isinstance(self.cand_raster_m, bool) or not isinstance(self.cand_raster_m, int) or self.cand_raster_m < 1:
+            raise ValueError(f"PlanRules.cand_raster_m must be a positive int, got {self.cand_raster_m!r}")
         for name in ("wide_user_min_n", "shared_tile_min_k", "shared_tile_max_n", "user_splits"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -205,6 +212,8 @@ NO_USER_CLUSTER_SPLIT_RULES = PlanRules(user_cluster_split=False)
 SPARE_BY_MACS_RULES = PlanRules(spare_by_time=False)
 # FP8 calls with promotion (docs/perf/2026-12-07-fp8-accumulator-promotion.md).
 FP8_PROMOTE_RULES = PlanRules(fp8_promote=True)
+# The candidate walk in bands of 8 row groups, row group fastest (not timed).
+ROW_GROUP_RASTER_RULES = PlanRules(cand_raster_m=8)
 
 
 def split_weight(weight: torch.Tensor, k_user: int, user_first: bool = True):
@@ -279,7 +288,8 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: Pla
         out_dtype = check_out_dtype(out_dtype, x_cand.dtype)
         user_cfg, cand_cfg = linear_configs(x_cand.dtype, idx.dtype, grids.tile_user, grids.tile_cand, activation,
                                             bias is not None, grids.cluster, grids.split_cand, grids.split_user,
-                                            out_dtype if fp8 else None, promote=fp8 and rules.fp8_promote)
+                                            out_dtype if fp8 else None, promote=fp8 and rules.fp8_promote,
+                                            raster_m=rules.cand_raster_m)
         plan = _Plan(
             user=_kernel(user_cfg),
             cand=_kernel(cand_cfg),

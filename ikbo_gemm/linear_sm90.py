@@ -203,9 +203,10 @@ class LinearSm90:
     activation, round, stmatrix into its staging buffer, TMA store.
 
     Tile order: cluster tiles (cluster_m row tiles x one column tile) numbered column tile
-    fastest (the tiles running together share their A rows in L2), walked by the persistent
-    grid of clusters (cute_kernels.scheduler). The user phase may split K in ``n_splits``
-    slices (so that its few tiles fill the GPU and the candidate grid starts sooner): slice s
+    fastest (the tiles running together share their A rows in L2), or (``cfg.raster_m`` > 1,
+    candidate phase) in bands of raster_m row groups, row group fastest within a band (the last
+    band may hold fewer); walked by the persistent grid of clusters (cute_kernels.scheduler).
+    The user phase may split K in ``n_splits`` slices (so that its few tiles fill the GPU and the candidate grid starts sooner): slice s
     writes workspace slab s, and the candidate epilogue adds the slabs in order (deterministic).
 
     Out-of-range indices: a candidate whose idx is outside [0, U) reads ws row 0 and adds NaN:
@@ -416,14 +417,23 @@ class LinearSm90:
         per_split = work.m_groups * work.n_tiles
         split = t // per_split
         r = t - split * per_split
-        m = r // work.n_tiles * self.cluster
+        if const_expr(self.cfg.raster_m > 1):
+            band_tiles = self.cfg.raster_m * work.n_tiles
+            band = r // band_tiles
+            in_band = r - band * band_tiles
+            band_rows = cutlass.min(self.cfg.raster_m, work.m_groups - band * self.cfg.raster_m)
+            n = in_band // band_rows
+            m = (band * self.cfg.raster_m + in_band - n * band_rows) * self.cluster
+        else:
+            m = r // work.n_tiles * self.cluster
+            n = r % work.n_tiles
         k_part = split
         if const_expr(self.split > 1):
             k_part = rank
         else:
             m = m + rank
         k_begin = k_part * work.k_per_split
-        return LinearTile(m, r % work.n_tiles, split, k_begin, cutlass.min(work.k_per_split, work.k_blocks - k_begin))
+        return LinearTile(m, n, split, k_begin, cutlass.min(work.k_per_split, work.k_blocks - k_begin))
 
     # ----------------------------------------------------------- producer
     @cute.jit

@@ -491,6 +491,8 @@ def test_wide_user_phase_by_size():
     (dict(user_cluster_split=1), TypeError, "PlanRules.user_cluster_split must be None or a bool"),
     (dict(spare_by_time=0), TypeError, "PlanRules.spare_by_time must be None or a bool"),
     (dict(fp8_promote=1), TypeError, "PlanRules.fp8_promote must be a bool"),
+    (dict(cand_raster_m=0), ValueError, "PlanRules.cand_raster_m must be a positive int"),
+    (dict(cand_raster_m=True), ValueError, "PlanRules.cand_raster_m must be a positive int"),
     (dict(fp8_promote=True, split_k=True), ValueError, "PlanRules.fp8_promote takes no K split"),
     (dict(fp8_promote=True, user_pairs=True), ValueError, "PlanRules.fp8_promote takes no K split"),
     (dict(fp8_promote=True, cand_split=((128, 128), 2)), ValueError, "PlanRules.fp8_promote takes no K split"),
@@ -568,3 +570,54 @@ def test_gpu_path_with_plan_rules(monkeypatch, rules, slabs, B, U, N, K_user, K_
     d = {k: v.double() for k, v in args.items() if k != "idx"}
     ref = torch.relu(d["x_cand"] @ d["w_cand"].T + (d["x_user"] @ d["w_user"].T)[args["idx"].long()] + d["bias"])
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def _raster_tile(r: int, n_tiles: int, m_groups: int, raster_m: int) -> tuple:
+    """LinearSm90.decode's band order (one K slice): walk position r -> (row group, column tile)."""
+    band = r // (raster_m * n_tiles)
+    in_band = r - band * raster_m * n_tiles
+    rows = min(raster_m, m_groups - band * raster_m)
+    n = in_band // rows
+    return band * raster_m + in_band - n * rows, n
+
+
+@pytest.mark.parametrize("n_tiles, m_groups", [(8, 8), (8, 16), (3, 7), (1, 5), (5, 1), (16, 33)])
+@pytest.mark.parametrize("raster_m", [1, 2, 3, 8, 64])
+def test_candidate_walk_bands_cover_every_tile_once(n_tiles, m_groups, raster_m):
+    """PlanRules.cand_raster_m: every (row group, column tile) once, row group fastest within a
+    band of raster_m row groups (the last band narrower), bands in order; raster_m 1 is the
+    column-fastest order the kernel had before."""
+    order = [_raster_tile(r, n_tiles, m_groups, raster_m) for r in range(n_tiles * m_groups)]
+    assert sorted(order) == [(m, n) for m in range(m_groups) for n in range(n_tiles)]
+    if raster_m == 1:
+        assert order == [(r // n_tiles, r % n_tiles) for r in range(n_tiles * m_groups)]
+    width = min(raster_m, m_groups)
+    assert order[:width] == [(m, 0) for m in range(width)]
+    assert all(m // raster_m == r // (raster_m * n_tiles) for r, (m, _) in enumerate(order))
+
+
+def test_candidate_raster_reaches_the_launch(monkeypatch):
+    """cand_raster_m parses from a spec and reaches the candidate configuration only (the user walk
+    keeps its order), with the same result."""
+    from linear_emulation import install
+    from ikbo_gemm.config import LinearConfig
+    from ikbo_gemm.linear import DEFAULT_RULES, PlanRules
+    assert DEFAULT_RULES.cand_raster_m == 1
+    rules = PlanRules.parse("cand_raster_m=8")
+    assert rules.cand_raster_m == 8 and rules.spec() == "cand_raster_m=8" and rules != DEFAULT_RULES
+    kernels = install(monkeypatch)
+    args = _inputs(23, 2048, 29, 1024, 1000, 4096)
+    outs = [ikbo_gemm.linear(**args, activation="relu", rules=r) for r in (DEFAULT_RULES, rules)]
+    assert [(launch["cfg"].phase, launch["cfg"].raster_m) for launch in kernels.launches] == [
+        ("user", 1), ("cand", 1), ("user", 1), ("cand", 8)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="LinearConfig.raster_m must be a positive int, 1 in the user phase"):
+        LinearConfig(torch.bfloat16, torch.int32, 128, 128, "user", raster_m=8)
+    with pytest.raises(ValueError, match="and on tiles of more than 16384 outputs a consumer"):
+        LinearConfig(torch.bfloat16, torch.int32, 128, 192, "cand", raster_m=8)
+    # A plan whose candidate tile is wider keeps the column-fastest walk.
+    from ikbo_gemm.config import linear_configs
+    wide = linear_configs(torch.bfloat16, torch.int32, (128, 128), (128, 192), "relu", True, 2, raster_m=8)[1]
+    assert wide.raster_m == 1
+    assert linear_configs(torch.bfloat16, torch.int32, (128, 128), (128, 256), "relu", True, 2,
+                          raster_m=8)[1].raster_m == 8  # the shared tile: 64 x 256 a consumer
