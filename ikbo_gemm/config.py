@@ -210,18 +210,8 @@ class LinearConfig:
     # accumulator ("promotion"): the 8-bit wgmma's accumulator keeps about 14 mantissa bits.
     # Two partials in turn beside the accumulator: at most PROMOTE_OUTPUTS a consumer, no split_k.
     promote: bool = False
-    # Candidate phase: tiles walked in bands of raster_m cluster row groups, row group fastest
-    # within a band (1: column tile fastest). Not on tiles of more than RASTER_MAX_TILE outputs a
-    # consumer: the band arithmetic makes 128 x 192 spill.
-    raster_m: int = 1
 
     def __post_init__(self):
-        if isinstance(self.raster_m, bool) or not isinstance(self.raster_m, int) or self.raster_m < 1 or (
-                self.raster_m > 1 and (self.phase != "cand" or self.tile_m * self.tile_n > RASTER_MAX_TILE
-                                       * self.consumers_per_tile)):
-            raise ValueError(f"LinearConfig.raster_m must be a positive int, 1 in the user phase and on tiles of "
-                             f"more than {RASTER_MAX_TILE} outputs a consumer; got {self.raster_m!r} in the "
-                             f"{self.phase} phase, tile {self.tile_m} x {self.tile_n}")
         if self.dtype not in (torch.float16, torch.bfloat16, FP8):
             raise ValueError(f"LinearConfig.dtype must be torch.float16 or torch.bfloat16 (or torch.float8_e4m3fn "
                              f"with an out_dtype), got {self.dtype}")
@@ -271,12 +261,17 @@ class LinearConfig:
             raise ValueError(f"LinearConfig: the {self.tile_n // 16} epilogue sub-tiles of a {self.tile_n}-column tile "
                              f"do not deal evenly to split_k = {self.split_k} CTAs")
 
+    @property
+    def banded(self) -> bool:
+        """Whether the candidate walk takes bands of row groups (their height a run-time value,
+        LinearLaunch.band_rows): tiles of at most RASTER_MAX_TILE outputs a consumer."""
+        return self.phase == "cand" and self.tile_m * self.tile_n <= RASTER_MAX_TILE * self.consumers_per_tile
+
     def __str__(self) -> str:
         extra = "".join(f"-{x}" for x in (self.activation, "bias" if self.has_bias else None) if x)
         split = f"-k{self.split_k}" if self.split_k > 1 else ""
         split += "-shared" if self.consumers_per_tile == 2 else ""
         split += "-promote" if self.promote else ""
-        split += f"-r{self.raster_m}" if self.raster_m > 1 else ""
         out = f"-out_{str(self.out_dtype)[6:]}" if self.out_dtype else ""
         return (f"linear-{self.phase}-{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-m{self.tile_m}-n{self.tile_n}"
                 f"-c{self.cluster_m}{split}{extra}{out}")
@@ -348,22 +343,22 @@ def pick_cand_split(rows: int, n: int, k_blocks: int, sms: int, clusters,
     return min(options, key=lambda o: (per_cta(o), count(o[0]) * o[1]))
 
 
-RASTER_MAX_TILE = 128 * 128  # LinearConfig.raster_m: the largest tile a consumer that takes it
+# LinearConfig.banded: the largest tile a consumer that walks in bands (the band arithmetic makes
+# 128 x 192 spill).
+RASTER_MAX_TILE = 128 * 128
 
 
 def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1, split_cand=1,
-                   split_user=1, out_dtype=None, promote=False, raster_m=1) -> tuple:
+                   split_user=1, out_dtype=None, promote=False) -> tuple:
     """(user phase, candidate phase) configurations of one call (``out_dtype``: FP8's output;
-    ``promote``: both phases promote; ``raster_m``: the candidate walk's bands, where its tile
-    takes them). The candidate tile LINEAR_SHARED_TILE, and 128 x 128 when promoting, is both
+    ``promote``: both phases promote). The candidate tile LINEAR_SHARED_TILE, and 128 x 128 when promoting, is both
     consumers' (``consumers_per_tile`` 2)."""
     user_out = torch.bfloat16 if dtype == FP8 else None  # the user phase stores fp32 either way
     consumers = 2 if tuple(tile_cand) == LINEAR_SHARED_TILE or (promote and tuple(tile_cand) == (128, 128)) else 1
-    raster_m = raster_m if tile_cand[0] * tile_cand[1] <= RASTER_MAX_TILE * consumers else 1
     return (LinearConfig(dtype, idx_dtype, *tile_user, "user", split_k=split_user, out_dtype=user_out,
                          promote=promote),
             LinearConfig(dtype, idx_dtype, *tile_cand, "cand", activation, has_bias, cluster_cand, split_cand,
-                         out_dtype, consumers_per_tile=consumers, promote=promote, raster_m=raster_m))
+                         out_dtype, consumers_per_tile=consumers, promote=promote))
 
 
 LINEAR_SHIPPED_CONFIGS = [

@@ -154,9 +154,10 @@ class PlanRules:
     fp8_promote: bool = False
     # The candidate walk in bands of this many cluster row groups, row group fastest within a
     # band (1: column tile fastest, the tiles running together sharing their A rows); tiles of at
-    # most 128 x 128 a consumer (config.RASTER_MAX_TILE; wider ones keep column tile fastest).
-    # Not timed: docs/perf/2026-12-07-linear-l2-requests-h100.md.
-    cand_raster_m: int = 1
+    # most 128 x 128 a consumer (LinearConfig.banded; wider ones keep column tile fastest). None:
+    # RASTER_BAND where a band over every column tile fits the clusters resident at once (few
+    # column tiles), else 1 (``_band_rows``; docs/perf/2026-12-08-linear-row-group-raster-h100.md).
+    cand_raster_m: Optional[int] = None
 
     def __post_init__(self):
         for name in ("split_k", "user_pairs", "wide_user", "fp8_promote"):
@@ -173,9 +174,7 @@ class PlanRules:
         if self.cand_clusters is not None and (isinstance(self.cand_clusters, bool)
                                                or not isinstance(self.cand_clusters, int) or self.cand_clusters < 1):
             raise ValueError(f"PlanRules.cand_clusters must be a positive int, got {self.cand_clusters!r}")
-        if isinstance(self.cand_raster_m, bool) or not isinstance(self.cand_raster_m, int) or self.cand_raster_m < 1:
-            raise ValueError(f"PlanRules.cand_raster_m must be a positive int, got {self.cand_raster_m!r}")
-        for name in ("wide_user_min_n", "shared_tile_min_k", "shared_tile_max_n", "user_splits"):
+        for name in ("wide_user_min_n", "shared_tile_min_k", "shared_tile_max_n", "user_splits", "cand_raster_m"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"PlanRules.{name} must be a positive int or None, got {v!r}")
@@ -212,8 +211,12 @@ NO_USER_CLUSTER_SPLIT_RULES = PlanRules(user_cluster_split=False)
 SPARE_BY_MACS_RULES = PlanRules(spare_by_time=False)
 # FP8 calls with promotion (docs/perf/2026-12-07-fp8-accumulator-promotion.md).
 FP8_PROMOTE_RULES = PlanRules(fp8_promote=True)
-# The candidate walk in bands of 8 row groups, row group fastest (not timed).
+# The candidate walk in bands of 8 row groups, row group fastest, at any column count; and
+# column tile fastest at any (the order before the bands).
 ROW_GROUP_RASTER_RULES = PlanRules(cand_raster_m=8)
+COLUMN_WALK_RULES = PlanRules(cand_raster_m=1)
+# Row groups a band of the default candidate walk, where it takes bands (PlanRules.cand_raster_m).
+RASTER_BAND = 8
 
 
 def split_weight(weight: torch.Tensor, k_user: int, user_first: bool = True):
@@ -252,6 +255,7 @@ class _Plan:
     splits: int  # slices of the user phase's K: workspace slabs
     grid_user: int
     grid_cand: int
+    band_rows: int  # the candidate walk's (LinearLaunch.band_rows)
     user_cfg: LinearConfig
     cand_cfg: LinearConfig
     out_dtype: torch.dtype
@@ -288,8 +292,7 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: Pla
         out_dtype = check_out_dtype(out_dtype, x_cand.dtype)
         user_cfg, cand_cfg = linear_configs(x_cand.dtype, idx.dtype, grids.tile_user, grids.tile_cand, activation,
                                             bias is not None, grids.cluster, grids.split_cand, grids.split_user,
-                                            out_dtype if fp8 else None, promote=fp8 and rules.fp8_promote,
-                                            raster_m=rules.cand_raster_m)
+                                            out_dtype if fp8 else None, promote=fp8 and rules.fp8_promote)
         plan = _Plan(
             user=_kernel(user_cfg),
             cand=_kernel(cand_cfg),
@@ -303,6 +306,7 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: Pla
             splits=grids.splits,
             grid_user=grids.grid_user,
             grid_cand=grids.grid_cand,
+            band_rows=grids.band_rows if cand_cfg.banded else 1,
             user_cfg=user_cfg,
             cand_cfg=cand_cfg,
             out_dtype=out_dtype,
@@ -323,6 +327,7 @@ class _Grids:
     splits: int  # user phase slices of K written as workspace slabs
     grid_user: int
     grid_cand: int
+    band_rows: int = 1  # row groups a band of the candidate walk (where its configuration is banded)
 
 
 def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters, rules: PlanRules,
@@ -339,7 +344,19 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
                       spare_by_time=_unless_promoted(rules.spare_by_time, promote))
     if rules.cand_clusters is not None:
         g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster))
-    return g
+    return dataclasses.replace(g, band_rows=_band_rows(g, N, clusters, rules))
+
+
+def _band_rows(g: _Grids, N: int, clusters, rules: PlanRules) -> int:
+    """Row groups a band of the candidate walk: the rules', or RASTER_BAND where a band over every
+    column tile fits the clusters resident at once (up to 8 column tiles: the clusters running
+    together then share their B tiles as well as their A rows), else 1 (column tile fastest:
+    with many column tiles a band of 8 ran 3 to 15% slower on the H100)."""
+    if rules.cand_raster_m is not None:
+        return rules.cand_raster_m
+    if g.split_cand > 1:
+        return 1
+    return RASTER_BAND if RASTER_BAND * -(-N // g.tile_cand[1]) <= clusters(g.cluster) else 1
 
 
 def _unless_promoted(choice: Optional[bool], promote: bool) -> bool:
@@ -590,9 +607,9 @@ def _run(plan: _Plan, x_cand, x_user, idx, w_cand, w_user, bias, out, scales: di
     target = store_target(out, (plan.out_shape[0], plan.n8))
     ws = torch.empty(plan.ws_shape, dtype=torch.float32, device=device)
     plan.user(LinearOperands(xu, wu, idx_k), LinearEpilogue(ws, ws, None, *user_scales),
-              LinearLaunch(plan.n_users, plan.splits, plan.grid_user))
+              LinearLaunch(plan.n_users, plan.splits, plan.grid_user, 1))
     plan.cand(LinearOperands(xc, wc, idx_k), LinearEpilogue(target, ws, bias_k, *cand_scales),
-              LinearLaunch(plan.n_users, plan.splits, plan.grid_cand))
+              LinearLaunch(plan.n_users, plan.splits, plan.grid_cand, plan.band_rows))
     return copy_back(out, target)
 
 

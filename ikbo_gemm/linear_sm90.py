@@ -73,6 +73,7 @@ class LinearLaunch(NamedTuple):
     n_users: Int32  # U
     n_splits: Int32  # slices of the user phase's K: workspace slabs (1 with split_k)
     grid_size: Int32  # CTAs, a multiple of the cluster
+    band_rows: Int32  # candidate phase on a banded walk (LinearConfig.banded): cluster row groups a band
 
 
 class LinearLoads(NamedTuple):
@@ -128,6 +129,7 @@ class LinearWork:
     splits: Int32
     k_blocks: Int32
     k_per_split: Int32  # every slice has at least one k-block (the op picks the slice count so)
+    band_rows: Int32  # LinearConfig.banded: cluster row groups a band of the walk (1: column tile fastest)
 
     def size(self):
         return self.splits * self.m_groups * self.n_tiles
@@ -203,9 +205,10 @@ class LinearSm90:
     activation, round, stmatrix into its staging buffer, TMA store.
 
     Tile order: cluster tiles (cluster_m row tiles x one column tile) numbered column tile
-    fastest (the tiles running together share their A rows in L2), or (``cfg.raster_m`` > 1,
-    candidate phase) in bands of raster_m row groups, row group fastest within a band (the last
-    band may hold fewer); walked by the persistent grid of clusters (cute_kernels.scheduler).
+    fastest (the tiles running together share their A rows in L2), or (``cfg.banded``, candidate
+    phase) in bands of ``band_rows`` row groups (LinearLaunch, a run-time value), row group fastest
+    within a band (the last band may hold fewer; 1 row group a band is the column-fastest order);
+    walked by the persistent grid of clusters (cute_kernels.scheduler).
     The user phase may split K in ``n_splits`` slices (so that its few tiles fill the GPU and the candidate grid starts sooner): slice s
     writes workspace slab s, and the candidate epilogue adds the slabs in order (deterministic).
 
@@ -333,6 +336,7 @@ class LinearSm90:
             LinearStores(tma_out, c_out, epilogue.ws, operands.idx, epilogue.bias, launch.n_users, launch.n_splits,
                          epilogue.a_scale, epilogue.b_scale),
             GemmSmemLayouts(tiled_mma, a_smem, b_smem, epi_smem),
+            launch.band_rows,
         ).launch(
             grid=[launch.grid_size, 1, 1], block=[self.THREADS, 1, 1], cluster=[self.launch_cluster, 1, 1],
             min_blocks_per_mp=1, stream=stream, use_pdl=True)
@@ -352,7 +356,7 @@ class LinearSm90:
 
     # ---------------------------------------------------------------- device
     @cute.kernel
-    def kernel(self, loads: LinearLoads, stores: LinearStores, layouts: GemmSmemLayouts):
+    def kernel(self, loads: LinearLoads, stores: LinearStores, layouts: GemmSmemLayouts, band_rows: Int32):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             cpasync.prefetch_descriptor(loads.a_atom)
@@ -386,6 +390,7 @@ class LinearSm90:
             n_tiles=(n_cols + self.tile_n - 1) // self.tile_n,
             m_groups=(n_rows + self.tile_m * self.cluster - 1) // (self.tile_m * self.cluster),
             splits=splits, k_blocks=k_blocks, k_per_split=(k_blocks + k_parts - 1) // k_parts,
+            band_rows=band_rows,
         )
         pipelines_init_wait(self.launch_cluster)
         if const_expr(self.cfg.phase == "user"):
@@ -417,13 +422,13 @@ class LinearSm90:
         per_split = work.m_groups * work.n_tiles
         split = t // per_split
         r = t - split * per_split
-        if const_expr(self.cfg.raster_m > 1):
-            band_tiles = self.cfg.raster_m * work.n_tiles
+        if const_expr(self.cfg.banded):
+            band_tiles = work.band_rows * work.n_tiles
             band = r // band_tiles
             in_band = r - band * band_tiles
-            band_rows = cutlass.min(self.cfg.raster_m, work.m_groups - band * self.cfg.raster_m)
+            band_rows = cutlass.min(work.band_rows, work.m_groups - band * work.band_rows)
             n = in_band // band_rows
-            m = (band * self.cfg.raster_m + in_band - n * band_rows) * self.cluster
+            m = (band * work.band_rows + in_band - n * band_rows) * self.cluster
         else:
             m = r // work.n_tiles * self.cluster
             n = r % work.n_tiles

@@ -34,7 +34,7 @@ class EmulatedLaunches:
     def launch(self, cfg, operands: LinearOperands, epilogue: LinearEpilogue, launch: LinearLaunch):
         assert isinstance(operands, LinearOperands) and isinstance(epilogue, LinearEpilogue)
         assert isinstance(launch, LinearLaunch)
-        (a, b, idx), (out, ws, bias, a_scale, b_scale), (n_users, n_splits, grid) = operands, epilogue, launch
+        (a, b, idx), (out, ws, bias, a_scale, b_scale), (n_users, n_splits, grid, band_rows) = operands, epilogue, launch
         for hook in self.hooks:
             hook(f"linear-{cfg.phase}")
         fp8 = cfg.dtype == torch.float8_e4m3fn
@@ -58,12 +58,13 @@ class EmulatedLaunches:
         assert idx.dtype == cfg.idx_dtype and idx.is_contiguous()
         assert (bias is not None) == cfg.has_bias
         assert 0 < grid <= H200_SMS and grid % (cfg.cluster_m * cfg.split_k) == 0
+        assert band_rows >= 1 and (band_rows == 1 or cfg.banded)  # the walk's order: not the result's
         if cfg.split_k > 1:  # a K-split cluster: every CTA's slice has a k-block, the user phase one slab
             k_blocks = -(-a.shape[1] // tile_k)
             assert (cfg.split_k - 1) * -(-k_blocks // cfg.split_k) < k_blocks
             assert cfg.phase == "cand" or n_splits == 1
         self.launches.append(dict(cfg=cfg, rows=a.shape[0], splits=n_splits, grid=grid, target=out.data_ptr(),
-                                  a=a.data_ptr()))
+                                  a=a.data_ptr(), band_rows=band_rows))
         N = b.shape[0]
         if cfg.phase == "user":
             assert out is ws and a.shape[0] == n_users

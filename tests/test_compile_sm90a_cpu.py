@@ -23,16 +23,8 @@ SPLIT_K_INSTRUCTIONS = ("st.async.shared::cluster.mbarrier::complete_tx::bytes.v
 # An attention configuration the op compiles at run time for an S_q of no power of two (not shipped).
 ODD_ATTENTION = AttentionConfig(torch.float16, 64, 100, "q", True, True)
 
-# Candidate walks in bands of row groups (PlanRules.cand_raster_m; compiled at run time, not
-# shipped): the widest 16-bit ping-pong tile that takes them, the shared tile and an FP8 tile.
-RASTER_LINEAR = tuple(ikbo_gemm.LinearConfig(dtype, torch.int32, tm, tn, "cand", "relu", True, 2, out_dtype=out,
-                                             consumers_per_tile=consumers, raster_m=8)
-                      for dtype, tm, tn, out, consumers in ((torch.bfloat16, 128, 128, None, 1),
-                                                            (torch.bfloat16, 128, 256, None, 2),
-                                                            (torch.float8_e4m3fn, 128, 128, torch.bfloat16, 1)))
-
 CONFIGS = ([("linear" if isinstance(cfg, ikbo_gemm.LinearConfig) else "lce", ikbo_gemm.compile_config, cfg)
-            for cfg in ikbo_gemm.SHIPPED_CONFIGS + RASTER_LINEAR]
+            for cfg in ikbo_gemm.SHIPPED_CONFIGS]
            + [("attention", ikbo_fa.compile_config, cfg) for cfg in ikbo_fa.SHIPPED_CONFIGS + (ODD_ATTENTION,)])
 
 
@@ -40,7 +32,6 @@ def test_every_shipped_configuration_is_covered():
     assert len(ikbo_gemm.SHIPPED_CONFIGS) == len(set(ikbo_gemm.SHIPPED_CONFIGS)) > 0
     assert len(ikbo_fa.SHIPPED_CONFIGS) == len(set(ikbo_fa.SHIPPED_CONFIGS)) > 0
     assert ODD_ATTENTION not in ikbo_fa.SHIPPED_CONFIGS
-    assert not set(RASTER_LINEAR) & set(ikbo_gemm.SHIPPED_CONFIGS)
     assert len({str(cfg) for _, _, cfg in CONFIGS}) == len(CONFIGS)  # the test ids are unique
 
 

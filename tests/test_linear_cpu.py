@@ -491,8 +491,8 @@ def test_wide_user_phase_by_size():
     (dict(user_cluster_split=1), TypeError, "PlanRules.user_cluster_split must be None or a bool"),
     (dict(spare_by_time=0), TypeError, "PlanRules.spare_by_time must be None or a bool"),
     (dict(fp8_promote=1), TypeError, "PlanRules.fp8_promote must be a bool"),
-    (dict(cand_raster_m=0), ValueError, "PlanRules.cand_raster_m must be a positive int"),
-    (dict(cand_raster_m=True), ValueError, "PlanRules.cand_raster_m must be a positive int"),
+    (dict(cand_raster_m=0), ValueError, "PlanRules.cand_raster_m must be a positive int or None"),
+    (dict(cand_raster_m=True), ValueError, "PlanRules.cand_raster_m must be a positive int or None"),
     (dict(fp8_promote=True, split_k=True), ValueError, "PlanRules.fp8_promote takes no K split"),
     (dict(fp8_promote=True, user_pairs=True), ValueError, "PlanRules.fp8_promote takes no K split"),
     (dict(fp8_promote=True, cand_split=((128, 128), 2)), ValueError, "PlanRules.fp8_promote takes no K split"),
@@ -596,28 +596,33 @@ def test_candidate_walk_bands_cover_every_tile_once(n_tiles, m_groups, raster_m)
     assert all(m // raster_m == r // (raster_m * n_tiles) for r, (m, _) in enumerate(order))
 
 
-def test_candidate_raster_reaches_the_launch(monkeypatch):
-    """cand_raster_m parses from a spec and reaches the candidate configuration only (the user walk
-    keeps its order), with the same result."""
+def test_candidate_bands_reach_the_launch(monkeypatch):
+    """cand_raster_m parses from a spec and reaches the candidate launch only (the user walk keeps
+    its order), with the same result. None (the default): bands of RASTER_BAND row groups where a
+    band over every column tile fits the resident clusters (few column tiles), else 1; never on a
+    configuration that is not banded (tiles wider than 128 x 128 a consumer)."""
     from linear_emulation import install
-    from ikbo_gemm.config import LinearConfig
-    from ikbo_gemm.linear import DEFAULT_RULES, PlanRules
-    assert DEFAULT_RULES.cand_raster_m == 1
-    rules = PlanRules.parse("cand_raster_m=8")
-    assert rules.cand_raster_m == 8 and rules.spec() == "cand_raster_m=8" and rules != DEFAULT_RULES
+    from ikbo_gemm.config import LinearConfig, linear_configs
+    from ikbo_gemm.linear import COLUMN_WALK_RULES, DEFAULT_RULES, RASTER_BAND, PlanRules
+    assert DEFAULT_RULES.cand_raster_m is None and RASTER_BAND == 8
+    rules = PlanRules.parse("cand_raster_m=3")
+    assert rules.cand_raster_m == 3 and rules.spec() == "cand_raster_m=3" and rules != DEFAULT_RULES
+    assert PlanRules.parse("cand_raster_m=1") == COLUMN_WALK_RULES
     kernels = install(monkeypatch)
     args = _inputs(23, 2048, 29, 1024, 1000, 4096)
-    outs = [ikbo_gemm.linear(**args, activation="relu", rules=r) for r in (DEFAULT_RULES, rules)]
-    assert [(launch["cfg"].phase, launch["cfg"].raster_m) for launch in kernels.launches] == [
-        ("user", 1), ("cand", 1), ("user", 1), ("cand", 8)]
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
-    with pytest.raises(ValueError, match="LinearConfig.raster_m must be a positive int, 1 in the user phase"):
-        LinearConfig(torch.bfloat16, torch.int32, 128, 128, "user", raster_m=8)
-    with pytest.raises(ValueError, match="and on tiles of more than 16384 outputs a consumer"):
-        LinearConfig(torch.bfloat16, torch.int32, 128, 192, "cand", raster_m=8)
-    # A plan whose candidate tile is wider keeps the column-fastest walk.
-    from ikbo_gemm.config import linear_configs
-    wide = linear_configs(torch.bfloat16, torch.int32, (128, 128), (128, 192), "relu", True, 2, raster_m=8)[1]
-    assert wide.raster_m == 1
-    assert linear_configs(torch.bfloat16, torch.int32, (128, 128), (128, 256), "relu", True, 2,
-                          raster_m=8)[1].raster_m == 8  # the shared tile: 64 x 256 a consumer
+    outs = [ikbo_gemm.linear(**args, activation="relu", rules=r) for r in (DEFAULT_RULES, rules, COLUMN_WALK_RULES)]
+    assert [(launch["cfg"].phase, launch["band_rows"]) for launch in kernels.launches] == [
+        ("user", 1), ("cand", 8), ("user", 1), ("cand", 3), ("user", 1), ("cand", 1)]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+    # Many column tiles (N 4096 in 128-wide tiles): a band of 8 over all of them outgrows a wave.
+    kernels.launches.clear()
+    ikbo_gemm.linear(**_inputs(24, 2048, 29, 4096, 512, 1024), activation="relu")
+    cand = kernels.launches[1]
+    assert cand["cfg"].banded and cand["cfg"].tile_n == 128 and cand["band_rows"] == 1
+    # Banded configurations: candidate tiles of at most 128 x 128 a consumer.
+    assert not LinearConfig(torch.bfloat16, torch.int32, 128, 128, "user").banded
+    assert not LinearConfig(torch.bfloat16, torch.int32, 128, 192, "cand").banded
+    assert linear_configs(torch.bfloat16, torch.int32, (128, 128), (128, 256), "relu", True, 2)[1].banded
+    with pytest.raises(ValueError, match="PlanRules.cand_raster_m must be a positive int or None"):
+        PlanRules(cand_raster_m=0)
