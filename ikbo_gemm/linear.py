@@ -156,7 +156,7 @@ class PlanRules:
     # band (1: column tile fastest, the tiles running together sharing their A rows); tiles of at
     # most 128 x 128 a consumer (LinearConfig.banded; wider ones keep column tile fastest). None:
     # RASTER_BAND where a band over every column tile fits the clusters resident at once (few
-    # column tiles), else 1 (``_band_rows``; docs/perf/2026-12-08-linear-row-group-raster-h100.md).
+    # column tiles), else 1 (``_band_rows``; docs/perf/2026-12-07-linear-row-group-raster-h100.md).
     cand_raster_m: Optional[int] = None
 
     def __post_init__(self):
