@@ -215,6 +215,8 @@ FP8_PROMOTE_RULES = PlanRules(fp8_promote=True)
 # column tile fastest at any (the order before the bands).
 ROW_GROUP_RASTER_RULES = PlanRules(cand_raster_m=8)
 COLUMN_WALK_RULES = PlanRules(cand_raster_m=1)
+# The candidate phase in the shared 128 x 256 tile at any shape.
+SHARED_TILE_RULES = PlanRules(cand_split=(LINEAR_SHARED_TILE, 1))
 # Row groups a band of the default candidate walk, where it takes bands (PlanRules.cand_raster_m).
 RASTER_BAND = 8
 
@@ -435,11 +437,16 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
 
 def _takes_shared_tile(B: int, N: int, K_cand: int, sms: int, tile: tuple, rules: PlanRules) -> bool:
     """Whether the candidate phase runs LINEAR_SHARED_TILE instead of ``tile`` (``PlanRules.shared_tile_min_k``,
-    ``shared_tile_max_n``): K_cand and N in bounds, a shared tile per SM or more, no more padded output."""
+    ``shared_tile_max_n``): K_cand and N in bounds, a shared tile per SM or more, no more padded output,
+    and no more rounds of the grid in outputs an SM computes: at B 6144, N 1024 the shared tiles
+    make 1.45 rounds (the busiest SMs run 2 shared tiles) where 128 x 128 tiles make 2.9 (3 such
+    tiles, 1.5 shared ones' outputs)."""
     shared = LINEAR_SHARED_TILE
+    rounds = lambda t: -(-_tiles(B, N, t) // sms) * t[0] * t[1]  # noqa: E731
     return (rules.shared_tile_min_k is not None and K_cand >= rules.shared_tile_min_k
             and (rules.shared_tile_max_n is None or N <= rules.shared_tile_max_n)
-            and _tiles(B, N, shared) >= sms and tile_cost(*shared, N, B) <= tile_cost(*tile, N, B))
+            and _tiles(B, N, shared) >= sms and tile_cost(*shared, N, B) <= tile_cost(*tile, N, B)
+            and rounds(shared) <= rounds(tile))
 
 
 def _user_cluster_split(grids: dict, U: int, N: int, kb_user: int, clusters) -> dict:

@@ -58,7 +58,8 @@ PLAN_VARIANTS = {"ikbo linear, small-grid rules": ("split_k=1,user_pairs=1", "x_
                  "ikbo linear, no user cluster split": ("user_cluster_split=0", "x_no_user_cluster_split"),
                  "ikbo linear, spare SMs by MACs": ("spare_by_time=0", "x_spare_by_macs"),
                  "ikbo linear, row-group raster 8": ("cand_raster_m=8", "x_raster8"),
-                 "ikbo linear, column-tile walk": ("cand_raster_m=1", "x_column_walk")}
+                 "ikbo linear, column-tile walk": ("cand_raster_m=1", "x_column_walk"),
+                 "ikbo linear, shared tile": ("cand_split=128x256x1", "x_shared_tile")}
 SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x_decomp",
                    "torch.compile decomposition": "x_compiled", "torch addmm floor": "x_floor",
                    **{name: column for name, (_, column) in PLAN_VARIANTS.items()}}

@@ -311,8 +311,8 @@ def test_shared_tile_config_errors(kwargs, match):
 
 def test_shared_tile_plan():
     """The candidate phase takes the 128 x 256 shared tile where K_cand >= shared_tile_min_k (1024),
-    N <= shared_tile_max_n (1024), its tiles fill every SM at least once and it pads N no more
-    than the usual tile; never in FP8."""
+    N <= shared_tile_max_n (1024), its tiles fill every SM at least once, it pads N no more than
+    the usual tile and its rounds of the grid hold no more outputs an SM; never in FP8."""
     from ikbo_gemm.config import LINEAR_SHARED_TILE, linear_configs
     from ikbo_gemm.linear import DEFAULT_RULES, _grids as plan_grids
 
@@ -323,6 +323,10 @@ def test_shared_tile_plan():
     assert _grids(16384, 234, 2048, 1024, 1024).tile_cand == (128, 128)  # N above 1024
     assert _grids(8192, 117, 1024, 1024, 512).tile_cand == (128, 128)  # K_cand below 1024
     assert _grids(2048, 29, 1024, 4096, 4096).tile_cand == (128, 128)  # 64 shared tiles < 132 SMs
+    # Rounds: 192 shared tiles are 2 rounds of 132 (4 ping-pong tiles' outputs), 384 ping-pong tiles 3.
+    assert _grids(6144, 88, 1024, 4096, 4096).tile_cand == (128, 128)
+    assert _grids(7168, 103, 1024, 4096, 4096).tile_cand == shared  # 2 rounds against 4 (448 tiles)
+    assert _grids(10240, 147, 1024, 1024, 2048).tile_cand == (128, 128)  # 3 rounds (6) against 5
     assert _grids(8192, 117, 4096, 1024, 2048).tile_cand == (128, 128)  # N above 1024
     assert _grids(8192, 117, 4096, 1024, 2048, shared_tile_max_n=None).tile_cand == shared
     assert _grids(8192, 117, 1000, 4096, 4096).tile_cand == shared  # N 1024 either way
