@@ -116,7 +116,9 @@ class PlanRules:
     # once and pad N no more than the usual tile (16-bit operands; None turns a bound off, and a
     # min_k of None the shared tile). On the H100 (bf16, ratio 70, graph, B 4096 to 16384) it ran
     # 0.91 to 1.01x the ping-pong time at N 1024, 0.95 to 1.13x at N 2048 and up to 1.18x at
-    # N 4096: docs/perf/2026-12-06-linear-shared-tile.md.
+    # N 4096: docs/perf/2026-12-06-linear-shared-tile.md. Only where its rounds of the grid hold no
+    # more outputs an SM (B 6144: 0.85x the time at K 1024 + 2048, H100:
+    # docs/perf/2026-12-07-linear-row-group-raster-h100.md).
     shared_tile_min_k: Optional[int] = 1024
     shared_tile_max_n: Optional[int] = 1024
     # The user phase's K slices (where its grid runs ahead of the candidate grid) as K-split
