@@ -351,8 +351,8 @@ RASTER_MAX_TILE = 128 * 128
 def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1, split_cand=1,
                    split_user=1, out_dtype=None, promote=False) -> tuple:
     """(user phase, candidate phase) configurations of one call (``out_dtype``: FP8's output;
-    ``promote``: both phases promote). The candidate tile LINEAR_SHARED_TILE, and 128 x 128 when promoting, is both
-    consumers' (``consumers_per_tile`` 2)."""
+    ``promote``: both phases promote). The candidate tile LINEAR_SHARED_TILE, and 128 x 128 when
+    promoting, is both consumers' (``consumers_per_tile`` 2)."""
     user_out = torch.bfloat16 if dtype == FP8 else None  # the user phase stores fp32 either way
     consumers = 2 if tuple(tile_cand) == LINEAR_SHARED_TILE or (promote and tuple(tile_cand) == (128, 128)) else 1
     return (LinearConfig(dtype, idx_dtype, *tile_user, "user", split_k=split_user, out_dtype=user_out,

@@ -353,9 +353,10 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
 
 def _band_rows(g: _Grids, N: int, clusters, rules: PlanRules) -> int:
     """Row groups a band of the candidate walk: the rules', or RASTER_BAND where a band over every
-    column tile fits the clusters resident at once (up to 8 column tiles: the clusters running
-    together then share their B tiles as well as their A rows), else 1 (column tile fastest:
-    with many column tiles a band of 8 ran 3 to 15% slower on the H100)."""
+    column tile fits the clusters resident at once (up to 8 column tiles: a wave then holds the
+    same tiles in either order, and only their placement changes; bands took 14% of the L2 read
+    requests off), else 1 (column tile fastest: with more column tiles a band of 8 ran 3 to 15%
+    slower on the H100)."""
     if rules.cand_raster_m is not None:
         return rules.cand_raster_m
     if g.split_cand > 1:

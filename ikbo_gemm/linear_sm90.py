@@ -208,9 +208,10 @@ class LinearSm90:
     fastest (the tiles running together share their A rows in L2), or (``cfg.banded``, candidate
     phase) in bands of ``band_rows`` row groups (LinearLaunch, a run-time value), row group fastest
     within a band (the last band may hold fewer; 1 row group a band is the column-fastest order);
-    walked by the persistent grid of clusters (cute_kernels.scheduler).
-    The user phase may split K in ``n_splits`` slices (so that its few tiles fill the GPU and the candidate grid starts sooner): slice s
-    writes workspace slab s, and the candidate epilogue adds the slabs in order (deterministic).
+    walked by the persistent grid of clusters (cute_kernels.scheduler). The user phase may split
+    K in ``n_splits`` slices (so that its few tiles fill the GPU and the candidate grid starts
+    sooner): slice s writes workspace slab s, and the candidate epilogue adds the slabs in order
+    (deterministic).
 
     Out-of-range indices: a candidate whose idx is outside [0, U) reads ws row 0 and adds NaN:
     its output row is NaN, no other row is affected.
