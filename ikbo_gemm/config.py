@@ -264,8 +264,8 @@ class LinearConfig:
     @property
     def banded(self) -> bool:
         """Whether the candidate walk takes bands of row groups (their height a run-time value,
-        LinearLaunch.band_rows): tiles of at most RASTER_MAX_TILE outputs a consumer."""
-        return self.phase == "cand" and self.tile_m * self.tile_n <= RASTER_MAX_TILE * self.consumers_per_tile
+        LinearLaunch.band_rows): tiles of at most BAND_MAX_TILE outputs a consumer."""
+        return self.phase == "cand" and self.tile_m * self.tile_n <= BAND_MAX_TILE * self.consumers_per_tile
 
     def __str__(self) -> str:
         extra = "".join(f"-{x}" for x in (self.activation, "bias" if self.has_bias else None) if x)
@@ -345,7 +345,7 @@ def pick_cand_split(rows: int, n: int, k_blocks: int, sms: int, clusters,
 
 # LinearConfig.banded: the largest tile a consumer that walks in bands (the band arithmetic makes
 # 128 x 192 spill).
-RASTER_MAX_TILE = 128 * 128
+BAND_MAX_TILE = 128 * 128
 
 
 def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1, split_cand=1,

@@ -157,9 +157,9 @@ class PlanRules:
     # The candidate walk in bands of this many cluster row groups, row group fastest within a
     # band (1: column tile fastest, the tiles running together sharing their A rows); tiles of at
     # most 128 x 128 a consumer (LinearConfig.banded; wider ones keep column tile fastest). None:
-    # RASTER_BAND where a band over every column tile fits the clusters resident at once (few
+    # BAND_ROWS where a band over every column tile fits the clusters resident at once (few
     # column tiles), else 1 (``_band_rows``; docs/perf/2026-12-07-linear-row-group-raster-h100.md).
-    cand_raster_m: Optional[int] = None
+    cand_band_rows: Optional[int] = None
 
     def __post_init__(self):
         for name in ("split_k", "user_pairs", "wide_user", "fp8_promote"):
@@ -176,7 +176,7 @@ class PlanRules:
         if self.cand_clusters is not None and (isinstance(self.cand_clusters, bool)
                                                or not isinstance(self.cand_clusters, int) or self.cand_clusters < 1):
             raise ValueError(f"PlanRules.cand_clusters must be a positive int, got {self.cand_clusters!r}")
-        for name in ("wide_user_min_n", "shared_tile_min_k", "shared_tile_max_n", "user_splits", "cand_raster_m"):
+        for name in ("wide_user_min_n", "shared_tile_min_k", "shared_tile_max_n", "user_splits", "cand_band_rows"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"PlanRules.{name} must be a positive int or None, got {v!r}")
@@ -213,14 +213,14 @@ NO_USER_CLUSTER_SPLIT_RULES = PlanRules(user_cluster_split=False)
 SPARE_BY_MACS_RULES = PlanRules(spare_by_time=False)
 # FP8 calls with promotion (docs/perf/2026-12-07-fp8-accumulator-promotion.md).
 FP8_PROMOTE_RULES = PlanRules(fp8_promote=True)
+# Row groups a band of the default candidate walk, where it takes bands (PlanRules.cand_band_rows).
+BAND_ROWS = 8
 # The candidate walk in bands of 8 row groups, row group fastest, at any column count; and
 # column tile fastest at any (the order before the bands).
-ROW_GROUP_RASTER_RULES = PlanRules(cand_raster_m=8)
-COLUMN_WALK_RULES = PlanRules(cand_raster_m=1)
+ROW_GROUP_RASTER_RULES = PlanRules(cand_band_rows=BAND_ROWS)
+COLUMN_WALK_RULES = PlanRules(cand_band_rows=1)
 # The candidate phase in the shared 128 x 256 tile at any shape.
 SHARED_TILE_RULES = PlanRules(cand_split=(LINEAR_SHARED_TILE, 1))
-# Row groups a band of the default candidate walk, where it takes bands (PlanRules.cand_raster_m).
-RASTER_BAND = 8
 
 
 def split_weight(weight: torch.Tensor, k_user: int, user_first: bool = True):
@@ -352,16 +352,16 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
 
 
 def _band_rows(g: _Grids, N: int, clusters, rules: PlanRules) -> int:
-    """Row groups a band of the candidate walk: the rules', or RASTER_BAND where a band over every
+    """Row groups a band of the candidate walk: the rules', or BAND_ROWS where a band over every
     column tile fits the clusters resident at once (up to 8 column tiles: a wave then holds the
     same tiles in either order, and only their placement changes; bands took 14% of the L2 read
     requests off), else 1 (column tile fastest: with more column tiles a band of 8 ran 3 to 15%
     slower on the H100)."""
-    if rules.cand_raster_m is not None:
-        return rules.cand_raster_m
+    if rules.cand_band_rows is not None:
+        return rules.cand_band_rows
     if g.split_cand > 1:
         return 1
-    return RASTER_BAND if RASTER_BAND * -(-N // g.tile_cand[1]) <= clusters(g.cluster) else 1
+    return BAND_ROWS if BAND_ROWS * -(-N // g.tile_cand[1]) <= clusters(g.cluster) else 1
 
 
 def _unless_promoted(choice: Optional[bool], promote: bool) -> bool:

@@ -495,8 +495,8 @@ def test_wide_user_phase_by_size():
     (dict(user_cluster_split=1), TypeError, "PlanRules.user_cluster_split must be None or a bool"),
     (dict(spare_by_time=0), TypeError, "PlanRules.spare_by_time must be None or a bool"),
     (dict(fp8_promote=1), TypeError, "PlanRules.fp8_promote must be a bool"),
-    (dict(cand_raster_m=0), ValueError, "PlanRules.cand_raster_m must be a positive int or None"),
-    (dict(cand_raster_m=True), ValueError, "PlanRules.cand_raster_m must be a positive int or None"),
+    (dict(cand_band_rows=0), ValueError, "PlanRules.cand_band_rows must be a positive int or None"),
+    (dict(cand_band_rows=True), ValueError, "PlanRules.cand_band_rows must be a positive int or None"),
     (dict(fp8_promote=True, split_k=True), ValueError, "PlanRules.fp8_promote takes no K split"),
     (dict(fp8_promote=True, user_pairs=True), ValueError, "PlanRules.fp8_promote takes no K split"),
     (dict(fp8_promote=True, cand_split=((128, 128), 2)), ValueError, "PlanRules.fp8_promote takes no K split"),
@@ -576,42 +576,42 @@ def test_gpu_path_with_plan_rules(monkeypatch, rules, slabs, B, U, N, K_user, K_
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 
 
-def _raster_tile(r: int, n_tiles: int, m_groups: int, raster_m: int) -> tuple:
+def _band_tile(r: int, n_tiles: int, m_groups: int, band_rows: int) -> tuple:
     """LinearSm90.decode's band order (one K slice): walk position r -> (row group, column tile)."""
-    band = r // (raster_m * n_tiles)
-    in_band = r - band * raster_m * n_tiles
-    rows = min(raster_m, m_groups - band * raster_m)
+    band = r // (band_rows * n_tiles)
+    in_band = r - band * band_rows * n_tiles
+    rows = min(band_rows, m_groups - band * band_rows)
     n = in_band // rows
-    return band * raster_m + in_band - n * rows, n
+    return band * band_rows + in_band - n * rows, n
 
 
 @pytest.mark.parametrize("n_tiles, m_groups", [(8, 8), (8, 16), (3, 7), (1, 5), (5, 1), (16, 33)])
-@pytest.mark.parametrize("raster_m", [1, 2, 3, 8, 64])
-def test_candidate_walk_bands_cover_every_tile_once(n_tiles, m_groups, raster_m):
-    """PlanRules.cand_raster_m: every (row group, column tile) once, row group fastest within a
-    band of raster_m row groups (the last band narrower), bands in order; raster_m 1 is the
+@pytest.mark.parametrize("band_rows", [1, 2, 3, 8, 64])
+def test_candidate_walk_bands_cover_every_tile_once(n_tiles, m_groups, band_rows):
+    """PlanRules.cand_band_rows: every (row group, column tile) once, row group fastest within a
+    band of band_rows row groups (the last band narrower), bands in order; band_rows 1 is the
     column-fastest order the kernel had before."""
-    order = [_raster_tile(r, n_tiles, m_groups, raster_m) for r in range(n_tiles * m_groups)]
+    order = [_band_tile(r, n_tiles, m_groups, band_rows) for r in range(n_tiles * m_groups)]
     assert sorted(order) == [(m, n) for m in range(m_groups) for n in range(n_tiles)]
-    if raster_m == 1:
+    if band_rows == 1:
         assert order == [(r // n_tiles, r % n_tiles) for r in range(n_tiles * m_groups)]
-    width = min(raster_m, m_groups)
+    width = min(band_rows, m_groups)
     assert order[:width] == [(m, 0) for m in range(width)]
-    assert all(m // raster_m == r // (raster_m * n_tiles) for r, (m, _) in enumerate(order))
+    assert all(m // band_rows == r // (band_rows * n_tiles) for r, (m, _) in enumerate(order))
 
 
 def test_candidate_bands_reach_the_launch(monkeypatch):
-    """cand_raster_m parses from a spec and reaches the candidate launch only (the user walk keeps
-    its order), with the same result. None (the default): bands of RASTER_BAND row groups where a
+    """cand_band_rows parses from a spec and reaches the candidate launch only (the user walk keeps
+    its order), with the same result. None (the default): bands of BAND_ROWS row groups where a
     band over every column tile fits the resident clusters (few column tiles), else 1; never on a
     configuration that is not banded (tiles wider than 128 x 128 a consumer)."""
     from linear_emulation import install
     from ikbo_gemm.config import LinearConfig, linear_configs
-    from ikbo_gemm.linear import COLUMN_WALK_RULES, DEFAULT_RULES, RASTER_BAND, PlanRules
-    assert DEFAULT_RULES.cand_raster_m is None and RASTER_BAND == 8
-    rules = PlanRules.parse("cand_raster_m=3")
-    assert rules.cand_raster_m == 3 and rules.spec() == "cand_raster_m=3" and rules != DEFAULT_RULES
-    assert PlanRules.parse("cand_raster_m=1") == COLUMN_WALK_RULES
+    from ikbo_gemm.linear import COLUMN_WALK_RULES, DEFAULT_RULES, BAND_ROWS, PlanRules
+    assert DEFAULT_RULES.cand_band_rows is None and BAND_ROWS == 8
+    rules = PlanRules.parse("cand_band_rows=3")
+    assert rules.cand_band_rows == 3 and rules.spec() == "cand_band_rows=3" and rules != DEFAULT_RULES
+    assert PlanRules.parse("cand_band_rows=1") == COLUMN_WALK_RULES
     kernels = install(monkeypatch)
     args = _inputs(23, 2048, 29, 1024, 1000, 4096)
     outs = [ikbo_gemm.linear(**args, activation="relu", rules=r) for r in (DEFAULT_RULES, rules, COLUMN_WALK_RULES)]
@@ -628,5 +628,5 @@ def test_candidate_bands_reach_the_launch(monkeypatch):
     assert not LinearConfig(torch.bfloat16, torch.int32, 128, 128, "user").banded
     assert not LinearConfig(torch.bfloat16, torch.int32, 128, 192, "cand").banded
     assert linear_configs(torch.bfloat16, torch.int32, (128, 128), (128, 256), "relu", True, 2)[1].banded
-    with pytest.raises(ValueError, match="PlanRules.cand_raster_m must be a positive int or None"):
-        PlanRules(cand_raster_m=0)
+    with pytest.raises(ValueError, match="PlanRules.cand_band_rows must be a positive int or None"):
+        PlanRules(cand_band_rows=0)

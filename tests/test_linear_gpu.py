@@ -108,17 +108,17 @@ def test_linear_matches_reference(case):
     torch.testing.assert_close(fresh, out, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("raster_m", [3, 8])
+@pytest.mark.parametrize("band_rows", [3, 8])
 @pytest.mark.parametrize("name", ["b1000-ratio10-k1000-n100", "b4096-ratio70-k64-k4096-n1024", "b4096-ratio10-n4096",
                                   "b65536-ratio70-n1024"])
-def test_candidate_raster_keeps_the_bits(name, raster_m):
-    """PlanRules.cand_raster_m changes only which CTA runs a tile when: every tile's sums, and so
+def test_candidate_bands_keep_the_bits(name, band_rows):
+    """PlanRules.cand_band_rows changes only which CTA runs a tile when: every tile's sums, and so
     every output bit, stay those of the column-fastest walk (bands narrower at the end included)."""
     dtype, B, U, N, K_user, K_cand, activation, bias, idx_dtype, shuffle = CASES[name]
     args = make_inputs(B, U, N, K_user, K_cand, dtype, bias=bias, idx_dtype=idx_dtype, shuffle=shuffle)
-    base = ikbo_gemm.linear(**args, activation=activation, rules=ikbo_gemm.PlanRules(cand_raster_m=1))
+    base = ikbo_gemm.linear(**args, activation=activation, rules=ikbo_gemm.PlanRules(cand_band_rows=1))
     out = torch.full((B, N), float("nan"), dtype=dtype, device=DEVICE)
-    ikbo_gemm.linear(**args, activation=activation, out=out, rules=ikbo_gemm.PlanRules(cand_raster_m=raster_m))
+    ikbo_gemm.linear(**args, activation=activation, out=out, rules=ikbo_gemm.PlanRules(cand_band_rows=band_rows))
     torch.testing.assert_close(out, base, rtol=0, atol=0)
 
 
