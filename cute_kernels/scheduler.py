@@ -84,18 +84,26 @@ def warp_search(starts: cute.Tensor, value: Int32, lo: Int32, hi: Int32) -> Int3
     together (every lane calls it; every lane gets the answer). ``starts`` is non-decreasing over
     [lo, hi) and ``starts[lo] <= value``.
 
-    Each round the lanes read 32 evenly spaced entries of the range at once and a ballot narrows
-    it 32-fold: ceil(log32(hi - lo)) rounds of one global load each, where a binary search waits
-    on ceil(log2(hi - lo)) loads in a row (the first tile of a persistent CTA waits on them)."""
+    Each round the lanes read SEARCH_WIDTH evenly spaced entries of the range at once (lane l the
+    SEARCH_LOADS entries l * SEARCH_LOADS, ...), and ballots narrow it SEARCH_WIDTH-fold:
+    ceil(log_SEARCH_WIDTH(hi - lo)) rounds of loads in flight together, where a binary search
+    waits on ceil(log2(hi - lo)) loads in a row (the first tile of a persistent CTA waits on
+    them): one round up to SEARCH_WIDTH groups."""
     lane = cute.arch.lane_idx()
     while hi - lo > 1:
-        step = (hi - lo + 31) // 32
-        j = lo + Int32(lane) * step
-        below = cutlass.Boolean(False)
-        if j < hi:
-            below = starts[j] <= value
-        # The lanes that see an entry <= value are a prefix (lane 0 reads starts[lo]).
-        ballot = cute.arch.vote_ballot_sync(below)
-        lo = lo + (cute.arch.popc(ballot) - 1) * step
+        step = (hi - lo + SEARCH_WIDTH - 1) // SEARCH_WIDTH
+        seen = Int32(0)
+        for e in cutlass.range_constexpr(SEARCH_LOADS):
+            j = lo + (Int32(lane) * SEARCH_LOADS + e) * step
+            below = cutlass.Boolean(False)
+            if j < hi:
+                below = starts[j] <= value
+            # The entries <= value are a prefix of the SEARCH_WIDTH read (lane 0's first is starts[lo]).
+            seen += cute.arch.popc(cute.arch.vote_ballot_sync(below))
+        lo = lo + (seen - 1) * step
         hi = cutlass.min(lo + step, hi)
     return lo
+
+
+SEARCH_LOADS = 2  # entries a lane reads a round of warp_search (the producer warp holds 24 registers)
+SEARCH_WIDTH = 32 * SEARCH_LOADS

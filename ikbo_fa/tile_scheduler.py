@@ -199,8 +199,9 @@ class AttentionTileScheduler:
         if const_expr(self.dense):
             # Group u with tile_start[u] <= rem < tile_start[u + 1]; group n_kv_batch
             # holds the candidates whose index is out of range.
-            # All 32 lanes of the producer warp search at once (warp_search: two rounds of loads
-            # for up to 1023 groups, where a binary search waits on one load after another).
+            # All 32 lanes of the producer warp search at once (warp_search: one round of loads
+            # for up to 64 groups, two up to 4,096, where a binary search waits on one load after
+            # another).
             lo = warp_search(mTileStart, rem, Int32(0), sched.n_kv_batch + 1)
             # The group's query rows are one run; this is its tile j. ordered: position lo of
             # tile_start holds group perm[lo].
