@@ -33,7 +33,7 @@ for one extra pass over q. A |scale| * log2(e) below float32's normal range runs
 as scale 0 (the scaled scores round to 0 there).
 
 Speed depends on the scores only in one extreme: a query row whose scaled scores
-in some block of 128 keys exceed every score processed before them by more than
+in some block of keys (128, or 192 at D 64 over long padded K/V) exceed every score processed before them by more than
 about 83 (blocks run from the last keys to the first) is recomputed exactly on
 the CUDA cores: correct, but slow.
 
@@ -722,7 +722,8 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
                         jagged=p.jagged, split_kv=n_splits > 1 and not pair, split_pair=pair,
                         dynamic_walk=policy.walks_dynamically(p.kv_len), whole_rows_out=policy.whole_rows_out,
                         # a given work list of rows of their own lengths holds their order (perm)
-                        longest_first=work_list is not None or policy.orders(p.kv_len))
+                        longest_first=work_list is not None or policy.orders(p.kv_len),
+                        d64_key_block=policy.d64_key_block if p.kv_len >= policy.d64_wide_min_keys else 128)
     _, _, chunks = row_packing(p.s_q)
     idx_contiguous = p.idx.is_contiguous()
     idx_int32 = p.idx.dtype == torch.int32

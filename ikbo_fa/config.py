@@ -12,6 +12,10 @@ import math
 import torch
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+# Keys per block of the main loop: 128, or 192 at D 64 where no split divides the keys (the
+# host's split arithmetic counts blocks of 128); the op takes 192 over long padded K/V only
+# (AttentionPolicy.d64_wide_min_keys).
+KEY_BLOCKS = (128, 192)
 DIRECTIONS = ("kv", "q")
 # Split-KV: the most CTAs one row's keys go over (the merge kernel unrolls its loads to it).
 MAX_SPLITS = 8
@@ -56,6 +60,9 @@ class AttentionConfig:
     # perm). False keeps the groups in user order, as over padded K/V: for rows too short for
     # their order to matter, where ordering them would cost the work list more than it balances.
     longest_first: bool = True
+    # Keys per block of the main loop (KEY_BLOCKS): 192 only at D 64 without a key split. At D 64
+    # a 128-key block carries half the MMA work of D 128 for the same per-block bookkeeping.
+    key_block: int = 128
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -77,6 +84,11 @@ class AttentionConfig:
         if not self.longest_first and not (self.direction == "kv" and self.own_lengths):
             raise ValueError("AttentionConfig: longest_first=False (user order) applies to direction 'kv' with "
                              "kv_lengths or jagged K/V only")
+        if self.key_block not in KEY_BLOCKS:
+            raise ValueError(f"AttentionConfig.key_block must be one of {KEY_BLOCKS}, got {self.key_block!r}")
+        if self.key_block != 128 and (self.head_dim != 64 or self.split_kv or self.split_pair):
+            raise ValueError(f"AttentionConfig: key_block {self.key_block} needs head_dim 64 and no key split "
+                             "(split_kv, split_pair)")
         if self.dynamic_walk and (not self.ordered or self.split_pair):
             raise ValueError("AttentionConfig: dynamic_walk needs ordered tiles (direction 'kv' with kv_lengths or "
                              "jagged) and excludes split_pair")
@@ -98,6 +110,8 @@ class AttentionConfig:
                                           ("-split", self.split_kv), ("-pair", self.split_pair),
                                           ("-dyn", self.dynamic_walk), ("-whole", self.whole_rows_out),
                                           ("-userorder", not self.longest_first)) if on)
+        if self.key_block != 128:
+            flags += f"-n{self.key_block}"
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -124,16 +138,20 @@ def row_packing(s_q: int):
 def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, has_kv_lengths: bool,
                   return_lse: bool, jagged: bool = False, split_kv: bool = False,
                   split_pair: bool = False, dynamic_walk: bool = False,
-                  whole_rows_out: bool = False, longest_first: bool = True) -> AttentionConfig:
+                  whole_rows_out: bool = False, longest_first: bool = True,
+                  d64_key_block: int = 128) -> AttentionConfig:
     """The configuration the op compiles for a problem (``dynamic_walk``: where the tiles are ordered
     and not split in pairs; ``whole_rows_out``: where the keys are split over a workspace and
     rows may have fewer keys than a split holds; ``longest_first``: whether rows of their own
-    lengths run longest first)."""
+    lengths run longest first; ``d64_key_block``: the key block at D 64 over padded K/V where no
+    split divides the keys)."""
     own = direction == "kv" and (jagged or has_kv_lengths)
     cfg = AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
                           split_kv=split_kv, split_pair=split_pair,
                           whole_rows_out=whole_rows_out and split_kv and own,
-                          longest_first=longest_first or not own)
+                          longest_first=longest_first or not own,
+                          key_block=d64_key_block if head_dim == 64 and not (split_kv or split_pair or jagged
+                                                                             or has_kv_lengths) else 128)
     return dataclasses.replace(cfg, dynamic_walk=True) if dynamic_walk and cfg.ordered and not split_pair else cfg
 
 
@@ -178,5 +196,9 @@ SHIPPED_CONFIGS = tuple(
         AttentionConfig(torch.bfloat16, 64, 1, "kv", False, False, jagged=True, longest_first=False),
         AttentionConfig(torch.bfloat16, 64, 4, "kv", False, False, jagged=True, longest_first=False),
         AttentionConfig(torch.float16, 64, 17, "kv", True, True, longest_first=False),
+        # 192-key blocks at D 64 over padded K/V: both directions, one row per candidate with lse
+        AttentionConfig(torch.bfloat16, 64, 64, "kv", False, False, key_block=192),
+        AttentionConfig(torch.float16, 64, 1, "kv", False, True, key_block=192),
+        AttentionConfig(torch.bfloat16, 64, 17, "q", False, True, key_block=192),
     ]
 )

@@ -106,7 +106,8 @@ class IkboAttentionFwdSm90:
       warpgroup 0, producer (setmaxnreg 24): warp 0 walks the tile list (its 32 lanes find
         each tile's user together: warp_search) and issues every TMA load; warps 1-3 idle.
         Per tile: wait for a free Q stage, write the tile's TileInfo beside it, load the Q
-        slots; then K/V blocks last to first, K one block ahead of V. ``dynamic_walk``: once
+        slots; then K/V blocks (``cfg.key_block`` keys: 128, or 192 at D 64 without a key
+        split) last to first, K one block ahead of V. ``dynamic_walk``: once
         a tile's loads are issued, lane 0 takes the next tile from the work list's counter
         (TileCounter); a split with no key is written as its rows' lse alone (empty_piece);
         past the last tile, the END mark goes into the next Q stage (its full barrier arrived
@@ -218,7 +219,6 @@ class IkboAttentionFwdSm90:
     """
 
     TILE_M = 128
-    TILE_N = 128
     KV_STAGES = 2
     # Two Q stages: the next tile's Q loads while this tile runs (its latency was exposed
     # between tiles with one stage).
@@ -233,7 +233,7 @@ class IkboAttentionFwdSm90:
         self.dtype = cutlass_dtype(cfg.dtype)
         self.head_dim = cfg.head_dim
         self.s_q = cfg.s_q
-        self.tile_m, self.tile_n = self.TILE_M, self.TILE_N
+        self.tile_m, self.tile_n = self.TILE_M, cfg.key_block
         # KV broadcast packs a user's query rows densely and moves them in boxes ("slots") of
         # box_rows rows; Q broadcast gives each candidate one tile (slots of row_packing).
         self.dense = cfg.direction == "kv"
@@ -916,7 +916,14 @@ class IkboAttentionFwdSm90:
 
     @cute.jit
     def convert_p(self, st: ConsumerState, acc_S):
-        st.tOrP.store(acc_as_frag_a(acc_S).load().to(self.dtype))
+        p = acc_as_frag_a(acc_S)
+        if const_expr(self.tile_n == 128):
+            st.tOrP.store(p.load().to(self.dtype))
+        else:
+            # Per k-step of P V: the DSL converts a 96-value vector one value at a time (and ptxas
+            # then packs the pairs between the wgmmas), an 8-value one in pairs.
+            for kk in cutlass.range_constexpr(cute.size(p, mode=[2])):
+                st.tOrP[None, None, kk].store(p[None, None, kk].load().to(self.dtype))
 
     @cute.jit
     def zero_v_tail(self, st: ConsumerState, stage: Int32, n_cols: Int32, tidx: Int32):

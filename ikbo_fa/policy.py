@@ -10,7 +10,7 @@ import dataclasses
 
 from cute_kernels.policy_spec import parse_spec, spec_of
 
-from .config import MAX_PREFETCH_BLOCKS
+from .config import KEY_BLOCKS, MAX_PREFETCH_BLOCKS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,15 @@ class AttentionPolicy:
     tile_blocks: int = 2
     pair_merge_blocks: int = 3
     merge_blocks: int = 14
+    # At D 64 over padded K/V of at least d64_wide_min_keys keys, with no split, the main loop runs
+    # blocks of d64_key_block keys (AttentionConfig.key_block: 128 or 192). On the H100 (published
+    # shape, B 2048, ratio 64, H 2, S_q 64, bf16, CUDA graphs) 192-key blocks ran 485 against 462
+    # TFLOP/s at L 2048 and 490 against 474 at L 4096: about 8% more keys a second, less the keys
+    # the last block pads. At L 512 and 1024 that padding is 12.5% and they lost 4%, and on short
+    # histories (128 to 256 keys) 13 to 20%: docs/perf/2026-12-07-attention-d64-key-block-h100.md.
+    # From L 2048 on a 192-key block pads at most 6% more keys than 128-key ones.
+    d64_key_block: int = 192
+    d64_wide_min_keys: int = 2048
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -94,6 +103,8 @@ class AttentionPolicy:
                 raise ValueError(f"AttentionPolicy.{f.name} must be >= 0, got {value}")
         if self.split_min_keys < 1:
             raise ValueError(f"AttentionPolicy.split_min_keys must be >= 1, got {self.split_min_keys}")
+        if self.d64_key_block not in KEY_BLOCKS:
+            raise ValueError(f"AttentionPolicy.d64_key_block must be one of {KEY_BLOCKS}, got {self.d64_key_block}")
         if self.prefetch_blocks > MAX_PREFETCH_BLOCKS:
             raise ValueError(f"AttentionPolicy.prefetch_blocks must be at most {MAX_PREFETCH_BLOCKS} (one lane of "
                              f"warp 0 each), got {self.prefetch_blocks}")

@@ -54,7 +54,7 @@ class Schedule:
     max_keys: Int32  # jagged: the longest history a row may have (the op's max_kv_len)
     q_flat: cutlass.Boolean  # q and out hold a user's query rows at one stride (checked by the op)
     n_splits: Int32  # split_kv: CTAs per (tile, head), each over split_keys of the row's keys
-    split_keys: Int32  # split_kv, split_pair: keys per split, a multiple of TILE_N
+    split_keys: Int32  # split_kv, split_pair: keys per split, a multiple of 128 (the key block wherever keys are split)
     rank: Int32  # split_pair: this CTA's split (its rank in the cluster); 0 otherwise
 
     def group(self):

@@ -49,6 +49,10 @@ ATTENTION_BAD_FIELDS = {
                      "AttentionConfig: split_pair needs direction 'kv' and excludes split_kv"),
     "split_pair-split_kv": (dict(split_kv=True, split_pair=True),
                             "AttentionConfig: split_pair needs direction 'kv' and excludes split_kv"),
+    "key_block-256": (dict(head_dim=64, key_block=256), r"AttentionConfig.key_block must be one of \(128, 192\)"),
+    "key_block-d128": (dict(key_block=192), "AttentionConfig: key_block 192 needs head_dim 64 and no key split"),
+    "key_block-split": (dict(head_dim=64, key_block=192, split_kv=True),
+                        "AttentionConfig: key_block 192 needs head_dim 64 and no key split"),
 }
 
 
@@ -70,6 +74,20 @@ def test_shipped_configs_are_valid_and_exported():
         assert dataclasses.replace(cfg) == cfg and cfg.dtype in (torch.float16, torch.bfloat16)
     assert kernel_config(torch.float16, 64, 3, "q", False, True) == AttentionConfig(torch.float16, 64, 3, "q", False,
                                                                                     True)
+
+
+def test_key_block_192_only_at_d64_without_a_key_split():
+    pick = lambda d, **kw: kernel_config(torch.bfloat16, d, 4, "kv", False, True, d64_key_block=192, **kw)  # noqa: E731
+    assert pick(64).key_block == 192 and pick(128).key_block == 128
+    assert pick(64, split_kv=True).key_block == 128 and pick(64, split_pair=True).key_block == 128
+    assert pick(64, jagged=True).key_block == 128  # rows of their own lengths keep 128-key blocks
+    assert kernel_config(torch.bfloat16, 64, 4, "kv", True, True, d64_key_block=192).key_block == 128
+    assert kernel_config(torch.bfloat16, 64, 4, "q", False, True, d64_key_block=192).key_block == 192
+    assert kernel_config(torch.bfloat16, 64, 4, "kv", False, True).key_block == 128
+    assert str(pick(64)).endswith("-n192") and "-n" not in str(pick(128)).split("-kv")[1]
+    with pytest.raises(ValueError, match="AttentionPolicy.d64_key_block must be one of"):
+        ikbo_fa.AttentionPolicy(d64_key_block=64)
+    assert ikbo_fa.DEFAULT_POLICY.d64_key_block == 192 and ikbo_fa.DEFAULT_POLICY.d64_wide_min_keys == 2048
 
 
 @pytest.mark.parametrize("s_q", [1, 2, 7, 8, 9, 31, 33, 63, 64, 65, 100, 128, 129, 300])

@@ -1,0 +1,149 @@
+"""GPU tests of the 192-key main-loop block at D 64 over padded K/V (``AttentionPolicy.d64_key_block``,
+``d64_wide_min_keys``; ``AttentionConfig.key_block``): both directions against fp32, keys that end
+anywhere in a block, scores that jump in a later block, NaN isolation, graph replay, and where the
+op keeps 128-key blocks."""
+import math
+
+import pytest
+import torch
+
+import ikbo_fa
+from attention_inputs import capture_graph, materialize, random_problem, run_with_policy
+
+pytestmark = pytest.mark.gpu
+
+WIDE = ikbo_fa.AttentionPolicy(d64_wide_min_keys=0, split_kv=False)  # 192-key blocks at any L
+
+
+def _fp32(q, k, v, idx, direction, lengths):
+    """fp32 attention on the materialized problem -> (out [B, S_q, H, D], lse [B, H, S_q])."""
+    qm, km, vm, lm = materialize(q, k, v, idx, direction, lengths)
+    group = q.shape[2] // k.shape[2]
+    qf = qm.float().transpose(1, 2)
+    kf = km.float().repeat_interleave(group, dim=2).transpose(1, 2)
+    vf = vm.float().repeat_interleave(group, dim=2).transpose(1, 2)
+    s = qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if lm is not None:
+        keep = torch.arange(km.shape[1], device=q.device)[None, :] < lm[:, None]
+        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+    return (torch.softmax(s, dim=-1).nan_to_num(0.0) @ vf).transpose(1, 2), torch.logsumexp(s, dim=-1)
+
+
+def _check(q, kv, k, v, idx, direction, lengths=None, policy=WIDE, **kw):
+    out, lse, plan = run_with_policy(policy, q, kv, idx, kv_lengths=lengths, **kw)
+    assert plan.config.key_block == 192, plan.config
+    ref, ref_lse = _fp32(q, k, v, idx, direction, lengths)
+    keep = torch.ones(idx.shape[0], dtype=torch.bool, device=q.device)
+    if lengths is not None:
+        keep = materialize(q, k, v, idx, direction, lengths)[3] > 0
+    assert not out.isnan().any()
+    err = ((out[keep].float() - ref[keep]).norm() / ref[keep].norm()).item()
+    assert err < 1e-2, err
+    torch.testing.assert_close(lse[keep], ref_lse[keep], rtol=1e-4, atol=1e-4)
+    assert (out[~keep] == 0).all() and (lse[~keep] == -math.inf).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("L", [1, 191, 192, 193, 700])
+@pytest.mark.parametrize("S_q", [1, 17, 64])
+@pytest.mark.parametrize("direction", ["kv", "q"])
+def test_padded_every_block_end(direction, S_q, L, dtype):
+    q, kv, k, v, idx, _ = random_problem(L + S_q, direction, 70, 5, S_q, 4, 2, 64, L, dtype, device="cuda")
+    _check(q, kv, k, v, idx, direction)
+
+
+@pytest.mark.parametrize("direction", ["kv", "q"])
+def test_rows_of_their_own_lengths_keep_128_key_blocks(direction):
+    # kv_lengths and kv_offsets: rows may be far shorter than L, where a 192-key block pads more.
+    q, kv, k, v, idx, lengths = random_problem(4, direction, 90, 7, 4, 2, 1, 64, 2500, torch.bfloat16,
+                                               jagged=True, device="cuda")
+    out, lse, plan = run_with_policy(WIDE, q, kv, idx, kv_lengths=lengths)
+    assert plan.config.key_block == 128, plan.config
+    ref, _ = _fp32(q, k, v, idx, direction, lengths)
+    keep = materialize(q, k, v, idx, direction, lengths)[3] > 0
+    assert ((out[keep].float() - ref[keep]).norm() / ref[keep].norm()).item() < 1e-2
+    if direction == "kv":
+        offsets = torch.tensor([0, 100, 2600], device="cuda")
+        kj, vj = (torch.randn(2600, 1, 64, device="cuda").bfloat16() for _ in range(2))
+        _, _, plan = run_with_policy(WIDE, q[:8], (kj, vj), torch.tensor([0, 1] * 4, device="cuda"),
+                                     kv_offsets=offsets)
+        assert plan.config.key_block == 128, plan.config
+
+
+def test_default_takes_192_from_2048_keys():
+    for L, block in ((1024, 128), (2048, 192)):
+        q, kv, k, v, idx, _ = random_problem(L, "kv", 2048, 32, 64, 2, 2, 64, L, torch.bfloat16, sort=True,
+                                             device="cuda")
+        out, lse, plan = run_with_policy(None, q, kv, idx)
+        assert plan.config.key_block == block, (L, plan.config)
+        assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("factor", [4.0, 60.0])
+def test_scores_jump_in_a_later_block(factor):
+    # Blocks run from the last keys to the first: keys 100:250 scaled (H_kv = H) make the row max
+    # jump in a later block (factor 4: rescaled in the loop; 60: past float32's range, rows recomputed).
+    q, kv, k, v, idx, _ = random_problem(int(factor), "kv", 96, 3, 64, 2, 2, 64, 1000, torch.bfloat16,
+                                         device="cuda")
+    k[:, 100:250] *= factor
+    out, lse, plan = run_with_policy(WIDE, q, (k, v), idx)
+    assert plan.config.key_block == 192
+    ref, ref_lse = _fp32(q, k, v, idx, "kv", None)
+    assert not out.isnan().any()
+    qm, km, vm, _ = materialize(q, k, v, idx, "kv", None)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        qm.transpose(1, 2), km.transpose(1, 2), vm.transpose(1, 2)).transpose(1, 2)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    sdpa_err = ((sdpa.float() - ref).norm() / ref.norm()).item()
+    assert err <= 1.5 * sdpa_err + 1e-6, (err, sdpa_err)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_nan_and_out_of_range_stay_in_their_rows():
+    q, kv, k, v, idx, _ = random_problem(3, "kv", 64, 4, 17, 2, 1, 64, 400, torch.bfloat16, device="cuda")
+    clean = ikbo_fa.attention(q, kv, idx, policy=WIDE)
+    # a NaN in one query row changes that row only, bit for bit elsewhere
+    q_nan = q.clone()
+    q_nan[7, 3, 1, 10] = float("nan")
+    o = ikbo_fa.attention(q_nan, kv, idx, policy=WIDE)
+    other = torch.ones_like(o, dtype=torch.bool)
+    other[7, 3, 1] = False
+    assert torch.equal(o[other], clean[other]) and not torch.equal(o[7, 3, 1], clean[7, 3, 1])
+    # a NaN key of user 1 makes its candidates NaN, no other
+    k_nan = k.clone()
+    k_nan[1, 250, 0, 3] = float("nan")
+    o = ikbo_fa.attention(q, (k_nan, v), idx, policy=WIDE)
+    assert o[idx == 1].isnan().all() and not o[idx != 1].isnan().any()
+    # out-of-range indices give NaN rows (out and lse), no other
+    bad_idx = idx.clone()
+    bad_idx[5], bad_idx[40] = 4, -1
+    out = torch.full_like(q, float("nan"))
+    _, lse = ikbo_fa.attention(q, kv, bad_idx, out=out, return_lse=True, validate=False, policy=WIDE)
+    bad = torch.zeros(64, dtype=torch.bool, device="cuda")
+    bad[5] = bad[40] = True
+    assert out[bad].isnan().all() and lse[bad].isnan().all()
+    assert not out[~bad].isnan().any() and not lse[~bad].isnan().any()
+
+
+def test_graph_replay_with_new_idx():
+    q, kv, k, v, idx, _ = random_problem(5, "kv", 200, 6, 4, 2, 1, 64, 600, torch.bfloat16, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    ikbo_fa.attention(q, kv, idx, out=out, policy=WIDE)
+    graph = capture_graph(lambda: ikbo_fa.attention(q, kv, idx, out=out, policy=WIDE))
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        idx.copy_(torch.randint(0, 6, (200,), generator=g).cuda())
+        out.fill_(float("nan"))
+        graph.replay()
+        ref, _ = _fp32(q, k, v, idx, "kv", None)
+        assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_split_keys_keep_128_key_blocks():
+    # Few tiles over long rows: the default split goes over the keys, and the key block stays 128.
+    q, kv, k, v, idx, _ = random_problem(9, "kv", 4, 2, 1, 1, 1, 64, 8192, torch.bfloat16, device="cuda")
+    out, lse, plan = run_with_policy(ikbo_fa.AttentionPolicy(d64_wide_min_keys=0), q, kv, idx)
+    cfg = plan.config
+    assert (cfg.split_kv or cfg.split_pair) and cfg.key_block == 128, cfg
+    ref, _ = _fp32(q, k, v, idx, "kv", None)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
