@@ -33,9 +33,9 @@ for one extra pass over q. A |scale| * log2(e) below float32's normal range runs
 as scale 0 (the scaled scores round to 0 there).
 
 Speed depends on the scores only in one extreme: a query row whose scaled scores
-in some block of keys (128, or 192 at D 64 over long padded K/V) exceed every score processed before them by more than
-about 83 (blocks run from the last keys to the first) is recomputed exactly on
-the CUDA cores: correct, but slow.
+in some block of keys (128, or 192 at D 64 over long padded K/V) exceed every
+score processed before them by more than about 83 (blocks run from the last keys
+to the first) is recomputed exactly on the CUDA cores: correct, but slow.
 
 On every device the op takes what the sm_90 kernel takes: fp16 or bf16, D in {64, 128}
 (``attention_reference`` also takes float32 and any D). A batch of 0 candidates gives
