@@ -921,7 +921,8 @@ class IkboAttentionFwdSm90:
             st.tOrP.store(p.load().to(self.dtype))
         else:
             # Per k-step of P V: the DSL converts a 96-value vector one value at a time (and ptxas
-            # then packs the pairs between the wgmmas), an 8-value one in pairs.
+            # then packs the pairs between the wgmmas), an 8-value one in pairs. A 64-value one
+            # converts in pairs too, so 128-key blocks keep the one conversion (other SASS).
             for kk in cutlass.range_constexpr(cute.size(p, mode=[2])):
                 st.tOrP[None, None, kk].store(p[None, None, kk].load().to(self.dtype))
 
