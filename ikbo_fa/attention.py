@@ -653,6 +653,49 @@ def _merge_blocks(n: int, policy: AttentionPolicy) -> int:
     return 0 if n == 1 else policy.pair_merge_blocks if n == 2 and policy.split_pair else policy.merge_blocks
 
 
+def tail_split_cost(work: int, keys: int, sms: int, n: int, policy: AttentionPolicy = DEFAULT_POLICY) -> float:
+    """``split_cost`` of ``tail_split``: the tiles of the grid's whole rounds whole, the last
+    round's split n ways, and the merge launch."""
+    rounds, tail = divmod(work, sms)
+    blocks = -(-keys // 128)
+    return (rounds * (blocks + policy.tile_blocks) + -(-tail * n // sms) * (_piece_blocks(keys, n) + policy.tile_blocks)
+            + policy.tail_merge_blocks)
+
+
+# tail_splits takes the last round's split only where it costs this much less than the plan
+# without it (the cost is coarse, and the split brings a workspace and a merge launch).
+TAIL_SPLIT_GAIN = 0.97
+# Key blocks a second at D 64 with 192-key blocks against 128-key ones (no split), about
+# (docs/perf/2026-12-07-attention-d64-key-block-h100.md).
+WIDE_BLOCK_SPEED = 1.08
+
+
+def tail_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms: int, out_bytes: int,
+                policy: AttentionPolicy = DEFAULT_POLICY, chosen: tuple = (1, False), wide: bool = False) -> tuple:
+    """(splits, keys per split) of the last round (``AttentionConfig.tail_split``) for a KV-broadcast
+    problem over padded K/V, or (1, 0) where it does not beat ``chosen`` = (splits, split pair?), the
+    plan of ``problem_splits``, by ``tail_split_cost`` (``wide``: that plan runs 192-key blocks,
+    WIDE_BLOCK_SPEED faster). Only where the tiles (the mean of their bounds, as ``problem_splits``
+    counts them) fill at least one round of ``sms`` and part of another, with a workspace of
+    ``out_bytes`` a split within ``policy.tail_split_bytes``."""
+    tiles = (-(-batch * s_q // 128) + max_tiles_per_head(batch, users, s_q)) // 2
+    work = max(1, tiles * heads)
+    if not (policy.split_kv and policy.tail_split) or work < sms or work % sms == 0:
+        return 1, 0
+    n0, pair = chosen
+    base = split_cost(work, keys, sms, n0, dataclasses.replace(policy, split_pair=pair, split_min_keys=1))
+    if wide and n0 == 1:
+        base /= WIDE_BLOCK_SPEED
+    best = (base * TAIL_SPLIT_GAIN, 1, 0)
+    for n in range(2, MAX_SPLITS + 1):
+        per = -(-keys // (n * 128)) * 128
+        m = -(-keys // per)
+        if m < 2 or m * out_bytes > policy.tail_split_bytes:
+            continue
+        best = min(best, (tail_split_cost(work, keys, sms, m, policy), m, per))
+    return best[1], best[2]
+
+
 def uneven_split_cost(work: int, rows: int, total_keys: int, keys: int, sms: int, n: int,
                       policy: AttentionPolicy = DEFAULT_POLICY) -> float:
     """``split_cost`` where ``rows`` rows of up to ``keys`` keys hold ``total_keys`` together and
@@ -715,6 +758,14 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
     if p.direction == "kv" and (not p.jagged or max_kv_len is not None):
         n_splits, split_keys, pair = problem_splits(p.batch, p.broadcast_batch, p.s_q, p.heads, p.kv_len,
                                                     sm_count(device), policy, p.total_kv if p.jagged else None)
+    tail = False
+    if p.direction == "kv" and not (p.jagged or p.kv_lengths is not None):
+        out_bytes = p.batch * p.s_q * p.heads * p.head_dim * p.q.element_size()
+        wide = p.head_dim == 64 and policy.d64_key_block != 128 and p.kv_len >= policy.d64_wide_min_keys
+        tail_n, tail_keys = tail_splits(p.batch, p.broadcast_batch, p.s_q, p.heads, p.kv_len, sm_count(device),
+                                        out_bytes, policy, (n_splits, pair), wide)
+        if tail_n > 1:
+            n_splits, split_keys, pair, tail = tail_n, tail_keys, False, True
     n_users = p.broadcast_batch
     use_worklist_kernel = (p.direction == "kv" and work_list is None and policy.worklist_kernel
                            and _worklist_fits(n_users))
@@ -723,7 +774,8 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
                         dynamic_walk=policy.walks_dynamically(p.kv_len), whole_rows_out=policy.whole_rows_out,
                         # a given work list of rows of their own lengths holds their order (perm)
                         longest_first=work_list is not None or policy.orders(p.kv_len),
-                        d64_key_block=policy.d64_key_block if p.kv_len >= policy.d64_wide_min_keys else 128)
+                        d64_key_block=policy.d64_key_block if p.kv_len >= policy.d64_wide_min_keys else 128,
+                        tail_split=tail)
     _, _, chunks = row_packing(p.s_q)
     idx_contiguous = p.idx.is_contiguous()
     idx_int32 = p.idx.dtype == torch.int32

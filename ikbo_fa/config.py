@@ -63,6 +63,11 @@ class AttentionConfig:
     # Keys per block of the main loop (KEY_BLOCKS): 192 only at D 64 without a key split. At D 64
     # a 128-key block carries half the MMA work of D 128 for the same per-block bookkeeping.
     key_block: int = 128
+    # split_kv over padded K/V in the grid's last round only: the tiles that fill whole rounds of
+    # the persistent grid run whole (out and lse written directly, the rows marked WHOLE_ROW for
+    # the merge), the remaining ones (fewer than the grid) split ``n_splits`` ways. Where the
+    # tiles do not fill one round, every tile splits, as with split_kv alone.
+    tail_split: bool = False
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -89,6 +94,9 @@ class AttentionConfig:
         if self.key_block != 128 and (self.head_dim != 64 or self.split_kv or self.split_pair):
             raise ValueError(f"AttentionConfig: key_block {self.key_block} needs head_dim 64 and no key split "
                              "(split_kv, split_pair)")
+        if self.tail_split and not (self.split_kv and self.whole_rows_out and not self.own_lengths):
+            raise ValueError("AttentionConfig: tail_split needs split_kv and whole_rows_out over padded K/V (no "
+                             "kv_lengths, not jagged)")
         if self.dynamic_walk and (not self.ordered or self.split_pair):
             raise ValueError("AttentionConfig: dynamic_walk needs ordered tiles (direction 'kv' with kv_lengths or "
                              "jagged) and excludes split_pair")
@@ -109,6 +117,7 @@ class AttentionConfig:
                                           ("-lse", self.return_lse), ("-serial", not self.overlap),
                                           ("-split", self.split_kv), ("-pair", self.split_pair),
                                           ("-dyn", self.dynamic_walk), ("-whole", self.whole_rows_out),
+                                          ("-tail", self.tail_split),
                                           ("-userorder", not self.longest_first)) if on)
         if self.key_block != 128:
             flags += f"-n{self.key_block}"
@@ -139,16 +148,17 @@ def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, h
                   return_lse: bool, jagged: bool = False, split_kv: bool = False,
                   split_pair: bool = False, dynamic_walk: bool = False,
                   whole_rows_out: bool = False, longest_first: bool = True,
-                  d64_key_block: int = 128) -> AttentionConfig:
+                  d64_key_block: int = 128, tail_split: bool = False) -> AttentionConfig:
     """The configuration the op compiles for a problem (``dynamic_walk``: where the tiles are ordered
     and not split in pairs; ``whole_rows_out``: where the keys are split over a workspace and
     rows may have fewer keys than a split holds; ``longest_first``: whether rows of their own
     lengths run longest first; ``d64_key_block``: the key block at D 64 over padded K/V where no
-    split divides the keys)."""
+    split divides the keys; ``tail_split``: split_kv over padded K/V in the last round only)."""
     own = direction == "kv" and (jagged or has_kv_lengths)
+    tail = tail_split and split_kv and direction == "kv" and not own
     cfg = AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
-                          split_kv=split_kv, split_pair=split_pair,
-                          whole_rows_out=whole_rows_out and split_kv and own,
+                          split_kv=split_kv, split_pair=split_pair, tail_split=tail,
+                          whole_rows_out=(whole_rows_out and split_kv and own) or tail,
                           longest_first=longest_first or not own,
                           key_block=d64_key_block if head_dim == 64 and not (split_kv or split_pair or jagged
                                                                              or has_kv_lengths) else 128)
@@ -200,5 +210,11 @@ SHIPPED_CONFIGS = tuple(
         AttentionConfig(torch.bfloat16, 64, 64, "kv", False, False, key_block=192),
         AttentionConfig(torch.float16, 64, 1, "kv", False, True, key_block=192),
         AttentionConfig(torch.bfloat16, 64, 17, "q", False, True, key_block=192),
+        # the last round's tiles split, the others whole: S_q 16 (boxes of 16 rows), one row per
+        # candidate at D 64
+        AttentionConfig(torch.bfloat16, 128, 16, "kv", False, True, split_kv=True, whole_rows_out=True,
+                        tail_split=True),
+        AttentionConfig(torch.float16, 64, 1, "kv", False, True, split_kv=True, whole_rows_out=True,
+                        tail_split=True),
     ]
 )

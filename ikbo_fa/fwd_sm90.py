@@ -215,7 +215,8 @@ class IkboAttentionFwdSm90:
     op merges (``ikbo_fa.attention.merge_splits``). With ``whole_rows_out``, split 0 of a row
     whose keys fit one split (or whose index is out of range) writes out and lse directly
     (``whole_out``) and its split-0 lse word in the workspace as WHOLE_ROW, which the merge
-    skips.
+    skips. With ``tail_split`` (padded K/V) only the tiles past the grid's whole rounds split:
+    the others run whole with all their keys and write out directly, marked as above.
     """
 
     TILE_M = 128
@@ -454,9 +455,7 @@ class IkboAttentionFwdSm90:
         flat = False
         if const_expr(self.flat_path):
             flat = scalars.q_flat != 0 and g.grouped[0] != 0
-        total = tiles_per_head * dims.n_heads
-        if const_expr(self.cfg.split_kv):
-            total = total * n_splits
+        total = self.scheduler.positions(tiles_per_head * dims.n_heads, n_splits)
         sched = Schedule(total, tiles_per_head, dims.n_q_batch, n_kv_batch, dims.n_heads, dims.n_kv_heads,
                          dims.kv_len, scalars.max_keys, flat, n_splits, scalars.split_keys, rank)
         smem_t = SharedTensors(sQ, sK, sV, sVt, sO, sMeta)
@@ -572,7 +571,7 @@ class IkboAttentionFwdSm90:
         splits = Int32(1)
         if const_expr(self.pair):
             splits = Int32(self.cluster_size)
-        elif const_expr(self.cfg.split_kv):
+        elif const_expr(self.cfg.split_kv and not self.cfg.tail_split):
             splits = scalars.n_splits
         per_depth = splits * n_kv_heads * n_kv_batch
         item = Int32(bid) + Int32(lane) * Int32(grid)
@@ -593,7 +592,7 @@ class IkboAttentionFwdSm90:
                     batch_row = Int32(0)  # one packed batch row
             start = Int32(0)
             end = n_keys
-            if const_expr(self.key_split):
+            if const_expr(self.key_split and not self.cfg.tail_split):  # tail_split: the whole tiles come first
                 start = split * split_keys
                 end = cutlass.min(start + split_keys, n_keys)
             block = (end - 1) // self.tile_n - depth

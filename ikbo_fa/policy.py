@@ -81,6 +81,15 @@ class AttentionPolicy:
     tile_blocks: int = 2
     pair_merge_blocks: int = 3
     merge_blocks: int = 14
+    # KV broadcast over padded K/V whose tiles fill some rounds of the persistent grid and part of
+    # one more: the tiles of the whole rounds run whole and only the last round's split
+    # (AttentionConfig.tail_split), where tail_split_cost is below the cost of the plan above.
+    # The last round's split goes through a merge launch that skips every whole row
+    # (tail_merge_blocks, in key blocks of a busy SM); its workspace holds every row of out once
+    # a split, so the split count keeps it within tail_split_bytes.
+    tail_split: bool = True
+    tail_merge_blocks: int = 4
+    tail_split_bytes: int = 256 << 20
     # At D 64 over padded K/V of at least d64_wide_min_keys keys, with no split, the main loop runs
     # blocks of d64_key_block keys (AttentionConfig.key_block: 128 or 192). On the H100 (published
     # shape, B 2048, ratio 64, H 2, S_q 64, bf16, CUDA graphs) 192-key blocks ran 485 against 462

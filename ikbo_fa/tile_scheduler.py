@@ -16,6 +16,9 @@ out it writes. The order, per configuration (``AttentionConfig``):
   (round r of G hands CTA c position r G + c, or r G + n - 1 - c on odd rounds of n positions);
 - ``split_kv``: every tile ``n_splits`` times, split slowest; ``split_pair``: both CTAs of a
   cluster take the same tile, CTA r split r;
+- ``tail_split``: the first W = G * floor(T / G) of the T tiles whole (as many whole rounds of
+  the grid as they fill), then the other T - W tiles ``n_splits`` times each, split slowest, so
+  the last round's few tiles spread over the grid instead of leaving most of it idle;
 - ``dynamic_walk`` (ordered tiles handed out by a counter, not strided): the groups in ``perm``
   order, then tile within the group, then split, heads fastest, with no turning back: a row's
   pieces next to each other, the longest rows' first.
@@ -131,6 +134,7 @@ class AttentionTileScheduler:
         self.chunks = 1 if self.dense else row_packing(cfg.s_q)[2]  # Q broadcast: 128-row chunks per candidate
         self.ordered = cfg.ordered
         self.split_kv = cfg.split_kv
+        self.tail_split = cfg.tail_split
         self.whole_rows = cfg.whole_rows_out
         self.key_split = cfg.split_kv or cfg.split_pair
         self.cluster_size = 2 if cfg.split_pair else 1
@@ -151,7 +155,14 @@ class AttentionTileScheduler:
             if r % 2 == 1:
                 c = cutlass.min(G, sched.total_tiles - r * G) - 1 - c
             t = r * G + c
-        if const_expr(self.split_kv):
+        if const_expr(self.tail_split):
+            tiles = sched.tiles_per_head * sched.n_heads
+            whole = self.whole_tiles(tiles)
+            if t >= whole:
+                tail = cutlass.max(tiles - whole, 1)
+                split = (t - whole) // tail
+                t = t - split * tail
+        elif const_expr(self.split_kv):
             per_split = sched.tiles_per_head * sched.n_heads
             split = t // per_split
             t = t - split * per_split
@@ -163,6 +174,30 @@ class AttentionTileScheduler:
             rem = t - h * sched.tiles_per_head
         return split, h, rem
 
+    @cute.jit
+    def whole_tiles(self, tiles: Int32):
+        """``tail_split``: how many of ``tiles`` run whole (whole rounds of the grid)."""
+        grid, _, _ = cute.arch.grid_dim()
+        return tiles - tiles % Int32(grid)
+
+    @cute.jit
+    def positions(self, tiles: Int32, n_splits: Int32):
+        """The launch's positions (what the walk hands out) for ``tiles`` tiles over every head."""
+        total = tiles
+        if const_expr(self.tail_split):
+            whole = self.whole_tiles(tiles)
+            total = whole + (tiles - whole) * n_splits
+        elif const_expr(self.split_kv):
+            total = tiles * n_splits
+        return total
+
+    def positions_host(self, tiles: int, n_splits: int, grid: int) -> int:
+        """``positions`` on the host (``grid``: the launch's CTA count)."""
+        if self.tail_split:
+            whole = tiles - tiles % grid
+            return whole + (tiles - whole) * n_splits
+        return tiles * n_splits if self.split_kv else tiles
+
     def position_host(self, t: int, sched: Schedule, grid: int) -> tuple:
         """``position`` on the host (``grid``: the launch's CTA count, the walk's width)."""
         split = sched.rank
@@ -172,7 +207,13 @@ class AttentionTileScheduler:
             if r % 2 == 1:
                 c = min(G, sched.total_tiles - r * G) - 1 - c
             t = r * G + c
-        if self.split_kv:
+        if self.tail_split:
+            tiles = sched.tiles_per_head * sched.n_heads
+            whole = tiles - tiles % grid
+            if t >= whole:
+                split, rest = divmod(t - whole, max(tiles - whole, 1))
+                t = whole + rest
+        elif self.split_kv:
             split, t = divmod(t, sched.tiles_per_head * sched.n_heads)
         if self.ordered:
             rem, h = divmod(t, sched.n_heads)
@@ -228,13 +269,17 @@ class AttentionTileScheduler:
         n_keys, kv_base = self.row_keys(kv_coord, mKvLen, mKvOffsets, sched.kv_len, sched.max_keys)
         out_head = h
         whole = Int32(0)
+        whole_tile = False  # tail_split: a tile of the whole rounds, all of its keys
+        if const_expr(self.tail_split):
+            whole_tile = t < self.whole_tiles(sched.tiles_per_head * sched.n_heads)
         if const_expr(self.whole_rows):
-            if split == 0 and (invalid or n_keys <= sched.split_keys):
+            if whole_tile or (split == 0 and (invalid or n_keys <= sched.split_keys)):
                 whole = Int32(1)
         if const_expr(self.key_split):
-            start = split * sched.split_keys
-            n_keys = cutlass.min(cutlass.max(n_keys - start, 0), sched.split_keys)
-            kv_base = kv_base + start
+            if not whole_tile:
+                start = split * sched.split_keys
+                n_keys = cutlass.min(cutlass.max(n_keys - start, 0), sched.split_keys)
+                kv_base = kv_base + start
         if const_expr(self.split_kv):
             if whole == 0:
                 out_head = split * sched.n_heads + h
@@ -289,8 +334,10 @@ class AttentionTileScheduler:
             end = min(max(item(g.kv_offsets, kv_coord + 1), kv_base), sched.kv_len)
             n_keys = min(end - kv_base, sched.max_keys)
         out_head = h
-        whole = int(self.whole_rows and split == 0 and (invalid or n_keys <= sched.split_keys))
-        if self.key_split:
+        tiles = sched.tiles_per_head * sched.n_heads
+        whole_tile = self.tail_split and t < tiles - tiles % grid
+        whole = int(self.whole_rows and (whole_tile or (split == 0 and (invalid or n_keys <= sched.split_keys))))
+        if self.key_split and not whole_tile:
             start = split * sched.split_keys
             n_keys = min(max(n_keys - start, 0), sched.split_keys)
             kv_base += start

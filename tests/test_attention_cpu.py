@@ -753,3 +753,59 @@ def test_split_workspace_is_one_allocation_of_disjoint_parts(B, S_q, H, D, n, ls
     assert (ws_o.data_ptr() - base) % 16 == 0
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts)
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+
+
+def test_tail_splits_where_the_last_round_is_part_full():
+    """policy.tail_split: over padded K/V whose tiles fill whole rounds of the grid and part of one
+    more, the last round's tiles split (B 2048, ratio 64, H 2, D 128); not where the tiles fill
+    rounds exactly or less than one, not past the workspace budget, not against 192-key blocks at a
+    small gain, and never with the policy off."""
+    def tail(s_q, keys, heads=2, d=128, policy=DEFAULT_POLICY, wide=False):
+        n, _, pair = attention_mod.problem_splits(2048, 32, s_q, heads, keys, 132, policy)
+        return attention_mod.tail_splits(2048, 32, s_q, heads, keys, 132, 2048 * s_q * heads * d * 2, policy,
+                                         (n, pair), wide)
+    # S_q 16, L 1024: 544 tiles, four rounds and 16 tiles; those split 8 ways, a block each
+    assert tail(16, 1024) == (8, 128)
+    cost = attention_mod.tail_split_cost
+    assert cost(544, 1024, 132, 8, DEFAULT_POLICY) == 4 * (8 + 2) + 1 * (1 + 2) + DEFAULT_POLICY.tail_merge_blocks
+    assert cost(544, 1024, 132, 8, DEFAULT_POLICY) < attention_mod.split_cost(544, 1024, 132, 1, DEFAULT_POLICY)
+    assert tail(4, 1024) == (4, 256) and tail(8, 8192)[0] == 5  # the split pair at L 8192 loses to it
+    assert tail(32, 1024) == (1, 0)  # 1,056 tiles: eight whole rounds
+    assert tail(1, 1024) == (1, 0) and tail(2, 1024) == (1, 0)  # less than a round: problem_splits decides
+    assert tail(64, 2048) == (1, 0)  # the published shape: its last round is too full to gain
+    assert tail(16, 1024, policy=AttentionPolicy(tail_split=False)) == (1, 0)
+    assert tail(16, 1024, policy=AttentionPolicy(split_kv=False)) == (1, 0)
+    # the workspace: every row of out once a split; a budget of four outputs takes four splits
+    budget = AttentionPolicy(tail_split_bytes=4 * 2048 * 16 * 2 * 128 * 2)
+    assert tail(16, 1024, policy=budget) == (4, 256)
+    assert tail(16, 1024, policy=AttentionPolicy(tail_split_bytes=2048 * 16 * 2 * 128 * 2)) == (1, 0)
+
+
+def test_tail_split_on_the_gpu_path(emulated, monkeypatch):
+    """The op takes the tail split where tail_splits does: a split_kv configuration with
+    tail_split and whole_rows_out, the merge launched; the whole rounds' tiles write out directly
+    (emulated by the scheduler's host twin); results are the reference's, with and without lse,
+    and with out-of-range indices. Rows of their own lengths never take it."""
+    configs = []
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
+    policy = AttentionPolicy(tail_merge_blocks=0)
+    B, U, S_q, L = 300, 3, 64, 300  # 300 tiles over both heads: two rounds of 132 and 36 tiles
+    q, kv, idx, _ = _gpu_path_problem(46, "kv", B, U, S_q=S_q, L=L)
+    idx[[5, 77]] = torch.tensor([-1, U], dtype=idx.dtype)
+    bad = torch.zeros(B, dtype=torch.bool)
+    bad[[5, 77]] = True
+    for return_lse in (True, False):
+        res = ikbo_fa.attention(q, kv, idx, return_lse=return_lse, policy=policy, validate=False)
+        cfg, call = configs[-1], emulated.fwd_calls[-1]
+        assert cfg.tail_split and cfg.split_kv and cfg.whole_rows_out and call["n_ctas"] == 132
+        assert call["n_splits"] == 3 and call["split_keys"] == 128
+        ref = attention_reference(q, kv, idx.clamp(0, U - 1), return_lse=return_lse)
+        for got, want in zip(res if return_lse else (res,), ref if return_lse else (ref,)):
+            assert got[bad].isnan().all()
+            torch.testing.assert_close(got[~bad], want[~bad], rtol=2e-2, atol=2e-2)
+    assert emulated.merge_calls == 2
+    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(tail_split=False, tail_merge_blocks=0), validate=False)
+    assert not configs[-1].tail_split and not configs[-1].split_kv
+    lengths = torch.randint(0, L + 1, (U,), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, policy=policy, validate=False)
+    assert not configs[-1].tail_split
