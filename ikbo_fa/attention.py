@@ -675,14 +675,15 @@ def tail_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms: in
     """(splits, keys per split) of the last round (``AttentionConfig.tail_split``) for a KV-broadcast
     problem over padded K/V, or (1, 0) where it does not beat ``chosen`` = (splits, split pair?), the
     plan of ``problem_splits``, by ``tail_split_cost`` (``wide``: that plan runs 192-key blocks,
-    WIDE_BLOCK_SPEED faster). Only where the tiles (the mean of their bounds, as ``problem_splits``
-    counts them) fill at least one round of ``sms`` and part of another, with a workspace of
-    ``out_bytes`` a split within ``policy.tail_split_bytes``."""
+    WIDE_BLOCK_SPEED faster), or where that plan splits fewer than ``policy.tail_split_from`` ways.
+    Only where the tiles (the mean of their bounds, as ``problem_splits`` counts them) fill at least
+    one round of ``sms`` and part of another, with a workspace of ``out_bytes`` a split within
+    ``policy.tail_split_bytes``."""
     tiles = (-(-batch * s_q // 128) + max_tiles_per_head(batch, users, s_q)) // 2
     work = max(1, tiles * heads)
-    if not (policy.split_kv and policy.tail_split) or work < sms or work % sms == 0:
-        return 1, 0
     n0, pair = chosen
+    if not (policy.split_kv and policy.tail_split) or work < sms or work % sms == 0 or n0 < policy.tail_split_from:
+        return 1, 0
     base = split_cost(work, keys, sms, n0, dataclasses.replace(policy, split_pair=pair, split_min_keys=1))
     if wide and n0 == 1:
         base /= WIDE_BLOCK_SPEED

@@ -215,8 +215,10 @@ class IkboAttentionFwdSm90:
     op merges (``ikbo_fa.attention.merge_splits``). With ``whole_rows_out``, split 0 of a row
     whose keys fit one split (or whose index is out of range) writes out and lse directly
     (``whole_out``) and its split-0 lse word in the workspace as WHOLE_ROW, which the merge
-    skips. With ``tail_split`` (padded K/V) only the tiles past the grid's whole rounds split:
-    the others run whole with all their keys and write out directly, marked as above.
+    skips. With ``tail_split`` (padded K/V) only the tiles past the grid's full rounds (moved back
+    to a user's first tile: ``AttentionTileScheduler.whole_tiles``, searched by every warp once the
+    work list is in) split: the others run whole with all their keys and write out directly,
+    marked as above.
     """
 
     TILE_M = 128
@@ -455,9 +457,16 @@ class IkboAttentionFwdSm90:
         flat = False
         if const_expr(self.flat_path):
             flat = scalars.q_flat != 0 and g.grouped[0] != 0
-        total = self.scheduler.positions(tiles_per_head * dims.n_heads, n_splits)
+        tiles = tiles_per_head * dims.n_heads
+        whole = 0  # tail_split: the tiles that run whole (a compile-time 0 elsewhere: the same code)
+        total = tiles
+        if const_expr(self.cfg.tail_split):
+            whole = self.scheduler.whole_tiles(tiles_per_head, dims.n_heads, g.tile_start, n_kv_batch + 1)
+            total = whole + (tiles - whole) * n_splits
+        elif const_expr(self.cfg.split_kv):
+            total = tiles * n_splits
         sched = Schedule(total, tiles_per_head, dims.n_q_batch, n_kv_batch, dims.n_heads, dims.n_kv_heads,
-                         dims.kv_len, scalars.max_keys, flat, n_splits, scalars.split_keys, rank)
+                         dims.kv_len, scalars.max_keys, flat, n_splits, scalars.split_keys, rank, whole)
         smem_t = SharedTensors(sQ, sK, sV, sVt, sO, sMeta)
         pipes = Pipelines(pipe_q, pipe_k, pipe_v)
 

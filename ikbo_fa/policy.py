@@ -83,11 +83,18 @@ class AttentionPolicy:
     merge_blocks: int = 14
     # KV broadcast over padded K/V whose tiles fill some rounds of the persistent grid and part of
     # one more: the tiles of the whole rounds run whole and only the last round's split
-    # (AttentionConfig.tail_split), where tail_split_cost is below the cost of the plan above.
-    # The last round's split goes through a merge launch that skips every whole row
-    # (tail_merge_blocks, in key blocks of a busy SM); its workspace holds every row of out once
-    # a split, so the split count keeps it within tail_split_bytes.
-    tail_split: bool = True
+    # (AttentionConfig.tail_split), where tail_split_cost is below the cost of the plan above and
+    # that plan splits every row at least tail_split_from ways. The last round's split goes
+    # through a merge launch that skips every whole row (tail_merge_blocks, in key blocks of a
+    # busy SM); its workspace holds every row of out once a split, so the split count keeps it
+    # within tail_split_bytes. On the H100 (B 2048, ratio 64, H 2, CUDA graphs) a first build
+    # ran 3-10% faster than the split pair or four splits at L 2048 to 8192, S_q 4 to 17 (D 64
+    # S_q 4 at L 2048 and 4096: 3-5% slower), and 7-10% slower than no split at L 1024, S_q 4
+    # and 16 (the merge launch and a lse and mark per row cost more there than the last round's
+    # idle SMs): docs/perf/2026-12-07-attention-tail-split-h100.md. Off until the build with
+    # the whole tiles ending at a user's first tile (the same bits every run) has run on a GPU.
+    tail_split: bool = False
+    tail_split_from: int = 2
     tail_merge_blocks: int = 4
     tail_split_bytes: int = 256 << 20
     # At D 64 over padded K/V of at least d64_wide_min_keys keys, with no split, the main loop runs

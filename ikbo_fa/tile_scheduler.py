@@ -16,9 +16,12 @@ out it writes. The order, per configuration (``AttentionConfig``):
   (round r of G hands CTA c position r G + c, or r G + n - 1 - c on odd rounds of n positions);
 - ``split_kv``: every tile ``n_splits`` times, split slowest; ``split_pair``: both CTAs of a
   cluster take the same tile, CTA r split r;
-- ``tail_split``: the first W = G * floor(T / G) of the T tiles whole (as many whole rounds of
-  the grid as they fill), then the other T - W tiles ``n_splits`` times each, split slowest, so
-  the last round's few tiles spread over the grid instead of leaving most of it idle;
+- ``tail_split``: the first W of the T tiles whole, then the other T - W tiles ``n_splits``
+  times each, split slowest, so the last round's few tiles spread over the grid instead of
+  leaving most of it idle. W is G * floor(T / G) (the tiles of the grid's full rounds) moved
+  back to the first tile of its group: a user's tiles are all whole or all split, so the order
+  of candidates within a user (open where idx is not grouped) never moves a row from one to the
+  other, and a call gives the same bits every run;
 - ``dynamic_walk`` (ordered tiles handed out by a counter, not strided): the groups in ``perm``
   order, then tile within the group, then split, heads fastest, with no turning back: a row's
   pieces next to each other, the longest rows' first.
@@ -59,6 +62,9 @@ class Schedule:
     n_splits: Int32  # split_kv: CTAs per (tile, head), each over split_keys of the row's keys
     split_keys: Int32  # split_kv, split_pair: keys per split, a multiple of 128 (the key block wherever keys are split)
     rank: Int32  # split_pair: this CTA's split (its rank in the cluster); 0 otherwise
+    # tail_split: the tiles that run whole, the first ones up to the grid's last full round
+    # (AttentionTileScheduler.whole_tiles); 0 otherwise
+    whole_tiles: Int32 = 0
 
     def group(self):
         """Query heads per K/V head."""
@@ -156,10 +162,9 @@ class AttentionTileScheduler:
                 c = cutlass.min(G, sched.total_tiles - r * G) - 1 - c
             t = r * G + c
         if const_expr(self.tail_split):
-            tiles = sched.tiles_per_head * sched.n_heads
-            whole = self.whole_tiles(tiles)
+            whole = sched.whole_tiles
             if t >= whole:
-                tail = cutlass.max(tiles - whole, 1)
+                tail = cutlass.max(sched.tiles_per_head * sched.n_heads - whole, 1)
                 split = (t - whole) // tail
                 t = t - split * tail
         elif const_expr(self.split_kv):
@@ -175,28 +180,30 @@ class AttentionTileScheduler:
         return split, h, rem
 
     @cute.jit
-    def whole_tiles(self, tiles: Int32):
-        """``tail_split``: how many of ``tiles`` run whole (whole rounds of the grid)."""
+    def whole_tiles(self, tiles_per_head: Int32, n_heads: Int32, mTileStart, n_groups: Int32):
+        """``tail_split``: how many tiles (of ``tiles_per_head`` over ``n_heads`` heads) run whole: those
+        of the grid's full rounds, back to the first tile of the group (``mTileStart`` over
+        ``n_groups`` groups) that the first split tile would fall in. Every warp that calls it
+        searches (cute_kernels.scheduler.warp_search) and gets the answer."""
         grid, _, _ = cute.arch.grid_dim()
-        return tiles - tiles % Int32(grid)
+        tiles = tiles_per_head * n_heads
+        whole = tiles - tiles % Int32(grid)
+        h = whole // cutlass.max(tiles_per_head, 1)
+        rem = whole - h * tiles_per_head
+        if rem > 0:
+            g = warp_search(mTileStart, rem, Int32(0), n_groups)
+            whole = h * tiles_per_head + mTileStart[g]
+        return whole
 
-    @cute.jit
-    def positions(self, tiles: Int32, n_splits: Int32):
-        """The launch's positions (what the walk hands out) for ``tiles`` tiles over every head."""
-        total = tiles
-        if const_expr(self.tail_split):
-            whole = self.whole_tiles(tiles)
-            total = whole + (tiles - whole) * n_splits
-        elif const_expr(self.split_kv):
-            total = tiles * n_splits
-        return total
-
-    def positions_host(self, tiles: int, n_splits: int, grid: int) -> int:
-        """``positions`` on the host (``grid``: the launch's CTA count)."""
-        if self.tail_split:
-            whole = tiles - tiles % grid
-            return whole + (tiles - whole) * n_splits
-        return tiles * n_splits if self.split_kv else tiles
+    def whole_tiles_host(self, tiles_per_head: int, n_heads: int, tile_start, grid: int) -> int:
+        """``whole_tiles`` on the host (``tile_start``: the groups' first tiles, a sequence)."""
+        tiles = tiles_per_head * n_heads
+        whole = tiles - tiles % grid
+        h, rem = divmod(whole, max(tiles_per_head, 1))
+        if rem > 0:
+            starts = [int(x) for x in tile_start]
+            whole = h * tiles_per_head + starts[bisect.bisect_right(starts, rem) - 1]
+        return whole
 
     def position_host(self, t: int, sched: Schedule, grid: int) -> tuple:
         """``position`` on the host (``grid``: the launch's CTA count, the walk's width)."""
@@ -209,7 +216,7 @@ class AttentionTileScheduler:
             t = r * G + c
         if self.tail_split:
             tiles = sched.tiles_per_head * sched.n_heads
-            whole = tiles - tiles % grid
+            whole = sched.whole_tiles
             if t >= whole:
                 split, rest = divmod(t - whole, max(tiles - whole, 1))
                 t = whole + rest
@@ -271,7 +278,7 @@ class AttentionTileScheduler:
         whole = Int32(0)
         whole_tile = False  # tail_split: a tile of the whole rounds, all of its keys
         if const_expr(self.tail_split):
-            whole_tile = t < self.whole_tiles(sched.tiles_per_head * sched.n_heads)
+            whole_tile = t < sched.whole_tiles
         if const_expr(self.whole_rows):
             if whole_tile or (split == 0 and (invalid or n_keys <= sched.split_keys)):
                 whole = Int32(1)
@@ -334,8 +341,7 @@ class AttentionTileScheduler:
             end = min(max(item(g.kv_offsets, kv_coord + 1), kv_base), sched.kv_len)
             n_keys = min(end - kv_base, sched.max_keys)
         out_head = h
-        tiles = sched.tiles_per_head * sched.n_heads
-        whole_tile = self.tail_split and t < tiles - tiles % grid
+        whole_tile = self.tail_split and t < sched.whole_tiles
         whole = int(self.whole_rows and (whole_tile or (split == 0 and (invalid or n_keys <= sched.split_keys))))
         if self.key_split and not whole_tile:
             start = split * sched.split_keys

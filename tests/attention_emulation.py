@@ -160,10 +160,13 @@ class EmulatedKernels:
         ws_lse = torch.zeros(B, parts * heads, S_q)
         written = torch.zeros(B, S_q, parts * heads, dtype=torch.int32)
         whole_rows = []  # whole_rows_out: (cands, rows, head, o, lse) written to the op's out directly
+        # tail_split: the first tiles whole (to a group's first tile), the rest once per split
+        whole = (sc.whole_tiles_host(tiles_per_head, H, g.tile_start[:n_kv_batch + 2].tolist(), n_ctas)
+                 if cfg.tail_split else 0)
+        total = whole + (tiles_per_head * H - whole) * n_splits
         for rank in range(parts):
-            sched = Schedule(sc.positions_host(tiles_per_head * H, n_splits, n_ctas), tiles_per_head, q.shape[0],
-                             n_kv_batch, H, k.shape[2],
-                             k.shape[1], scalars.max_keys, False, scalars.n_splits, scalars.split_keys, rank)
+            sched = Schedule(total, tiles_per_head, q.shape[0], n_kv_batch, H, k.shape[2], k.shape[1],
+                             scalars.max_keys, False, scalars.n_splits, scalars.split_keys, rank, whole)
             for t in range(sched.total_tiles):
                 info = sc.tile_info_host(t, g, sched, n_ctas)
                 if sc.dense:

@@ -87,6 +87,34 @@ def assert_nan_rows_only(out, lse, bad):
     assert not out[~bad].isnan().any() and not lse[~bad].isnan().any()
 
 
+def check_nan_isolation(policy, q, kv, k, v, idx, nan_rows, nan_key, bad_rows):
+    """KV broadcast under ``policy``: a NaN in query row (b, 3, head 1) for each b of ``nan_rows``
+    changes that row only, bit for bit elsewhere; a NaN key of user 1 at key ``nan_key`` makes its
+    candidates NaN, no other; the candidates ``bad_rows`` given out-of-range users (U and -1)
+    get NaN rows in out and lse, no other."""
+    import ikbo_fa
+
+    clean = ikbo_fa.attention(q, kv, idx, policy=policy)
+    for b in nan_rows:
+        q_nan = q.clone()
+        q_nan[b, 3, 1, 10] = float("nan")
+        o = ikbo_fa.attention(q_nan, kv, idx, policy=policy)
+        other = torch.ones_like(o, dtype=torch.bool)
+        other[b, 3, 1] = False
+        assert torch.equal(o[other], clean[other]) and not torch.equal(o[b, 3, 1], clean[b, 3, 1])
+    k_nan = k.clone()
+    k_nan[1, nan_key, 0, 3] = float("nan")
+    o = ikbo_fa.attention(q, (k_nan, v), idx, policy=policy)
+    assert o[idx == 1].isnan().all() and not o[idx != 1].isnan().any()
+    bad_idx = idx.clone()
+    bad_idx[bad_rows[0]], bad_idx[bad_rows[1]] = k.shape[0], -1
+    out = torch.full_like(q, float("nan"))
+    _, lse = ikbo_fa.attention(q, kv, bad_idx, out=out, return_lse=True, validate=False, policy=policy)
+    bad = torch.zeros(idx.shape[0], dtype=torch.bool, device=q.device)
+    bad[list(bad_rows)] = True
+    assert_nan_rows_only(out, lse, bad)
+
+
 def user_groups(seed, U, ratio, S_q, L, H=2, D=128, order="sorted", dtype=torch.bfloat16, H_kv=None):
     """KV broadcast on the GPU: U users of ``ratio`` candidates each, idx sorted or shuffled ->
     (q [U * ratio, S_q, H, D], k, v [U, L, H_kv, D], idx int64)."""

@@ -760,25 +760,34 @@ def test_tail_splits_where_the_last_round_is_part_full():
     more, the last round's tiles split (B 2048, ratio 64, H 2, D 128); not where the tiles fill
     rounds exactly or less than one, not past the workspace budget, not against 192-key blocks at a
     small gain, and never with the policy off."""
-    def tail(s_q, keys, heads=2, d=128, policy=DEFAULT_POLICY, wide=False):
+    on = AttentionPolicy(tail_split=True)
+
+    def tail(s_q, keys, heads=2, d=128, policy=on, wide=False):
         n, _, pair = attention_mod.problem_splits(2048, 32, s_q, heads, keys, 132, policy)
         return attention_mod.tail_splits(2048, 32, s_q, heads, keys, 132, 2048 * s_q * heads * d * 2, policy,
                                          (n, pair), wide)
-    # S_q 16, L 1024: 544 tiles, four rounds and 16 tiles; those split 8 ways, a block each
-    assert tail(16, 1024) == (8, 128)
+    # S_q 16, L 1024: 544 tiles, four rounds and 16 tiles; those split 8 ways, a block each, where
+    # the unsplit plan may be replaced (by default only plans that split every row)
+    assert tail(16, 1024) == (1, 0)
+    every = AttentionPolicy(tail_split=True, tail_split_from=1)
+    assert tail(16, 1024, policy=every) == (8, 128)
+    assert tail(16, 4096) == (8, 512)  # in place of the split pair
+    assert tail(16, 4096, policy=DEFAULT_POLICY) == (1, 0)  # off by default
     cost = attention_mod.tail_split_cost
     assert cost(544, 1024, 132, 8, DEFAULT_POLICY) == 4 * (8 + 2) + 1 * (1 + 2) + DEFAULT_POLICY.tail_merge_blocks
     assert cost(544, 1024, 132, 8, DEFAULT_POLICY) < attention_mod.split_cost(544, 1024, 132, 1, DEFAULT_POLICY)
-    assert tail(4, 1024) == (4, 256) and tail(8, 8192)[0] == 5  # the split pair at L 8192 loses to it
-    assert tail(32, 1024) == (1, 0)  # 1,056 tiles: eight whole rounds
+    assert tail(4, 1024, policy=every) == (4, 256) and tail(4, 1024) == (1, 0)
+    assert [tail(s_q, 8192)[0] for s_q in (4, 8, 16, 17)] == [4, 5, 8, 5]  # four splits or pairs before
+    assert tail(32, 1024, policy=every) == (1, 0)  # 1,056 tiles: eight whole rounds
     assert tail(1, 1024) == (1, 0) and tail(2, 1024) == (1, 0)  # less than a round: problem_splits decides
-    assert tail(64, 2048) == (1, 0)  # the published shape: its last round is too full to gain
-    assert tail(16, 1024, policy=AttentionPolicy(tail_split=False)) == (1, 0)
-    assert tail(16, 1024, policy=AttentionPolicy(split_kv=False)) == (1, 0)
+    assert tail(64, 2048, policy=every) == (1, 0)  # the published shape: its last round is too full to gain
+    assert tail(16, 4096, policy=AttentionPolicy(tail_split=False)) == (1, 0)
+    assert tail(16, 4096, policy=AttentionPolicy(tail_split=True, split_kv=False)) == (1, 0)
     # the workspace: every row of out once a split; a budget of four outputs takes four splits
-    budget = AttentionPolicy(tail_split_bytes=4 * 2048 * 16 * 2 * 128 * 2)
+    budget = AttentionPolicy(tail_split=True, tail_split_from=1, tail_split_bytes=4 * 2048 * 16 * 2 * 128 * 2)
     assert tail(16, 1024, policy=budget) == (4, 256)
-    assert tail(16, 1024, policy=AttentionPolicy(tail_split_bytes=2048 * 16 * 2 * 128 * 2)) == (1, 0)
+    assert tail(16, 1024, policy=AttentionPolicy(tail_split=True, tail_split_from=1,
+                                                 tail_split_bytes=2048 * 16 * 2 * 128 * 2)) == (1, 0)
 
 
 def test_tail_split_on_the_gpu_path(emulated, monkeypatch):
@@ -788,7 +797,7 @@ def test_tail_split_on_the_gpu_path(emulated, monkeypatch):
     and with out-of-range indices. Rows of their own lengths never take it."""
     configs = []
     monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
-    policy = AttentionPolicy(tail_merge_blocks=0)
+    policy = AttentionPolicy(tail_split=True, tail_merge_blocks=0, tail_split_from=1)
     B, U, S_q, L = 300, 3, 64, 300  # 300 tiles over both heads: two rounds of 132 and 36 tiles
     q, kv, idx, _ = _gpu_path_problem(46, "kv", B, U, S_q=S_q, L=L)
     idx[[5, 77]] = torch.tensor([-1, U], dtype=idx.dtype)
@@ -804,7 +813,7 @@ def test_tail_split_on_the_gpu_path(emulated, monkeypatch):
             assert got[bad].isnan().all()
             torch.testing.assert_close(got[~bad], want[~bad], rtol=2e-2, atol=2e-2)
     assert emulated.merge_calls == 2
-    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(tail_split=False, tail_merge_blocks=0), validate=False)
+    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(tail_split_from=1), validate=False)  # off by default
     assert not configs[-1].tail_split and not configs[-1].split_kv
     lengths = torch.randint(0, L + 1, (U,), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
     ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, policy=policy, validate=False)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ikbo_fa
-from attention_inputs import capture_graph, materialize, random_problem, run_with_policy
+from attention_inputs import capture_graph, check_nan_isolation, materialize, random_problem, run_with_policy
 
 pytestmark = pytest.mark.gpu
 
@@ -101,28 +101,7 @@ def test_scores_jump_in_a_later_block(factor):
 
 def test_nan_and_out_of_range_stay_in_their_rows():
     q, kv, k, v, idx, _ = random_problem(3, "kv", 64, 4, 17, 2, 1, 64, 400, torch.bfloat16, device="cuda")
-    clean = ikbo_fa.attention(q, kv, idx, policy=WIDE)
-    # a NaN in one query row changes that row only, bit for bit elsewhere
-    q_nan = q.clone()
-    q_nan[7, 3, 1, 10] = float("nan")
-    o = ikbo_fa.attention(q_nan, kv, idx, policy=WIDE)
-    other = torch.ones_like(o, dtype=torch.bool)
-    other[7, 3, 1] = False
-    assert torch.equal(o[other], clean[other]) and not torch.equal(o[7, 3, 1], clean[7, 3, 1])
-    # a NaN key of user 1 makes its candidates NaN, no other
-    k_nan = k.clone()
-    k_nan[1, 250, 0, 3] = float("nan")
-    o = ikbo_fa.attention(q, (k_nan, v), idx, policy=WIDE)
-    assert o[idx == 1].isnan().all() and not o[idx != 1].isnan().any()
-    # out-of-range indices give NaN rows (out and lse), no other
-    bad_idx = idx.clone()
-    bad_idx[5], bad_idx[40] = 4, -1
-    out = torch.full_like(q, float("nan"))
-    _, lse = ikbo_fa.attention(q, kv, bad_idx, out=out, return_lse=True, validate=False, policy=WIDE)
-    bad = torch.zeros(64, dtype=torch.bool, device="cuda")
-    bad[5] = bad[40] = True
-    assert out[bad].isnan().all() and lse[bad].isnan().all()
-    assert not out[~bad].isnan().any() and not lse[~bad].isnan().any()
+    check_nan_isolation(WIDE, q, kv, k, v, idx, nan_rows=(7,), nan_key=250, bad_rows=(5, 40))
 
 
 def test_graph_replay_with_new_idx():

@@ -117,19 +117,24 @@ def test_every_row_once_with_its_keys(order, grid):
 @pytest.mark.parametrize("grid", [7, 13, 132])
 @pytest.mark.parametrize("s_q", [1, 16, 64])
 def test_tail_split_walk(grid, s_q):
-    """tail_split: the first grid * floor(T / grid) positions are whole tiles (all L keys, out's
-    head, whole), then the other tiles once per split, split slowest; every (candidate, row,
-    head) gets its user's keys exactly once, whole or as the splits' partition of them."""
+    """tail_split: the tiles of the grid's full rounds, back to the first tile of a group, are whole
+    (all L keys, out's head, whole), then the other tiles once per split, split slowest; every
+    (candidate, row, head) gets its user's keys exactly once, whole or as the splits' partition of
+    them, and a user's rows are all whole or all split."""
     cfg = ikbo_fa.AttentionConfig(torch.bfloat16, 128, s_q, "kv", False, True, split_kv=True, whole_rows_out=True,
                                   tail_split=True)
     sc = tile_scheduler(cfg)
     rows, idx, keys, n_kv, U, tiles_per_head = _problem("kv", s_q, False, False, seed=grid + s_q)
     B, H, H_kv, L, n_splits, split_keys = idx.shape[0], 4, 2, 700, 3, 256
     tiles = tiles_per_head * H
-    total = sc.positions_host(tiles, n_splits, grid)
-    whole = tiles - tiles % grid
-    assert total == whole + (tiles - whole) * n_splits
-    sched = Schedule(total, tiles_per_head, U, n_kv, H, H_kv, L, L, False, n_splits, split_keys, 0)
+    starts = rows.tile_start.tolist()
+    whole = sc.whole_tiles_host(tiles_per_head, H, starts, grid)
+    full = tiles - tiles % grid
+    h, rem = divmod(full, tiles_per_head)
+    assert whole <= full and (rem == 0 and whole == full or whole - h * tiles_per_head in starts)
+    assert full - whole < max(b - a for a, b in zip(starts, starts[1:]))  # back by less than a group
+    total = whole + (tiles - whole) * n_splits
+    sched = Schedule(total, tiles_per_head, U, n_kv, H, H_kv, L, L, False, n_splits, split_keys, 0, whole)
     covered = {}
     for t in range(total):
         info = sc.tile_info_host(t, rows, sched, grid)
@@ -141,11 +146,14 @@ def test_tail_split_walk(grid, s_q):
             assert info.whole == 1 and info.out_head == info.head and info.kv_base == 0
             assert info.n_keys == (0 if info.invalid else L)
     assert len(covered) == B * s_q * H
+    split_users = set()
     for (b, r, h), infos in covered.items():
         bad = not 0 <= int(idx[b]) < U
+        user = (h, int(idx[b]) if not bad else U)
         if len(infos) == 1:  # a whole tile
-            assert infos[0].whole == 1
+            assert infos[0].whole == 1 and user not in split_users
             continue
+        split_users.add(user)
         assert len(infos) == n_splits
         spans = sorted((i.kv_base, i.kv_base + i.n_keys) for i in infos if i.n_keys)
         assert spans == ([] if bad else [(s * split_keys, min(L, (s + 1) * split_keys)) for s in range(n_splits)])
@@ -153,3 +161,6 @@ def test_tail_split_walk(grid, s_q):
             split = 0 if i.whole else i.out_head // H
             assert i.out_head == (h if i.whole else split * H + h)
             assert i.whole == int(bad and split == 0)
+    # a (head, user) pair is whole or split, never both
+    assert not split_users & {(h, int(idx[b]) if 0 <= int(idx[b]) < U else U)
+                              for (b, r, h), infos in covered.items() if len(infos) == 1}
