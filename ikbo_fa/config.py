@@ -64,9 +64,9 @@ class AttentionConfig:
     # a 128-key block carries half the MMA work of D 128 for the same per-block bookkeeping.
     key_block: int = 128
     # split_kv over padded K/V in the grid's last round only: the tiles that fill whole rounds of
-    # the persistent grid run whole (out and lse written directly, the rows marked WHOLE_ROW for
-    # the merge), the remaining ones (fewer than the grid) split ``n_splits`` ways. Where the
-    # tiles do not fill one round, every tile splits, as with split_kv alone.
+    # the persistent grid (back to a user's first tile) run whole, out and lse written directly
+    # and the rows marked WHOLE_ROW for the merge; the remaining ones split ``n_splits`` ways.
+    # Where the tiles do not fill one round, every tile splits, as with split_kv alone.
     tail_split: bool = False
 
     def __post_init__(self):
