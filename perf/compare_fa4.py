@@ -104,9 +104,11 @@ class Series(NamedTuple):
     keys: list
 
 
+KEY_FIELDS = ("B", "ratio", "S_q", "L", "dtype", "broadcast", "order", "jagged", "H", "D")  # _key's order
+
+
 def _key(r: dict) -> tuple:
-    return (r["B"], r["ratio"], r["S_q"], r["L"], r["dtype"], r["broadcast"], r["order"], r.get("jagged"), r["H"],
-            r["D"])
+    return tuple(r.get(f) for f in KEY_FIELDS)
 
 
 def run_problem(p: Problem, inp: Inputs, provs: list, args, ceiling: float, rng) -> list:
@@ -345,7 +347,9 @@ def summary(rows: list, sweeps: dict, mode: str = "interleaved") -> None:
     names = sorted({r["provider"] for r in rows}, key=lambda n: (display_index(n), n))
     names += ["materialize ms", "best peer", "ikbo / best peer", "ikbo / best peer, graph"]
     for name, (x, keys) in sweeps.items():  # (every key has rows)
-        point = [x] + (["total_keys", "max_len"] if "jagged" in name else [])
+        # the sweep's variable, and any other point field its keys vary (a product of lists)
+        varies = [f for f in GRID if f == x or len({k[KEY_FIELDS.index(f)] for k in keys}) > 1]
+        point = varies + (["total_keys", "max_len"] if "jagged" in name else [])
         table = harness.point_table(rows, keys, _key, "tflops" + s, lambda k: {
             c: next(r[c] for r in rows if _key(r) == k) for c in point})
         for key, line in zip(keys, table):

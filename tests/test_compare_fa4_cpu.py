@@ -748,6 +748,16 @@ def test_main_dry_run_h_and_d_lists(dry_run, tmp_path, capsys):
     assert "host time per call, tiny problem (B=4, ratio 2, L=128, H=1 D=8)" in out
 
 
+def test_main_dry_run_two_lists_print_both(dry_run, tmp_path, capsys):
+    """--L and --S-q lists: one table whose lines name both (L slowest, S_q fastest)."""
+    _run_main(tmp_path, ["--L", "8", "16", "--S-q", "1", "2", "--timing", "interleaved", "--no-plot",
+                         "--providers", "ikbo", "sdpa materialized"])
+    out = capsys.readouterr().out
+    table = out[out.index("sweep L (bf16, kv, sorted)"):].splitlines()
+    assert table[1].split()[:3] == ["L", "S_q", "ikbo"]
+    assert [line.split()[:2] for line in table[3:7]] == [["8", "1"], ["8", "2"], ["16", "1"], ["16", "2"]]
+
+
 def test_plot_wraps_many_sweeps(tmp_path):
     pytest.importorskip("matplotlib")
     rows, sweeps = [], {}
