@@ -662,20 +662,12 @@ def tail_split_cost(work: int, keys: int, sms: int, n: int, policy: AttentionPol
             + policy.tail_merge_blocks)
 
 
-# tail_splits takes the last round's split only where it costs this much less than the plan
-# without it (the cost is coarse, and the split brings a workspace and a merge launch).
-TAIL_SPLIT_GAIN = 0.97
-# Key blocks a second at D 64 with 192-key blocks against 128-key ones (no split), about
-# (docs/perf/2026-12-07-attention-d64-key-block-h100.md).
-WIDE_BLOCK_SPEED = 1.08
-
-
 def tail_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms: int, out_bytes: int,
                 policy: AttentionPolicy = DEFAULT_POLICY, chosen: tuple = (1, False), wide: bool = False) -> tuple:
     """(splits, keys per split) of the last round (``AttentionConfig.tail_split``) for a KV-broadcast
     problem over padded K/V, or (1, 0) where it does not beat ``chosen`` = (splits, split pair?), the
-    plan of ``problem_splits``, by ``tail_split_cost`` (``wide``: that plan runs 192-key blocks,
-    WIDE_BLOCK_SPEED faster), or where that plan splits fewer than ``policy.tail_split_from`` ways.
+    plan of ``problem_splits``, by ``tail_split_cost`` and ``policy.tail_split_min_gain`` (``wide``: that
+    plan runs 192-key blocks, ``policy.d64_wide_gain`` percent faster), or where that plan splits fewer than ``policy.tail_split_from`` ways.
     Only where the tiles (the mean of their bounds, as ``problem_splits`` counts them) fill at least
     one round of ``sms`` and part of another, with a workspace of ``out_bytes`` a split within
     ``policy.tail_split_bytes``."""
@@ -686,8 +678,8 @@ def tail_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms: in
         return 1, 0
     base = split_cost(work, keys, sms, n0, dataclasses.replace(policy, split_pair=pair, split_min_keys=1))
     if wide and n0 == 1:
-        base /= WIDE_BLOCK_SPEED
-    best = (base * TAIL_SPLIT_GAIN, 1, 0)
+        base = base * 100 / (100 + policy.d64_wide_gain)
+    best = (base * (100 - policy.tail_split_min_gain) / 100, 1, 0)
     for n in range(2, MAX_SPLITS + 1):
         per = -(-keys // (n * 128)) * 128
         m = -(-keys // per)

@@ -97,6 +97,9 @@ class AttentionPolicy:
     tail_split_from: int = 2
     tail_merge_blocks: int = 4
     tail_split_bytes: int = 256 << 20
+    # ... taken only where it costs at least this many percent less than the plan without it (the
+    # cost is coarse, and the split brings a workspace and a merge launch)
+    tail_split_min_gain: int = 3
     # At D 64 over padded K/V of at least d64_wide_min_keys keys, with no split, the main loop runs
     # blocks of d64_key_block keys (AttentionConfig.key_block: 128 or 192). On the H100 (published
     # shape, B 2048, ratio 64, H 2, S_q 64, bf16, CUDA graphs) 192-key blocks ran 485 against 462
@@ -106,6 +109,9 @@ class AttentionPolicy:
     # From L 2048 on a 192-key block pads at most 6% more keys than 128-key ones.
     d64_key_block: int = 192
     d64_wide_min_keys: int = 2048
+    # Percent more key blocks a second with 192-key blocks than with 128 (no split), as above: what
+    # a plan that would run them gives up for the last round's split (tail_split).
+    d64_wide_gain: int = 8
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -8,31 +8,18 @@ import pytest
 import torch
 
 import ikbo_fa
-from attention_inputs import capture_graph, check_nan_isolation, materialize, random_problem, run_with_policy
+from attention_inputs import (check_graph_replay, check_nan_isolation, fp32_attention, materialize, random_problem,
+                              run_with_policy)
 
 pytestmark = pytest.mark.gpu
 
 WIDE = ikbo_fa.AttentionPolicy(d64_wide_min_keys=0, split_kv=False)  # 192-key blocks at any L
 
 
-def _fp32(q, k, v, idx, direction, lengths):
-    """fp32 attention on the materialized problem -> (out [B, S_q, H, D], lse [B, H, S_q])."""
-    qm, km, vm, lm = materialize(q, k, v, idx, direction, lengths)
-    group = q.shape[2] // k.shape[2]
-    qf = qm.float().transpose(1, 2)
-    kf = km.float().repeat_interleave(group, dim=2).transpose(1, 2)
-    vf = vm.float().repeat_interleave(group, dim=2).transpose(1, 2)
-    s = qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if lm is not None:
-        keep = torch.arange(km.shape[1], device=q.device)[None, :] < lm[:, None]
-        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
-    return (torch.softmax(s, dim=-1).nan_to_num(0.0) @ vf).transpose(1, 2), torch.logsumexp(s, dim=-1)
-
-
 def _check(q, kv, k, v, idx, direction, lengths=None, policy=WIDE, **kw):
     out, lse, plan = run_with_policy(policy, q, kv, idx, kv_lengths=lengths, **kw)
     assert plan.config.key_block == 192, plan.config
-    ref, ref_lse = _fp32(q, k, v, idx, direction, lengths)
+    ref, ref_lse = fp32_attention(q, k, v, idx, direction, lengths)
     keep = torch.ones(idx.shape[0], dtype=torch.bool, device=q.device)
     if lengths is not None:
         keep = materialize(q, k, v, idx, direction, lengths)[3] > 0
@@ -59,7 +46,7 @@ def test_rows_of_their_own_lengths_keep_128_key_blocks(direction):
                                                jagged=True, device="cuda")
     out, lse, plan = run_with_policy(WIDE, q, kv, idx, kv_lengths=lengths)
     assert plan.config.key_block == 128, plan.config
-    ref, _ = _fp32(q, k, v, idx, direction, lengths)
+    ref, _ = fp32_attention(q, k, v, idx, direction, lengths)
     keep = materialize(q, k, v, idx, direction, lengths)[3] > 0
     assert ((out[keep].float() - ref[keep]).norm() / ref[keep].norm()).item() < 1e-2
     if direction == "kv":
@@ -88,7 +75,7 @@ def test_scores_jump_in_a_later_block(factor):
     k[:, 100:250] *= factor
     out, lse, plan = run_with_policy(WIDE, q, (k, v), idx)
     assert plan.config.key_block == 192
-    ref, ref_lse = _fp32(q, k, v, idx, "kv", None)
+    ref, ref_lse = fp32_attention(q, k, v, idx, "kv", None)
     assert not out.isnan().any()
     qm, km, vm, _ = materialize(q, k, v, idx, "kv", None)
     sdpa = torch.nn.functional.scaled_dot_product_attention(
@@ -106,16 +93,7 @@ def test_nan_and_out_of_range_stay_in_their_rows():
 
 def test_graph_replay_with_new_idx():
     q, kv, k, v, idx, _ = random_problem(5, "kv", 200, 6, 4, 2, 1, 64, 600, torch.bfloat16, device="cuda")
-    out = torch.full_like(q, float("nan"))
-    ikbo_fa.attention(q, kv, idx, out=out, policy=WIDE)
-    graph = capture_graph(lambda: ikbo_fa.attention(q, kv, idx, out=out, policy=WIDE))
-    for seed in range(3):
-        g = torch.Generator().manual_seed(seed)
-        idx.copy_(torch.randint(0, 6, (200,), generator=g).cuda())
-        out.fill_(float("nan"))
-        graph.replay()
-        ref, _ = _fp32(q, k, v, idx, "kv", None)
-        assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    check_graph_replay(WIDE, q, kv, k, v, idx, 6)
 
 
 def test_split_keys_keep_128_key_blocks():
@@ -124,5 +102,5 @@ def test_split_keys_keep_128_key_blocks():
     out, lse, plan = run_with_policy(ikbo_fa.AttentionPolicy(d64_wide_min_keys=0), q, kv, idx)
     cfg = plan.config
     assert (cfg.split_kv or cfg.split_pair) and cfg.key_block == 128, cfg
-    ref, _ = _fp32(q, k, v, idx, "kv", None)
+    ref, _ = fp32_attention(q, k, v, idx, "kv", None)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
