@@ -87,13 +87,13 @@ class AttentionPolicy:
     # that plan splits every row at least tail_split_from ways. The last round's split goes
     # through a merge launch that skips every whole row (tail_merge_blocks, in key blocks of a
     # busy SM); its workspace holds every row of out once a split, so the split count keeps it
-    # within tail_split_bytes. On the H100 (B 2048, ratio 64, H 2, CUDA graphs) a first build
-    # ran 3-10% faster than the split pair or four splits at L 2048 to 8192, S_q 4 to 17 (D 64
-    # S_q 4 at L 2048 and 4096: 3-5% slower), and 7-10% slower than no split at L 1024, S_q 4
-    # and 16 (the merge launch and a lse and mark per row cost more there than the last round's
-    # idle SMs): docs/perf/2026-12-07-attention-tail-split-h100.md. Off until the build with
-    # the whole tiles ending at a user's first tile (the same bits every run) has run on a GPU.
-    tail_split: bool = False
+    # within tail_split_bytes. On the H100 (B 2048, ratio 64, H 2, CUDA graphs, the build whose
+    # whole tiles end at a user's first tile) it ran 0-8% faster than the split pair or four splits
+    # at L 2048 to 8192, S_q 8 to 17 (D 64 S_q 4 at L 2048 and 4096: 4-6% slower), and a first
+    # build 7-10% slower than no split at L 1024, S_q 4 and 16 (the merge launch and a lse and
+    # mark per row cost more there than the last round's idle SMs), hence tail_split_from:
+    # docs/perf/2026-12-07-attention-tail-split-h100.md.
+    tail_split: bool = True
     tail_split_from: int = 2
     tail_merge_blocks: int = 4
     tail_split_bytes: int = 256 << 20

@@ -772,7 +772,7 @@ def test_tail_splits_where_the_last_round_is_part_full():
     every = AttentionPolicy(tail_split=True, tail_split_from=1)
     assert tail(16, 1024, policy=every) == (8, 128)
     assert tail(16, 4096) == (8, 512)  # in place of the split pair
-    assert tail(16, 4096, policy=DEFAULT_POLICY) == (1, 0)  # off by default
+    assert tail(16, 4096, policy=DEFAULT_POLICY) == (8, 512)  # on by default
     cost = attention_mod.tail_split_cost
     assert cost(544, 1024, 132, 8, DEFAULT_POLICY) == 4 * (8 + 2) + 1 * (1 + 2) + DEFAULT_POLICY.tail_merge_blocks
     assert cost(544, 1024, 132, 8, DEFAULT_POLICY) < attention_mod.split_cost(544, 1024, 132, 1, DEFAULT_POLICY)
@@ -813,7 +813,7 @@ def test_tail_split_on_the_gpu_path(emulated, monkeypatch):
             assert got[bad].isnan().all()
             torch.testing.assert_close(got[~bad], want[~bad], rtol=2e-2, atol=2e-2)
     assert emulated.merge_calls == 2
-    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(tail_split_from=1), validate=False)  # off by default
+    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(tail_split=False, tail_split_from=1), validate=False)
     assert not configs[-1].tail_split and not configs[-1].split_kv
     lengths = torch.randint(0, L + 1, (U,), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
     ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, policy=policy, validate=False)
