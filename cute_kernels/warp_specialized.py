@@ -101,17 +101,18 @@ class RegisterSplit:
 
 @dataclasses.dataclass(frozen=True)
 class PingPong:
-    """Two consumer warpgroups that take turns on the tensor cores.
+    """Consumer warpgroups that take turns on the tensor cores, in order 0, 1, ..., n - 1, 0, ...
 
-    Warpgroup ``wg`` waits on barrier ``first + wg`` (both warpgroups' 256 threads: its own
-    128 wait, the other's 128 arrive) before issuing its wgmmas, and hands the turn over by
-    arriving on ``first + 1 - wg`` once they are issued. Warpgroup 0 takes the first turn
-    (``start``). The turns alternate strictly, so both warpgroups must take the same number
-    of turns, or the last hand-over is left pending at exit (harmless).
+    Warpgroup ``wg`` waits on barrier ``first + wg`` (two warpgroups' 256 threads: its own 128
+    wait, the previous one's 128 arrive) before issuing its wgmmas, and hands the turn over by
+    arriving on the next one's barrier once they are issued. Warpgroup 0 takes the first turn
+    (``start``). The turns go round strictly, so every warpgroup must take the same number of
+    turns, or the last hand-over is left pending at exit (harmless).
     """
 
-    first: int  # barrier id of warpgroup 0's turn; warpgroup 1's is first + 1
+    first: int  # barrier id of warpgroup 0's turn; warpgroup i's is first + i
     threads: int = 2 * WARPGROUP
+    warpgroups: int = 2
 
     @cute.jit
     def start(self, wg) -> None:
@@ -128,8 +129,11 @@ class PingPong:
         bar_sync(self.first + wg, self.threads)
 
     def hand_over(self, wg) -> None:
-        """Warpgroup ``wg`` has issued its wgmmas: the other one's turn."""
-        bar_arrive(self.first + 1 - wg, self.threads)
+        """Warpgroup ``wg`` has issued its wgmmas: the next one's turn."""
+        if self.warpgroups == 2:  # (compile time)
+            bar_arrive(self.first + 1 - wg, self.threads)
+        else:
+            bar_arrive(self.first + (wg + 1) % self.warpgroups, self.threads)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,7 +88,7 @@ from .fwd_args import FwdScalars, FwdTensors, FwdWorkList, WorkListScalars
 from .fwd_compile import compile_config
 from .policy import DEFAULT_POLICY, AttentionPolicy
 from .reference import evaluate, jagged_rows
-from .worklist import WALK_WORDS, WorkList, kv_tile_order, kv_worklist, max_tiles_per_head
+from .worklist import TILE_ROWS, WALK_WORDS, WorkList, kv_tile_order, kv_worklist, max_tiles_per_head
 
 # ------------------------------------------------------------------ launch plan
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +118,7 @@ class _Plan:
     n_users: int  # U: the batch that idx indexes
     kv_len: int  # L
     rows_per_cand: int  # KV: query rows of a candidate in its user's run (S_q)
+    tile_rows: int  # KV: query rows of a tile (the configuration's tile_m), as the work list counts them
     n_ctas: int
     merge: object  # split_kv: the compiled merge of the splits (SplitMergeSm90); None otherwise
     n_splits: int  # splits of each row's keys (1: no split; split_pair: 2, merged in the kernel)
@@ -479,7 +480,7 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
     elif plan.direction == "kv":
         cand, cand_start, tile_start, grouped, perm, walk = _group(
             idx if plan.idx_contiguous else idx.contiguous(), plan.n_users, plan.rows_per_cand, plan.worklist, bufs,
-            rows if plan.ordered else None, kv_lengths is not None, plan.total_kv, plan.kv_len)
+            rows if plan.ordered else None, kv_lengths is not None, plan.total_kv, plan.kv_len, plan.tile_rows)
     elif plan.idx_int32 and plan.idx_contiguous:
         cand = idx  # the kernel writes NaN for entries outside [0, U)
     else:
@@ -525,23 +526,24 @@ def _prefetch_blocks(cfg, policy: AttentionPolicy, k: torch.Tensor, v: torch.Ten
 
 
 def _group(idx, n_users: int, rows_per_cand: int, kernel, parts, rows, lengths: bool, total_keys: int,
-           max_keys: int) -> tuple:
+           max_keys: int, tile_rows: int = TILE_ROWS) -> tuple:
     """(order, cand_start, tile_start, grouped, perm, walk) of a contiguous idx: by the work-list kernel
     into the int32 ``parts`` (order, cand_start, tile_start, grouped[, perm]), else (``kernel``
     None) by the torch definition. ``rows`` (int32 kv_lengths, or kv_offsets with ``lengths``
     False): the tiles longest first by them, perm then followed by the tile counter's two words,
-    zero (``walk``, a view of them); None: in user order (perm and walk None)."""
+    zero (``walk``, a view of them); None: in user order (perm and walk None). ``tile_rows``: the
+    query rows of an attention tile (the kernel's is compiled for them)."""
     if kernel is not None:
         perm = parts[4] if rows is not None else None
         groups, walk = (None, None) if perm is None else (perm[:n_users + 1], perm[n_users + 1:])
         kernel(idx, FwdWorkList(parts[0], parts[1], parts[2], parts[3], groups, walk), rows,
                WorkListScalars(n_users, rows_per_cand, total_keys, max_keys))
         return parts[0], parts[1], parts[2], parts[3], perm, walk
-    order, cand_start, tile_start, grouped = kv_worklist(idx, n_users, rows_per_cand)
+    order, cand_start, tile_start, grouped = kv_worklist(idx, n_users, rows_per_cand, tile_rows)
     perm = walk = None
     if rows is not None:
         keys = rows if lengths else jagged_rows(rows, total_keys, max_keys)[1]
-        perm, tile_start = kv_tile_order(cand_start, keys, rows_per_cand)
+        perm, tile_start = kv_tile_order(cand_start, keys, rows_per_cand, tile_rows)
         perm = torch.cat([perm, perm.new_zeros(WALK_WORDS)])  # the tile counter, zero
         walk = perm[n_users + 1:]
     return order, cand_start, tile_start, grouped, perm, walk
@@ -587,14 +589,18 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, n_splits: int, out: t
 
 
 def problem_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms: int,
-                   policy: AttentionPolicy = DEFAULT_POLICY, total_keys: Optional[int] = None) -> tuple:
+                   policy: AttentionPolicy = DEFAULT_POLICY, total_keys: Optional[int] = None,
+                   tile_rows: int = TILE_ROWS) -> tuple:
     """(splits, keys per split, split pair?) of a KV-broadcast problem: ``kv_splits`` for ``batch``
     candidates of ``users`` users, ``s_q`` queries each, rows of up to ``keys`` keys (``total_keys``
     together, where the rows are jagged). Tiles per head lie between the dense count and its bound
     (a partly filled tile per user): the plan takes their mean. Jagged rows shorter than ``keys``
     on average, where the walk is dynamic (``policy.walks_dynamically``), split without pairs
-    (whose walk is static)."""
-    tiles = (-(-batch * s_q // 128) + max_tiles_per_head(batch, users, s_q)) // 2
+    (whose walk is static). Tiles of ``tile_rows`` query rows (192: three consumer warpgroups)
+    split without pairs too."""
+    tiles = mean_tiles_per_head(batch, users, s_q, tile_rows)
+    if tile_rows != TILE_ROWS:
+        policy = dataclasses.replace(policy, split_pair=False)
     uneven = None
     dynamic = policy.walks_dynamically(keys)
     if total_keys is not None and policy.split_by_total_keys and total_keys < users * keys:
@@ -662,16 +668,35 @@ def tail_split_cost(work: int, keys: int, sms: int, n: int, policy: AttentionPol
             + policy.tail_merge_blocks)
 
 
+def problem_tile_rows(batch: int, users: int, s_q: int, policy: AttentionPolicy = DEFAULT_POLICY) -> int:
+    """Query rows per tile of a D 64 KV-broadcast problem: ``policy.d64_tile_m`` (192, three consumer
+    warpgroups) where its tiles' rows, padding included, cost less than those of 128-row tiles,
+    192-row tiles being ``policy.d64_tall_gain`` percent faster a row; else 128. A user's rows
+    that fill little of a tile (S_q 1 at ratio 64: 65 rows) keep 128."""
+    if policy.d64_tile_m == TILE_ROWS:
+        return TILE_ROWS
+    tall = mean_tiles_per_head(batch, users, s_q, policy.d64_tile_m) * policy.d64_tile_m * 100
+    short = mean_tiles_per_head(batch, users, s_q) * TILE_ROWS * (100 + policy.d64_tall_gain)
+    return policy.d64_tile_m if tall < short else TILE_ROWS
+
+
+def mean_tiles_per_head(batch: int, users: int, s_q: int, tile_rows: int = TILE_ROWS) -> int:
+    """The tiles per head the plans count on: the mean of the dense count and its bound (a partly
+    filled tile per user)."""
+    return (-(-batch * s_q // tile_rows) + max_tiles_per_head(batch, users, s_q, tile_rows)) // 2
+
+
 def tail_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms: int, out_bytes: int,
-                policy: AttentionPolicy = DEFAULT_POLICY, chosen: tuple = (1, False), wide: bool = False) -> tuple:
+                policy: AttentionPolicy = DEFAULT_POLICY, chosen: tuple = (1, False), wide: bool = False,
+                tile_rows: int = TILE_ROWS) -> tuple:
     """(splits, keys per split) of the last round (``AttentionConfig.tail_split``) for a KV-broadcast
     problem over padded K/V, or (1, 0) where it does not beat ``chosen`` = (splits, split pair?), the
     plan of ``problem_splits``, by ``tail_split_cost`` and ``policy.tail_split_min_gain`` (``wide``: that
     plan runs 192-key blocks, ``policy.d64_wide_gain`` percent faster), or where that plan splits fewer than ``policy.tail_split_from`` ways.
     Only where the tiles (the mean of their bounds, as ``problem_splits`` counts them) fill at least
     one round of ``sms`` and part of another, with a workspace of ``out_bytes`` a split within
-    ``policy.tail_split_bytes``."""
-    tiles = (-(-batch * s_q // 128) + max_tiles_per_head(batch, users, s_q)) // 2
+    ``policy.tail_split_bytes``; tiles of ``tile_rows`` query rows."""
+    tiles = mean_tiles_per_head(batch, users, s_q, tile_rows)
     work = max(1, tiles * heads)
     n0, pair = chosen
     if not (policy.split_kv and policy.tail_split) or work < sms or work % sms == 0 or n0 < policy.tail_split_from:
@@ -722,10 +747,10 @@ def _merge_kernel(dtype: torch.dtype, with_lse: bool):
     return merge_kernel(dtype, with_lse).fn
 
 
-def _worklist_kernel(idx_dtype: torch.dtype, keys: Optional[str]):
+def _worklist_kernel(idx_dtype: torch.dtype, keys: Optional[str], tile_rows: int = TILE_ROWS):
     from .worklist_sm90 import worklist_kernel  # imports the DSL's kernel modules at first use
 
-    return worklist_kernel(idx_dtype, keys).fn
+    return worklist_kernel(idx_dtype, keys, tile_rows).fn
 
 
 def _worklist_fits(num_users: int) -> bool:
@@ -748,15 +773,22 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         raise ValueError(f"attention indexes query rows (B * S_q = {p.batch * p.s_q}) and key rows "
                          f"({p.total_kv}) with int32: each must stay below 2**31")
     n_splits, split_keys, pair = 1, 0, False
+    # Query rows per tile: 192 at D 64 in KV broadcast where they pay (problem_tile_rows), unless a
+    # given work list counts the tiles (it counts 128-row ones)
+    tile_m = TILE_ROWS
+    if p.head_dim == 64 and p.direction == "kv" and work_list is None:
+        tile_m = problem_tile_rows(p.batch, p.broadcast_batch, p.s_q, policy)
     if p.direction == "kv" and (not p.jagged or max_kv_len is not None):
         n_splits, split_keys, pair = problem_splits(p.batch, p.broadcast_batch, p.s_q, p.heads, p.kv_len,
-                                                    sm_count(device), policy, p.total_kv if p.jagged else None)
+                                                    sm_count(device), policy, p.total_kv if p.jagged else None,
+                                                    tile_m)
     tail = False
     if p.direction == "kv" and not (p.jagged or p.kv_lengths is not None):
         out_bytes = p.batch * p.s_q * p.heads * p.head_dim * p.q.element_size()
-        wide = p.head_dim == 64 and policy.d64_key_block != 128 and p.kv_len >= policy.d64_wide_min_keys
+        wide = (p.head_dim == 64 and tile_m == TILE_ROWS and policy.d64_key_block != 128
+                and p.kv_len >= policy.d64_wide_min_keys)
         tail_n, tail_keys = tail_splits(p.batch, p.broadcast_batch, p.s_q, p.heads, p.kv_len, sm_count(device),
-                                        out_bytes, policy, (n_splits, pair), wide)
+                                        out_bytes, policy, (n_splits, pair), wide, tile_m)
         if tail_n > 1:
             n_splits, split_keys, pair, tail = tail_n, tail_keys, False, True
     n_users = p.broadcast_batch
@@ -768,17 +800,17 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
                         # a given work list of rows of their own lengths holds their order (perm)
                         longest_first=work_list is not None or policy.orders(p.kv_len),
                         d64_key_block=policy.d64_key_block if p.kv_len >= policy.d64_wide_min_keys else 128,
-                        tail_split=tail)
+                        tail_split=tail, d64_tile_m=tile_m)
     _, _, chunks = row_packing(p.s_q)
     idx_contiguous = p.idx.is_contiguous()
     idx_int32 = p.idx.dtype == torch.int32
     worklist = None
     sizes = []
     if p.direction == "kv":
-        bound = max_tiles_per_head(p.batch, n_users, p.s_q)
+        bound = max_tiles_per_head(p.batch, n_users, p.s_q, cfg.tile_m)
         if use_worklist_kernel:
             worklist = _worklist_kernel(p.idx.dtype, ("lengths" if p.kv_lengths is not None else "offsets")
-                                        if cfg.ordered else None)
+                                        if cfg.ordered else None, cfg.tile_m)
             sizes += [p.batch, n_users + 2, n_users + 2, 1]  # order, cand_start, tile_start, grouped
             if cfg.ordered:
                 sizes.append(n_users + 1 + WALK_WORDS)  # perm, then the tile counter
@@ -812,6 +844,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         n_users=n_users,
         kv_len=p.kv_len,
         rows_per_cand=p.s_q,
+        tile_rows=cfg.tile_m,
         n_ctas=(2 * max(1, min(max_active_clusters(device, 2), bound * p.heads)) if pair
                 else max(1, min(sm_count(device), bound * p.heads * n_splits))),
         merge=_merge_kernel(p.q.dtype, return_lse) if n_splits > 1 and not pair else None,

@@ -16,6 +16,10 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 # host's split arithmetic counts blocks of 128); the op takes 192 over long padded K/V only
 # (AttentionPolicy.d64_wide_min_keys).
 KEY_BLOCKS = (128, 192)
+# Query rows per tile: 128 on two consumer warpgroups, or 192 on three (D 64, KV broadcast): at D 64
+# a 64-row block's MMA is short beside its softmax, and a third warpgroup keeps the tensor cores
+# busy while two run their softmax.
+TILE_ROWS = (128, 192)
 DIRECTIONS = ("kv", "q")
 # Split-KV: the most CTAs one row's keys go over (the merge kernel unrolls its loads to it).
 MAX_SPLITS = 8
@@ -68,6 +72,10 @@ class AttentionConfig:
     # and the rows marked WHOLE_ROW for the merge; the remaining ones split ``n_splits`` ways.
     # Where the tiles do not fill one round, every tile splits, as with split_kv alone.
     tail_split: bool = False
+    # Query rows per tile (TILE_ROWS), 64 per consumer warpgroup: 192 only at D 64 in KV broadcast
+    # with 128-key blocks (three consumer warpgroups have 160 registers a thread, not 240) and no
+    # split pair (its exchange pairs the two warpgroups of two CTAs).
+    tile_m: int = 128
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -94,6 +102,12 @@ class AttentionConfig:
         if self.key_block != 128 and (self.head_dim != 64 or self.split_kv or self.split_pair):
             raise ValueError(f"AttentionConfig: key_block {self.key_block} needs head_dim 64 and no key split "
                              "(split_kv, split_pair)")
+        if self.tile_m not in TILE_ROWS:
+            raise ValueError(f"AttentionConfig.tile_m must be one of {TILE_ROWS}, got {self.tile_m!r}")
+        if self.tile_m != 128 and (self.head_dim != 64 or self.direction != "kv" or self.key_block != 128
+                                   or self.split_pair):
+            raise ValueError(f"AttentionConfig: tile_m {self.tile_m} needs head_dim 64, direction 'kv', key_block "
+                             "128 and no split_pair")
         if self.tail_split and not (self.split_kv and self.whole_rows_out and not self.own_lengths):
             raise ValueError("AttentionConfig: tail_split needs split_kv and whole_rows_out over padded K/V (no "
                              "kv_lengths, not jagged)")
@@ -121,6 +135,8 @@ class AttentionConfig:
                                           ("-userorder", not self.longest_first)) if on)
         if self.key_block != 128:
             flags += f"-n{self.key_block}"
+        if self.tile_m != 128:
+            flags += f"-m{self.tile_m}"
         return f"{str(self.dtype)[6:]}-d{self.head_dim}-sq{self.s_q}-{self.direction}{flags}"
 
 
@@ -148,20 +164,23 @@ def kernel_config(dtype: torch.dtype, head_dim: int, s_q: int, direction: str, h
                   return_lse: bool, jagged: bool = False, split_kv: bool = False,
                   split_pair: bool = False, dynamic_walk: bool = False,
                   whole_rows_out: bool = False, longest_first: bool = True,
-                  d64_key_block: int = 128, tail_split: bool = False) -> AttentionConfig:
+                  d64_key_block: int = 128, tail_split: bool = False, d64_tile_m: int = 128) -> AttentionConfig:
     """The configuration the op compiles for a problem (``dynamic_walk``: where the tiles are ordered
     and not split in pairs; ``whole_rows_out``: where the keys are split over a workspace and
     rows may have fewer keys than a split holds; ``longest_first``: whether rows of their own
     lengths run longest first; ``d64_key_block``: the key block at D 64 over padded K/V where no
-    split divides the keys; ``tail_split``: split_kv over padded K/V in the last round only)."""
+    split divides the keys; ``tail_split``: split_kv over padded K/V in the last round only;
+    ``d64_tile_m``: the query rows of a tile at D 64 in KV broadcast without a split pair, whose
+    192 takes 128-key blocks)."""
     own = direction == "kv" and (jagged or has_kv_lengths)
+    tile_m = d64_tile_m if head_dim == 64 and direction == "kv" and not split_pair else 128
     tail = tail_split and split_kv and direction == "kv" and not own
     cfg = AttentionConfig(dtype, head_dim, s_q, direction, has_kv_lengths, return_lse or split_kv, jagged=jagged,
                           split_kv=split_kv, split_pair=split_pair, tail_split=tail,
                           whole_rows_out=(whole_rows_out and split_kv and own) or tail,
                           longest_first=longest_first or not own,
-                          key_block=d64_key_block if head_dim == 64 and not (split_kv or split_pair or jagged
-                                                                             or has_kv_lengths) else 128)
+                          key_block=d64_key_block if head_dim == 64 and tile_m == 128 and not (
+                              split_kv or split_pair or jagged or has_kv_lengths) else 128, tile_m=tile_m)
     return dataclasses.replace(cfg, dynamic_walk=True) if dynamic_walk and cfg.ordered and not split_pair else cfg
 
 
@@ -216,5 +235,14 @@ SHIPPED_CONFIGS = tuple(
                         tail_split=True),
         AttentionConfig(torch.float16, 64, 1, "kv", False, True, split_kv=True, whole_rows_out=True,
                         tail_split=True),
+        # 192-row tiles on three consumer warpgroups (D 64, KV broadcast): S_q 16 and 64 (boxes of
+        # 16 rows; one box per warpgroup), the last round split at S_q 4, kv_lengths in a dynamic
+        # walk, jagged one row per candidate
+        AttentionConfig(torch.bfloat16, 64, 16, "kv", False, False, tile_m=192),
+        AttentionConfig(torch.float16, 64, 64, "kv", False, True, tile_m=192),
+        AttentionConfig(torch.bfloat16, 64, 4, "kv", False, True, split_kv=True, whole_rows_out=True,
+                        tail_split=True, tile_m=192),
+        AttentionConfig(torch.bfloat16, 64, 17, "kv", True, True, split_kv=True, dynamic_walk=True, tile_m=192),
+        AttentionConfig(torch.bfloat16, 64, 1, "kv", False, False, jagged=True, tile_m=192),
     ]
 )

@@ -47,8 +47,8 @@ class FwdBarrier(Barrier):
     """Named barrier ids (the class docstring of IkboAttentionFwdSm90 says who uses each)."""
 
     EPILOGUE = 1  # + consumer warpgroup: its 128 threads around the sO writes
-    V_TAIL = 3  # both consumer warpgroups, after zeroing a V tail
     GEMM_TURN = 4  # + consumer warpgroup: that warpgroup's turn to issue its GEMMs (PingPong)
+    V_TAIL = 7  # every consumer warpgroup, after zeroing a V tail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ class ConsumerState:
     sV: object
     mKg: object  # (L, D, H_kv, batch) view of K in global memory, for the exact recompute
     mVg: object
-    wg: Int32  # consumer warpgroup, 0 or 1
+    wg: Int32  # consumer warpgroup, 0 to tile_m / 64 - 1
 
 
 class SharedTensors(NamedTuple):
@@ -101,8 +101,9 @@ Q_SLOTS_UNROLLED = 4
 class IkboAttentionFwdSm90:
     """Persistent, warp-specialized IKBO attention forward.
 
-    Warp roles (384 threads, one CTA per SM, grid = min(#SMs, tiles); split pairs: clusters of 2,
-    min(resident clusters, tiles) of them):
+    Warp roles (128 threads + 128 per 64 query rows of a tile (``tile_m``: 128 or 192); one CTA
+    per SM, grid = min(#SMs, tiles); split pairs: clusters of 2, min(resident clusters, tiles) of
+    them):
       warpgroup 0, producer (setmaxnreg 24): warp 0 walks the tile list (its 32 lanes find
         each tile's user together: warp_search) and issues every TMA load; warps 1-3 idle.
         Per tile: wait for a free Q stage, write the tile's TileInfo beside it, load the Q
@@ -112,7 +113,8 @@ class IkboAttentionFwdSm90:
         (TileCounter); a split with no key is written as its rows' lse alone (empty_piece);
         past the last tile, the END mark goes into the next Q stage (its full barrier arrived
         on with no bytes), and the last CTA to finish zeroes the counter.
-      warpgroups 1, 2, consumers (setmaxnreg 240): 64 query rows each of the 128-row tile.
+      warpgroups 1 to tile_m / 64, consumers (setmaxnreg 240 for two, 160 for three): 64 query
+        rows each of the tile.
         Per tile (``dynamic_walk``: until a Q stage holds the END mark): read the TileInfo,
         S = Q K^T and O += P V on wgmma (P from registers), the online softmax in exp2 on fp32
         row max / sum (ikbo_fa.softmax); with ``overlap`` the S of block j is issued before the
@@ -132,8 +134,16 @@ class IkboAttentionFwdSm90:
         | K | producer warp 0 -> both consumer warpgroups | 1 / 8 | 2 |
         | V | producer warp 0 -> both consumer warpgroups | 1 / 8 | 2 |
 
+      and with 192-row tiles:
+
+        | pipeline | producer -> consumer | full / empty arrives | stages |
+        | --- | --- | --- | --- |
+        | Q | producer warp 0 -> the 3 consumer warpgroups | 1 / 12 | 2 |
+        | K | producer warp 0 -> the 3 consumer warpgroups | 1 / 12 | 2 |
+        | V | producer warp 0 -> the 3 consumer warpgroups | 1 / 12 | 2 |
+
       Full: one elected producer thread with the stage's TMA bytes (Q: every slot of the
-      128-row tile). Empty: lane 0 of each of the 8 consumer warps. Q stage i % 2 holds the
+      tile). Empty: lane 0 of each consumer warp. Q stage i % 2 holds the
       CTA's i-th tile, and beside it the tile's TileInfo, so the next tile's Q loads while this
       one runs; it is released after the tile's main loop (the TileInfo slot with it). K and V
       share one stage index; K is released after S of its block, V after its P V.
@@ -141,14 +151,15 @@ class IkboAttentionFwdSm90:
     Named barriers (FwdBarrier; ``+ wg``: one id per consumer warpgroup, BARRIER_SPANS):
       EPILOGUE + wg (128 threads): warpgroup wg, twice per tile around its sO writes, and
         (``split_pair``) once in ``pair_receive``, when every thread has read the peer's rows.
-      V_TAIL (256): both consumer warpgroups, once per tile after zeroing a V tail (kv_lengths
-        or jagged only), before the first P V of the tile.
-      GEMM_TURN + wg (256, ``overlap`` only): the ping-pong turn. Warpgroup wg waits on it right
-        before issuing S = Q K^T and P V of a main-loop iteration and, once both are issued,
-        hands the turn over (arrives on GEMM_TURN + 1 - wg); warpgroup 0 takes the first turn.
-        Both warpgroups run the same tiles with the same block count, so the turns strictly
-        alternate 0, 1, 0, 1, ...; the first S of a tile and its last P V are issued outside
-        the turns. One arrive is left pending at exit (harmless).
+      V_TAIL (every consumer thread): every consumer warpgroup, once per tile after zeroing a V
+        tail (kv_lengths or jagged only), before the first P V of the tile.
+      GEMM_TURN + wg (256, ``overlap`` only): the turn on the tensor cores. Warpgroup wg waits on
+        it right before issuing S = Q K^T and P V of a main-loop iteration and, once both are
+        issued, hands the turn to the next warpgroup (arrives on GEMM_TURN + (wg + 1) % n of n
+        consumer warpgroups); warpgroup 0 takes the first turn. Every warpgroup runs the same
+        tiles with the same block count, so the turns go strictly round 0, 1, (2,) 0, ...; the
+        first S of a tile and its last P V are issued outside the turns. One arrive is left
+        pending at exit (harmless).
     Before rewriting its sO rows a warpgroup waits (bulk wait_group.read) for its previous
     TMA stores.
 
@@ -188,7 +199,7 @@ class IkboAttentionFwdSm90:
     Tiles and order (the producer asks ``ikbo_fa.tile_scheduler``): a tile is (head, group,
     tile-in-group). KV broadcast: groups are users plus a last group of candidates whose index is out of range (written as NaN). A user's
     candidates, grouped on the device (worklist.py), put their query rows in one dense run
-    (S_q rows each, any S_q), cut into 128-row tiles, so each K/V block in shared memory serves
+    (S_q rows each, any S_q), cut into tiles of ``tile_m`` rows, so each K/V block in shared memory serves
     all of them; a candidate may span two tiles, and only a user's last tile has rows past the
     run (they load a copy of a stored box and are never stored). A tile moves in slots of
     R = gcd(S_q, 64) rows (one TMA box each, looked up per slot); where idx is grouped already
@@ -221,22 +232,27 @@ class IkboAttentionFwdSm90:
     marked as above.
     """
 
-    TILE_M = 128
     KV_STAGES = 2
     # Two Q stages: the next tile's Q loads while this tile runs (its latency was exposed
     # between tiles with one stage).
     Q_STAGES = 2
-    REGISTERS = RegisterSplit(producer=24, consumer=240)
+    # By consumer warpgroups (tile_m / 64): three leave 160 registers a thread.
+    REGISTERS = {2: RegisterSplit(producer=24, consumer=240),
+                 3: RegisterSplit(producer=24, consumer=160, consumer_warpgroups=3)}
     # Named barriers offset by the consumer warpgroup (ids per barrier; the others take one).
-    BARRIER_SPANS = {"EPILOGUE": 2, "GEMM_TURN": 2}
-    CONSUMER_THREADS = 256
+    BARRIER_SPANS = {"EPILOGUE": 3, "GEMM_TURN": 3}
+    WARPGROUP_THREADS = 128
 
     def __init__(self, cfg: AttentionConfig):
         self.cfg = cfg
         self.dtype = cutlass_dtype(cfg.dtype)
         self.head_dim = cfg.head_dim
         self.s_q = cfg.s_q
-        self.tile_m, self.tile_n = self.TILE_M, cfg.key_block
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.key_block
+        # One consumer warpgroup per 64 query rows of the tile.
+        self.consumer_wgs = self.tile_m // 64
+        self.registers = self.REGISTERS[self.consumer_wgs]
+        self.consumer_threads = self.consumer_wgs * self.WARPGROUP_THREADS
         # KV broadcast packs a user's query rows densely and moves them in boxes ("slots") of
         # box_rows rows; Q broadcast gives each candidate one tile (slots of row_packing).
         self.dense = cfg.direction == "kv"
@@ -245,7 +261,7 @@ class IkboAttentionFwdSm90:
             self.slots_per_wg = 64 // self.slot_rows
         else:
             self.slot_rows, self.slots_per_wg, self.chunks = row_packing(cfg.s_q)
-        self.slots = 2 * self.slots_per_wg
+        self.slots = self.consumer_wgs * self.slots_per_wg
         # Small boxes: a tile whose rows are consecutive rows of q (idx grouped) moves each
         # warpgroup's 64 rows in one box instead.
         self.flat_path = self.dense and self.slot_rows < 64
@@ -269,23 +285,23 @@ class IkboAttentionFwdSm90:
         self.pair = cfg.split_pair
         self.cluster_size = 2 if self.pair else 1
         self.key_split = cfg.split_kv or cfg.split_pair
-        self.num_threads = self.REGISTERS.threads
-        self.ping_pong = PingPong(int(FwdBarrier.GEMM_TURN))
+        self.num_threads = self.registers.threads
+        self.ping_pong = PingPong(int(FwdBarrier.GEMM_TURN), warpgroups=self.consumer_wgs)
         check_barriers("IkboAttentionFwdSm90", FwdBarrier, self.BARRIER_SPANS)
 
         elt = self.dtype.width // 8
         d, r = self.head_dim, self.slot_rows
         # split_pair: per exchange each sending thread's O in the dtype, and its two rows' lse.
         self.pair_words = d // 4  # 32-bit words of a thread's 64 x D / 128 values, two a word
-        self.pair_tx = self.CONSUMER_THREADS // 2 * (self.pair_words + 2) * 4
+        self.pair_tx = self.WARPGROUP_THREADS * (self.pair_words + 2) * 4
         # Transaction bytes per stage, counted from the boxes (cute.size_in_bytes would take
         # the cosize of the strided slot layout, which spans more than the slot).
         q_bytes = self.slots * r * d * elt
         kv_bytes = self.tile_n * d * elt
-        consumers = "both consumer warpgroups"
+        consumers = "both consumer warpgroups" if self.consumer_wgs == 2 else "the 3 consumer warpgroups"
         self.pipelines = {
-            name: PipelineSpec(name, "producer warp 0", consumers, stages, tx, 1, 8).check(
-                "IkboAttentionFwdSm90", releasing_threads=self.CONSUMER_THREADS)
+            name: PipelineSpec(name, "producer warp 0", consumers, stages, tx, 1, 4 * self.consumer_wgs).check(
+                "IkboAttentionFwdSm90", releasing_threads=self.consumer_threads)
             for name, stages, tx in (("Q", self.Q_STAGES, q_bytes), ("K", self.KV_STAGES, kv_bytes),
                                      ("V", self.KV_STAGES, kv_bytes))
         }
@@ -307,12 +323,12 @@ class IkboAttentionFwdSm90:
         mQ, mK, mV = [self.tma_view(t) for t in (mQ, mK, mV)]
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(2, 1, 1), tiler_mn=(64, self.tile_n))
+            atom_layout_mnk=(self.consumer_wgs, 1, 1), tiler_mn=(64, self.tile_n))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(2, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
+            atom_layout_mnk=(self.consumer_wgs, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM)
 
-        # Q/O: K-major 128B-swizzle (rows x 64) panels of all 128 rows; a slot is r rows
+        # Q/O: K-major 128B-swizzle (rows x 64) panels of all tile_m rows; a slot is r rows
         # of each panel, loaded/stored as one (r, 64) TMA box per panel.
         qo_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, self.dtype, d),
@@ -404,7 +420,7 @@ class IkboAttentionFwdSm90:
         layouts: SmemLayouts,
     ):
         """The CTA: shared memory and pipelines, the tile walk's Schedule, then the warp roles
-        (producer warp 0; consumer warpgroups 1 and 2), each given the bundles it reads."""
+        (producer warp 0; the consumer warpgroups), each given the bundles it reads."""
         n_kv_batch = dims.n_kv_batch
         n_splits = scalars.n_splits
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -471,11 +487,11 @@ class IkboAttentionFwdSm90:
         pipes = Pipelines(pipe_q, pipe_k, pipe_v)
 
         if warp_idx < 4:
-            self.REGISTERS.enter_producer()
+            self.registers.enter_producer()
             if warp_idx == 0:
                 self.producer(tma, g, smem_t, pipes, sched)
         else:
-            self.REGISTERS.enter_consumer()
+            self.registers.enter_consumer()
             self.consumer(mmas, tma, g, whole_out, smem_t, pipes, sched, scalars.scale_log2, tidx - 128, storage)
         if const_expr(self.pair):
             cluster_end()
@@ -710,10 +726,11 @@ class IkboAttentionFwdSm90:
 
     @cute.jit
     def load_q_halves(self, tma_atom_Qf, mQf, sQ, pipe_q, q_state, info: TileInfo):
-        """The tile's Q as two (64, D) boxes of consecutive rows of q (rows past the user's run,
-        or past q, load too and are never stored: the stage takes the same bytes as by slots)."""
+        """The tile's Q as one (64, D) box of consecutive rows of q per consumer warpgroup (rows past
+        the user's run, or past q, load too and are never stored: the stage takes the same bytes as
+        by slots)."""
         d = self.head_dim
-        for half in cutlass.range_constexpr(2):
+        for half in cutlass.range_constexpr(self.consumer_wgs):
             gQ = cute.local_tile(cute.domain_offset((info.q_coord + half * 64, 0), mQf[None, None, info.head]),
                                  (64, d), (0, 0))
             sQ_h = cute.local_tile(sQ[None, None, q_state.index], (64, d), (half, 0))
@@ -939,24 +956,27 @@ class IkboAttentionFwdSm90:
         """Zero V rows at or past the valid length in this stage, so padding that is not
         finite (keys kept out of the softmax by kv_lengths, or the next row's keys of jagged K/V)
         cannot turn 0 * V into NaN. 16-byte stores in passes over the rows from n_cols on: both
-        consumer warpgroups take part (thread t a row's 16-byte chunk t % chunks, in every pass)
+        every consumer warpgroup takes part (thread t a row's 16-byte chunk t % chunks, in every pass)
         and meet at a barrier before P V reads V."""
         if const_expr(self.tail_masked):
             if n_cols < self.tile_n:
                 sV_s = st.sV[None, None, stage]
                 vec = 128 // self.dtype.width
                 chunks = self.head_dim // vec  # 16-byte chunks a row
-                rows_per_pass = self.CONSUMER_THREADS // chunks
+                rows_per_pass = self.consumer_threads // chunks
                 zero = cute.make_rmem_tensor(cute.make_layout(vec), self.dtype)
                 zero.fill(0.0)
                 chunk = tidx % chunks
                 # A loop, not unrolled: the consumers have no registers to spare at D 128.
-                for p in cutlass.range(n_cols // rows_per_pass, self.tile_n // rows_per_pass, unroll=1):
+                for p in cutlass.range(n_cols // rows_per_pass, -(-self.tile_n // rows_per_pass), unroll=1):
                     row = p * rows_per_pass + tidx // chunks
-                    if row >= n_cols:
+                    if const_expr(self.tile_n % rows_per_pass == 0):
+                        if row >= n_cols:
+                            cute.autovec_copy(zero, cute.local_tile(sV_s, (1, vec), (row, chunk)))
+                    elif row >= n_cols and row < self.tile_n:  # 384 threads: passes of 48 or 24 rows
                         cute.autovec_copy(zero, cute.local_tile(sV_s, (1, vec), (row, chunk)))
                 cute.arch.fence_view_async_shared()
-                bar_sync(FwdBarrier.V_TAIL, self.CONSUMER_THREADS)
+                bar_sync(FwdBarrier.V_TAIL, self.consumer_threads)
 
     def pair_buffer(self, storage, rows_of: Int32, t: Int32):
         """Thread t's slot of the exchange buffer: the sO rows of warpgroup ``rows_of`` (the one
@@ -994,7 +1014,7 @@ class IkboAttentionFwdSm90:
             sent += 16
         store_remote(self.pair_lse(storage, t).iterator, 0, [lse[0], lse[1]], bars, peer)
         sent += 8
-        if const_expr(sent * (self.CONSUMER_THREADS // 2) != self.pair_tx):
+        if const_expr(sent * self.WARPGROUP_THREADS != self.pair_tx):
             raise ValueError(f"IkboAttentionFwdSm90: a split pair sends {sent} bytes a thread, the peer expects "
                              f"{self.pair_tx} from 128 threads")
 

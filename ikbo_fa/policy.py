@@ -10,7 +10,7 @@ import dataclasses
 
 from cute_kernels.policy_spec import parse_spec, spec_of
 
-from .config import KEY_BLOCKS, MAX_PREFETCH_BLOCKS
+from .config import KEY_BLOCKS, MAX_PREFETCH_BLOCKS, TILE_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +112,16 @@ class AttentionPolicy:
     # Percent more key blocks a second with 192-key blocks than with 128 (no split), as above: what
     # a plan that would run them gives up for the last round's split (tail_split).
     d64_wide_gain: int = 8
+    # Query rows of a tile at D 64 in KV broadcast (AttentionConfig.tile_m): 192 runs three consumer
+    # warpgroups on 128-key blocks and no split pair, taken where the tiles' rows (padding
+    # included; the mean tile count of the split plan) cost less than 128-row tiles' with 192-row
+    # ones d64_tall_gain percent faster a row. On the H100 (B 2048, ratio 64, H 2, bf16, CUDA
+    # graphs) 192-row tiles ran 1.10x to 1.36x faster at S_q 4 to 64, L 1024 to 8192, and 0.76x
+    # to 0.94x at S_q 1, where a user's 65 rows fill half a 128-row tile and a third of a 192-row
+    # one: docs/perf/2026-12-07-attention-d64-tall-tiles-h100.md. Calls given a work list keep
+    # 128 (it counts 128-row tiles).
+    d64_tile_m: int = 192
+    d64_tall_gain: int = 15
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -127,6 +137,8 @@ class AttentionPolicy:
             raise ValueError(f"AttentionPolicy.split_min_keys must be >= 1, got {self.split_min_keys}")
         if self.d64_key_block not in KEY_BLOCKS:
             raise ValueError(f"AttentionPolicy.d64_key_block must be one of {KEY_BLOCKS}, got {self.d64_key_block}")
+        if self.d64_tile_m not in TILE_ROWS:
+            raise ValueError(f"AttentionPolicy.d64_tile_m must be one of {TILE_ROWS}, got {self.d64_tile_m}")
         if self.prefetch_blocks > MAX_PREFETCH_BLOCKS:
             raise ValueError(f"AttentionPolicy.prefetch_blocks must be at most {MAX_PREFETCH_BLOCKS} (one lane of "
                              f"warp 0 each), got {self.prefetch_blocks}")

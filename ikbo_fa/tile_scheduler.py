@@ -5,9 +5,9 @@ cluster c of split pairs, takes c, c + G, c + 2 G, ...: ``cute_kernels.scheduler
 with ``dynamic_walk`` CTA c takes c, then G plus what a counter in global memory hands it each
 time its producer starts on a tile: ``cute_kernels.scheduler.TileCounter``).
 ``AttentionTileScheduler.tile_info(t, g, sched)`` maps a tile number to its ``TileInfo``: the
-head, the K/V row and key range, the query rows (KV broadcast: 128 consecutive rows of a
-user's run of grouped candidates; Q broadcast: one candidate's chunk), the split and the head of
-out it writes. The order, per configuration (``AttentionConfig``):
+head, the K/V row and key range, the query rows (KV broadcast: ``tile_m`` (128 or 192)
+consecutive rows of a user's run of grouped candidates; Q broadcast: one candidate's chunk), the
+split and the head of out it writes. The order, per configuration (``AttentionConfig``):
 
 - head slowest, then group, then tile within the group (users in order: CTAs running together
   share a user's K/V through L2);
@@ -76,13 +76,13 @@ class TileInfo:
     """What the producer looked up for one tile; written to shared memory with the tile's Q
     (``store``) and read back by the consumers (``load``), so they never search the work list.
 
-    KV broadcast: the tile is rows ``row0 : row0 + 128`` of its user's run of query rows
+    KV broadcast: the tile is rows ``row0 : row0 + tile_m`` of its user's run of query rows
     (candidate ``order[first + i]`` holds rows i * S_q : (i + 1) * S_q of the run)."""
 
     head: Int32
     kv_coord: Int32  # K/V batch row (a user, or a candidate for Q broadcast); jagged: its offsets entry
     first: Int32  # KV: work-list position of the user's first candidate; Q: the candidate
-    n_valid: Int32  # KV: rows of the tile that hold a query row (1 to 128)
+    n_valid: Int32  # KV: rows of the tile that hold a query row (1 to tile_m)
     chunk: Int32  # Q: 128-row chunk of the candidate (S_q > 64)
     q_coord: Int32  # KV: row of q (as [B * S_q] rows) of the tile's first row; Q: query batch row
     row0: Int32  # KV: the tile's first row in its user's run
@@ -131,10 +131,8 @@ class TileInfo:
 class AttentionTileScheduler:
     """Tile number -> TileInfo for one configuration (compile-time fields only)."""
 
-    TILE_M = 128
-
     def __init__(self, cfg: AttentionConfig):
-        self.tile_m = self.TILE_M
+        self.tile_m = cfg.tile_m  # KV broadcast: query rows per tile (Q broadcast: 128)
         self.s_q = cfg.s_q
         self.dense = cfg.direction == "kv"  # KV broadcast: a user's query rows as one dense run
         self.chunks = 1 if self.dense else row_packing(cfg.s_q)[2]  # Q broadcast: 128-row chunks per candidate

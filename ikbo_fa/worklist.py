@@ -5,7 +5,8 @@ the op builds the same arrays in one launch with ``worklist_sm90`` when the
 users fit its shared memory, and falls back to ``kv_worklist`` otherwise.
 
 The query rows of a user's candidates form one run of ``count * rows_per_cand``
-rows, cut into tiles of ``TILE_ROWS``; only the last tile of a user has empty rows.
+rows, cut into tiles of ``tile_rows`` (``TILE_ROWS``, or the attention configuration's
+``tile_m``); only the last tile of a user has empty rows.
 
 Outputs (all int32 on idx's device):
   order       [B]      candidate indices grouped by user (here stable: idx order within a
@@ -38,7 +39,7 @@ from typing import Optional
 
 import torch
 
-TILE_ROWS = 128  # query rows of one attention tile
+TILE_ROWS = 128  # query rows of one attention tile (AttentionConfig.tile_m: also 192) and keys of a key block
 WALK_WORDS = 2  # the tile counter after perm's groups (cute_kernels.scheduler.TileCounter)
 
 
@@ -107,7 +108,7 @@ class WorkList:
                 f"longest_first={self.perm is not None}, device={self.order.device})")
 
 
-def kv_worklist(idx: torch.Tensor, num_users: int, rows_per_cand: int):
+def kv_worklist(idx: torch.Tensor, num_users: int, rows_per_cand: int, tile_rows: int = TILE_ROWS):
     """Group candidates by user; -> (order, cand_start, tile_start, grouped)."""
     # Out-of-range indices (-1 and U after the clamp) both land in group U.
     key = torch.remainder(idx.clamp(-1, num_users), num_users + 1).to(torch.int32)
@@ -117,7 +118,7 @@ def kv_worklist(idx: torch.Tensor, num_users: int, rows_per_cand: int):
     group_ids = torch.arange(num_users + 2, dtype=torch.int32, device=idx.device)
     cand_start = torch.searchsorted(sorted_key, group_ids, out_int32=True)
     counts = (cand_start[1:] - cand_start[:-1]).long()
-    tiles = (counts * rows_per_cand + (TILE_ROWS - 1)).div_(TILE_ROWS, rounding_mode="floor")
+    tiles = (counts * rows_per_cand + (tile_rows - 1)).div_(tile_rows, rounding_mode="floor")
     tile_start = torch.zeros(num_users + 2, dtype=torch.int32, device=idx.device)
     tile_start[1:] = torch.cumsum(tiles, dim=0, dtype=torch.int32)
     grouped = (key[1:] >= key[:-1]).all().to(torch.int32).reshape(1)
@@ -134,21 +135,21 @@ def key_bucket(blocks: torch.Tensor) -> torch.Tensor:
     return torch.where(b < 16, b, 16 + (msb - 4) * 4 + quarter)
 
 
-def kv_tile_order(cand_start: torch.Tensor, keys: torch.Tensor, rows_per_cand: int):
+def kv_tile_order(cand_start: torch.Tensor, keys: torch.Tensor, rows_per_cand: int, tile_rows: int = TILE_ROWS):
     """The groups longest first -> (perm [U + 1], tile_start [U + 2] by position), int32, from
     the work list's ``cand_start`` and each user's key count ``keys`` [U] (as the attention
-    kernel counts them); here stable within a bucket."""
+    kernel counts them, in blocks of 128 keys); here stable within a bucket."""
     blocks = torch.zeros(keys.shape[0] + 1, dtype=torch.int64, device=keys.device)
     blocks[:-1] = (keys.long().clamp(min=0) + (TILE_ROWS - 1)).div(TILE_ROWS, rounding_mode="floor")
     perm = torch.sort(key_bucket(blocks), descending=True, stable=True).indices
     counts = (cand_start[1:] - cand_start[:-1]).long()
-    tiles = (counts * rows_per_cand + (TILE_ROWS - 1)).div_(TILE_ROWS, rounding_mode="floor")
+    tiles = (counts * rows_per_cand + (tile_rows - 1)).div_(tile_rows, rounding_mode="floor")
     tile_start = torch.zeros(keys.shape[0] + 2, dtype=torch.int32, device=keys.device)
     tile_start[1:] = torch.cumsum(tiles[perm], dim=0, dtype=torch.int32)
     return perm.to(torch.int32), tile_start
 
 
-def max_tiles_per_head(batch: int, num_users: int, rows_per_cand: int) -> int:
+def max_tiles_per_head(batch: int, num_users: int, rows_per_cand: int, tile_rows: int = TILE_ROWS) -> int:
     """Host-side upper bound of tile_start[U + 1] (sizes the persistent grid without a sync)."""
     # Each non-empty group adds at most one partly filled tile.
-    return -(-batch * rows_per_cand // TILE_ROWS) + min(batch, num_users + 1)
+    return -(-batch * rows_per_cand // tile_rows) + min(batch, num_users + 1)

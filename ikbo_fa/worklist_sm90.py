@@ -39,7 +39,7 @@ class KvWorklistSm90:
          one shared-memory atomic; a thread that sees a group key below the one
          before it marks idx as not grouped (one shared flag);
       3. scan: each thread sums a contiguous run of groups (candidates, and
-         tiles as in ``kv_worklist``); a CTA-wide exclusive scan of the two
+         tiles of ``tile_rows`` rows as in ``kv_worklist``); a CTA-wide exclusive scan of the two
          sums (warp shuffles, then one warp over the 32 warp totals) gives each
          run's offsets; the run is walked again writing cand_start /
          tile_start and resetting each counter to its group's first position;
@@ -70,11 +70,14 @@ class KvWorklistSm90:
     CAPACITY = 57344
     BUCKETS = 128  # key_bucket is below 100 for any int32 key count
 
-    def __init__(self, idx_dtype, keys=None):
+    def __init__(self, idx_dtype, keys=None, tile_rows: int = TILE_ROWS):
         if keys not in (None, "lengths", "offsets"):
             raise ValueError(f"KvWorklistSm90: keys must be None, 'lengths' or 'offsets', got {keys!r}")
+        if tile_rows not in (128, 192):
+            raise ValueError(f"KvWorklistSm90: tile_rows must be 128 or 192, got {tile_rows!r}")
         self.idx_dtype = idx_dtype
         self.keys = keys
+        self.tile_rows = tile_rows  # the attention tile's query rows (AttentionConfig.tile_m)
 
     @cute.jit
     def __call__(
@@ -128,7 +131,8 @@ class KvWorklistSm90:
         count_groups(mIdx, sHist, sDescents, n_cand, n_users, tidx, nt, self.UNROLL)
         cute.arch.sync_threads()
 
-        lo, hi = scan_groups(sHist, mCandStart, mTileStart, n_groups, rows_per_cand, nt, sScan, tidx, warp, lane)
+        lo, hi = scan_groups(sHist, mCandStart, mTileStart, n_groups, rows_per_cand, self.tile_rows, nt, sScan, tidx,
+                             warp, lane)
         grouped = sDescents[0] == 0  # written before the barriers above, read after
         if tidx == 0:
             mGrouped[0] = Int32(1) if grouped else Int32(0)
@@ -195,12 +199,12 @@ class KvWorklistSm90:
         t_sum = Int32(0)
         for j in cutlass.range(lo, hi, 1):
             g = mPerm[j]
-            t_sum += group_tiles(mCandStart[g + 1] - mCandStart[g], rows_per_cand)
+            t_sum += group_tiles(mCandStart[g + 1] - mCandStart[g], rows_per_cand, self.tile_rows)
         _, t_off = cta_exclusive_sums(Int32(0), t_sum, sScan, warp, lane)
         for j in cutlass.range(lo, hi, 1):
             g = mPerm[j]
             mTileStart[j] = t_off
-            t_off += group_tiles(mCandStart[g + 1] - mCandStart[g], rows_per_cand)
+            t_off += group_tiles(mCandStart[g + 1] - mCandStart[g], rows_per_cand, self.tile_rows)
 
     @cute.jit
     def scatter(self, mIdx, mOrder, sHist, n_cand: Int32, n_users: Int32, tidx):
@@ -273,8 +277,8 @@ def count_key(sHist, key: Int32, below) -> None:
 
 
 @cute.jit
-def scan_groups(sCount, mCandStart, mTileStart, n_groups: Int32, rows_per_cand: Int32, nt: int, sScan, tidx, warp,
-                lane):
+def scan_groups(sCount, mCandStart, mTileStart, n_groups: Int32, rows_per_cand: Int32, tile_rows: int, nt: int, sScan,
+                tidx, warp, lane):
     """Phase 3: each group's first candidate and first tile from its count (``sCount``, shared
     memory): every thread takes a contiguous run of groups, a CTA-wide exclusive scan gives each
     run's offsets, and the run is walked again writing ``mCandStart`` and ``mTileStart``
@@ -288,7 +292,7 @@ def scan_groups(sCount, mCandStart, mTileStart, n_groups: Int32, rows_per_cand: 
     for g in cutlass.range(lo, hi, 1):
         c = sCount[g]
         c_sum += c
-        t_sum += group_tiles(c, rows_per_cand)
+        t_sum += group_tiles(c, rows_per_cand, tile_rows)
     c_off, t_off = cta_exclusive_sums(c_sum, t_sum, sScan, warp, lane)
     for g in cutlass.range(lo, hi, 1):
         c = sCount[g]
@@ -296,7 +300,7 @@ def scan_groups(sCount, mCandStart, mTileStart, n_groups: Int32, rows_per_cand: 
         mTileStart[g] = t_off
         sCount[g] = c_off
         c_off += c
-        t_off += group_tiles(c, rows_per_cand)
+        t_off += group_tiles(c, rows_per_cand, tile_rows)
     if tidx == nt - 1:
         mCandStart[n_groups] = c_off
         mTileStart[n_groups] = t_off
@@ -304,9 +308,10 @@ def scan_groups(sCount, mCandStart, mTileStart, n_groups: Int32, rows_per_cand: 
 
 
 @cute.jit
-def group_tiles(count: Int32, rows_per_cand: Int32) -> Int32:
-    """Tiles of a group: its candidates' query rows, one run cut into TILE_ROWS-row tiles."""
-    return (count * rows_per_cand + TILE_ROWS - 1) // TILE_ROWS
+def group_tiles(count: Int32, rows_per_cand: Int32, tile_rows: int) -> Int32:
+    """Tiles of a group: its candidates' query rows, one run cut into tiles of ``tile_rows`` rows
+    (compile time)."""
+    return (count * rows_per_cand + tile_rows - 1) // tile_rows
 
 
 @cute.jit
@@ -349,9 +354,11 @@ def _warp_inclusive_sum(v: Int32, lane) -> Int32:
     return v
 
 
-def compile_worklist(idx_dtype, keys=None, keep_ptx: bool = False, ptxas_report: bool = False):
+def compile_worklist(idx_dtype, keys=None, keep_ptx: bool = False, ptxas_report: bool = False,
+                     tile_rows: int = TILE_ROWS):
     """Compile the work-list kernel for int32 or int64 (torch dtype) indices, sm_90a; ``keys``
-    ("lengths" / "offsets") adds the longest-first group order."""
+    ("lengths" / "offsets") adds the longest-first group order; ``tile_rows``: the attention
+    tile's query rows."""
     dt = cutlass_dtype(idx_dtype)
     vec = lambda: fake_tensor(Int32, (None,), align=4)  # noqa: E731
     args = (
@@ -362,7 +369,7 @@ def compile_worklist(idx_dtype, keys=None, keep_ptx: bool = False, ptxas_report:
         WorkListScalars(Int32(1), Int32(1), Int32(0), Int32(0)),
         fake_stream(),
     )
-    return compile_kernel(KvWorklistSm90(dt, keys), *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
+    return compile_kernel(KvWorklistSm90(dt, keys, tile_rows), *args, keep_ptx=keep_ptx, ptxas_report=ptxas_report)
 
 
 def fits(num_users: int) -> bool:
@@ -370,20 +377,20 @@ def fits(num_users: int) -> bool:
     return num_users + 1 <= KvWorklistSm90.CAPACITY
 
 
-def worklist_kernel(idx_dtype, keys=None):
-    """The compiled kernel for ``idx_dtype`` (torch.int32 or torch.int64), compiled at first use.
+def worklist_kernel(idx_dtype, keys=None, tile_rows: int = TILE_ROWS):
+    """The compiled kernel for ``idx_dtype`` (torch.int32 or torch.int64) and tiles of ``tile_rows``
+    query rows, compiled at first use.
 
     Call: ``fn(idx, FwdWorkList(order, cand_start, tile_start, grouped, perm, walk), rows,
     WorkListScalars(num_users, rows_per_cand, total_keys, max_keys))`` with contiguous int32
     outputs of B, U + 2, U + 2, 1 and (``keys``) U + 1 and 2 entries, on the current stream;
     without ``keys`` perm, walk and rows are None (and the last two scalars ignored).
     """
-    return kernel_cache.get(
-        ("ikbo_fa.worklist_sm90", idx_dtype, keys), lambda: compile_worklist(idx_dtype, keys), package="ikbo_fa"
-    )
+    key = ("ikbo_fa.worklist_sm90", idx_dtype, keys) + (() if tile_rows == TILE_ROWS else (tile_rows,))
+    return kernel_cache.get(key, lambda: compile_worklist(idx_dtype, keys, tile_rows=tile_rows), package="ikbo_fa")
 
 
-def kv_worklist_sm90(idx, num_users: int, rows_per_cand: int):
+def kv_worklist_sm90(idx, num_users: int, rows_per_cand: int, tile_rows: int = TILE_ROWS):
     """One-launch equivalent of :func:`ikbo_fa.worklist.kv_worklist` (idx contiguous, on an sm_90 GPU);
     -> (order, cand_start, tile_start, grouped) views of one int32 buffer."""
     if not fits(num_users):
@@ -391,6 +398,7 @@ def kv_worklist_sm90(idx, num_users: int, rows_per_cand: int):
     b = idx.shape[0]
     buf = torch.empty(b + 2 * (num_users + 2) + 1, dtype=torch.int32, device=idx.device)
     order, cand_start, tile_start, grouped = buf.split([b, num_users + 2, num_users + 2, 1])
-    worklist_kernel(idx.dtype).fn(idx, FwdWorkList(order, cand_start, tile_start, grouped, None, None), None,
-                                  WorkListScalars(num_users, rows_per_cand, 0, 0))
+    worklist_kernel(idx.dtype, None, tile_rows).fn(idx, FwdWorkList(order, cand_start, tile_start, grouped, None,
+                                                                    None), None,
+                                                   WorkListScalars(num_users, rows_per_cand, 0, 0))
     return order, cand_start, tile_start, grouped

@@ -34,8 +34,9 @@ class EmulatedKernels:
         # work list built from other lengths: the same results in another order).
         self.check_longest_first = True
 
-    def worklist(self, idx, work_list, rows, scalars):
-        """The work-list kernel on its bundles (ikbo_fa.fwd_args)."""
+    def worklist(self, idx, work_list, rows, scalars, tile_rows=128):
+        """The work-list kernel on its bundles (ikbo_fa.fwd_args), compiled for tiles of ``tile_rows``
+        query rows."""
         assert (type(work_list), type(scalars)) == (FwdWorkList, WorkListScalars)
         order, cand_start, tile_start, grouped, perm, walk = work_list
         n_users, rows_per_cand, total_keys, max_keys = scalars
@@ -46,7 +47,8 @@ class EmulatedKernels:
             assert t.dtype == torch.int32 and t.is_contiguous() and t.shape == (n,)
         assert idx.is_contiguous()
         assert (perm is None) == (rows is None) == (walk is None)
-        ref = kv_worklist(idx, n_users, rows_per_cand)
+        self.worklist_tile_rows = tile_rows
+        ref = kv_worklist(idx, n_users, rows_per_cand, tile_rows)
         for t, r in zip((order, cand_start, tile_start, grouped), ref):
             t.copy_(r)
         if perm is not None:  # ordered: the keys the kernel counts (offsets clamped, lengths as given)
@@ -54,7 +56,7 @@ class EmulatedKernels:
             assert walk.dtype == torch.int32 and walk.shape == (2,)
             assert rows.is_contiguous() and rows.shape[0] in (n_users, n_users + 1)
             keys = rows if rows.shape[0] == n_users else jagged_rows(rows, total_keys, max_keys)[1]
-            new_perm, new_start = kv_tile_order(cand_start, keys, rows_per_cand)
+            new_perm, new_start = kv_tile_order(cand_start, keys, rows_per_cand, tile_rows)
             perm.copy_(new_perm[:n_users + 1])
             walk.zero_()
             tile_start.copy_(new_start)
@@ -106,7 +108,7 @@ class EmulatedKernels:
             if self.check_longest_first:
                 assert (key_bucket(blocks)[perm.long()].diff() <= 0).all()  # longest first
             counts = (cand_start[1:] - cand_start[:-1]).long()
-            tiles = (counts * q.shape[1] + 127) // 128
+            tiles = (counts * q.shape[1] + cfg.tile_m - 1) // cfg.tile_m
             starts = torch.cat([torch.zeros(1, dtype=torch.long), tiles[perm.long()].cumsum(0)])
             assert tile_start.tolist() == starts.tolist()
         H = q.shape[2]
@@ -227,7 +229,8 @@ def install(monkeypatch) -> EmulatedKernels:
     monkeypatch.setattr(attention_mod, "sm_count", lambda device: 132)
     monkeypatch.setattr(attention_mod, "max_active_clusters", lambda device, size: 132 // size)
     monkeypatch.setattr(attention_mod, "_fwd_kernel", kernels.fwd_for)
-    monkeypatch.setattr(attention_mod, "_worklist_kernel", lambda dtype, keys: kernels.worklist)
+    monkeypatch.setattr(attention_mod, "_worklist_kernel",
+                        lambda dtype, keys, tile_rows=128: functools.partial(kernels.worklist, tile_rows=tile_rows))
     monkeypatch.setattr(attention_mod, "_merge_kernel", lambda dtype, with_lse: kernels.merge)
     real_resolve = attention_mod.resolve_problem
 

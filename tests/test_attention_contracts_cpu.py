@@ -16,12 +16,12 @@ DOC = inspect.cleandoc(IkboAttentionFwdSm90.__doc__)
 
 @pytest.mark.parametrize("cfg", ikbo_fa.SHIPPED_CONFIGS, ids=str)
 def test_pipeline_table_is_the_specs(cfg):
-    table = contract_table(IkboAttentionFwdSm90(cfg).pipelines.values())
+    """One of the docstring's tables (by consumer warpgroups) is the configuration's, row for row."""
+    table = contract_table(IkboAttentionFwdSm90(cfg).pipelines.values()).splitlines()
     lines = [line.strip() for line in DOC.splitlines()]
-    start = lines.index(table.splitlines()[0])
-    documented = "\n".join(lines[start:start + len(table.splitlines())])
-    assert documented == table
-    assert not lines[start + len(table.splitlines())].startswith("|")  # no row beyond the specs
+    starts = [i for i, line in enumerate(lines) if line == table[0]]
+    documented = [lines[i:i + len(table)] for i in starts if not lines[i + len(table)].startswith("|")]
+    assert table in documented  # and no row beyond the specs
 
 
 def test_barrier_list_is_the_enum():
@@ -30,4 +30,4 @@ def test_barrier_list_is_the_enum():
     assert set(listed) == {b.name for b in FwdBarrier}
     per_wg = {name for name, wg in listed.items() if wg}
     spans = IkboAttentionFwdSm90.BARRIER_SPANS
-    assert per_wg == set(spans) and all(n == 2 for n in spans.values())
+    assert per_wg == set(spans) and all(n == 3 for n in spans.values())  # up to three consumer warpgroups

@@ -797,8 +797,8 @@ def test_tail_split_on_the_gpu_path(emulated, monkeypatch):
     and with out-of-range indices. Rows of their own lengths never take it."""
     configs = []
     monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
-    policy = AttentionPolicy(tail_split=True, tail_merge_blocks=0, tail_split_from=1)
-    B, U, S_q, L = 300, 3, 64, 300  # 300 tiles over both heads: two rounds of 132 and 36 tiles
+    policy = AttentionPolicy(tail_split=True, tail_merge_blocks=0, tail_split_from=1, d64_tile_m=128)
+    B, U, S_q, L = 300, 3, 64, 300  # 300 tiles of 128 rows over both heads: two rounds of 132 and 36 tiles
     q, kv, idx, _ = _gpu_path_problem(46, "kv", B, U, S_q=S_q, L=L)
     idx[[5, 77]] = torch.tensor([-1, U], dtype=idx.dtype)
     bad = torch.zeros(B, dtype=torch.bool)
@@ -813,8 +813,87 @@ def test_tail_split_on_the_gpu_path(emulated, monkeypatch):
             assert got[bad].isnan().all()
             torch.testing.assert_close(got[~bad], want[~bad], rtol=2e-2, atol=2e-2)
     assert emulated.merge_calls == 2
-    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(tail_split=False, tail_split_from=1), validate=False)
+    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(tail_split=False, tail_split_from=1, d64_tile_m=128),
+                      validate=False)
     assert not configs[-1].tail_split and not configs[-1].split_kv
     lengths = torch.randint(0, L + 1, (U,), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
     ikbo_fa.attention(q, kv, idx, kv_lengths=lengths, policy=policy, validate=False)
     assert not configs[-1].tail_split
+
+
+@pytest.mark.parametrize("s_q", [1, 4, 17, 64])
+def test_192_row_tiles_on_the_gpu_path(emulated, monkeypatch, s_q):
+    """192-row tiles (here at any shape: policy.d64_tall_gain 100): D 64 KV broadcast takes tiles of
+    192 query rows, the work list (kernel or torch definition) counting them so; padded,
+    kv_lengths and jagged K/V, the last round split, out-of-range indices, all as the reference.
+    D 128, Q broadcast, a given work list (it counts 128-row tiles) and d64_tile_m 128 keep 128."""
+    configs = []
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
+    wide = AttentionPolicy(d64_tall_gain=100)
+    B, U, L = 230, 3, 300
+    q, kv, idx, _ = _gpu_path_problem(47 + s_q, "kv", B, U, S_q=s_q, L=L)
+    idx[[3, 100]] = torch.tensor([-1, U], dtype=idx.dtype)
+    bad = torch.zeros(B, dtype=torch.bool)
+    bad[[3, 100]] = True
+    lengths = torch.randint(0, L + 1, (U,), dtype=torch.int32, generator=torch.Generator().manual_seed(s_q))
+    tail = dataclasses.replace(wide, tail_split_from=1, tail_merge_blocks=0)
+    for policy, kw in ((wide, {}), (wide, dict(kv_lengths=lengths)), (dataclasses.replace(wide, worklist_kernel=False), {}),
+                       (tail, {})):
+        out, lse = ikbo_fa.attention(q, kv, idx, return_lse=True, policy=policy, validate=False, **kw)
+        cfg = configs[-1]
+        assert cfg.tile_m == 192 and cfg.key_block == 128 and not cfg.split_pair, cfg
+        if policy.worklist_kernel:
+            assert emulated.worklist_tile_rows == 192
+        ref = attention_reference(q, kv, idx.clamp(0, U - 1), return_lse=True, **kw)
+        assert out[bad].isnan().all() and lse[bad].isnan().all()
+        torch.testing.assert_close(out[~bad], ref[0][~bad], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse[~bad], ref[1][~bad], rtol=2e-2, atol=2e-2)
+    # jagged K/V
+    qj, kvj, _, _, idxj, offsets = random_jagged_problem(48 + s_q, "kv", B, U, s_q, 2, 1, 64, [0, 257, 40],
+                                                         torch.bfloat16)
+    idxj = idxj.to(torch.int32)
+    out = ikbo_fa.attention(qj, kvj, idxj, kv_offsets=offsets, policy=wide, validate=False)
+    assert configs[-1].tile_m == 192 and configs[-1].jagged
+    torch.testing.assert_close(out, attention_reference(qj, kvj, idxj, kv_offsets=offsets), rtol=2e-2, atol=2e-2)
+    # a given work list counts 128-row tiles: the call keeps them
+    wl = ikbo_fa.work_list(idx.clamp(0, U - 1), U, s_q)
+    out = ikbo_fa.attention(q, kv, idx.clamp(0, U - 1), policy=wide, work_list=wl, validate=False)
+    assert configs[-1].tile_m == 128
+    torch.testing.assert_close(out, attention_reference(q, kv, idx.clamp(0, U - 1)), rtol=2e-2, atol=2e-2)
+    q128, kv128, _, _, idx128, _ = _problem(49, direction="kv", B=20, U=2, S_q=s_q, H=2, H_kv=1, D=128, L=40,
+                                            dtype=torch.bfloat16)
+    ikbo_fa.attention(q128, kv128, idx128, policy=wide, validate=False)
+    assert configs[-1].tile_m == 128
+    qq, kvq, idxq, _ = _gpu_path_problem(50, "q", 20, 4, S_q=s_q, L=30)
+    ikbo_fa.attention(qq, kvq, idxq, policy=wide, validate=False)
+    assert configs[-1].tile_m == 128 and configs[-1].direction == "q"
+    ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(d64_tile_m=128), validate=False)
+    assert configs[-1].tile_m == 128
+    ikbo_fa.attention(q, kv, idx, validate=False)  # the default: by the rows' cost
+    assert configs[-1].tile_m == attention_mod.problem_tile_rows(B, U, s_q) == (128 if s_q == 1 else 192)
+
+
+def test_192_row_tiles_where_their_rows_cost_less():
+    """192-row tiles where a user's run fills them (B 2048, ratio 64: S_q >= 3, or one user of
+    4,096 at S_q 1), not where it fills little of a tile (S_q 1 and 2 at ratio 64, S_q 64 at
+    ratio 1); d64_tile_m 128 turns them off."""
+    pick = attention_mod.problem_tile_rows
+    assert [pick(2048, 32, s_q) for s_q in (1, 2, 3, 4, 16, 17, 64)] == [128, 128, 192, 192, 192, 192, 192]
+    assert pick(4096, 1, 1) == 192 and pick(2048, 2048, 64) == 128 and pick(2048, 2048, 128) == 128
+    assert pick(2048, 32, 16, AttentionPolicy(d64_tile_m=128)) == 128
+    assert DEFAULT_POLICY.d64_tile_m == 192
+
+
+def test_192_row_tiles_count_in_the_plan():
+    """The split plan counts 192-row tiles, and never pairs their splits."""
+    # B 2048, 32 users, S_q 4: the mean of the dense count (43 tiles of 192 rows, 64 of 128) and
+    # the bound (a partly filled tile more per user)
+    assert attention_mod.mean_tiles_per_head(2048, 32, 4, 192) == (43 + 43 + 33) // 2
+    assert attention_mod.mean_tiles_per_head(2048, 32, 4) == (64 + 64 + 33) // 2
+    on = DEFAULT_POLICY
+    # B 512, 8,192 keys: both split two ways, 192-row tiles over a workspace (never a split pair)
+    assert attention_mod.problem_splits(512, 32, 4, 2, 8192, 132, on, None, 192) == (2, 4096, False)
+    assert attention_mod.problem_splits(512, 32, 4, 2, 8192, 132, on) == (2, 4096, True)
+    # B 2048: 59 tiles of 192 rows a head fill one round of the grid, unsplit; 80 of 128 split
+    assert attention_mod.problem_splits(2048, 32, 4, 2, 8192, 132, on, None, 192) == (1, 0, False)
+    assert attention_mod.problem_splits(2048, 32, 4, 2, 8192, 132, on)[0] == 4

@@ -13,7 +13,8 @@ from attention_inputs import (check_graph_replay, check_nan_isolation, fp32_atte
 
 pytestmark = pytest.mark.gpu
 
-WIDE = ikbo_fa.AttentionPolicy(d64_wide_min_keys=0, split_kv=False)  # 192-key blocks at any L
+# 192-key blocks at any L (on 128-row tiles: 192-row ones take 128-key blocks)
+WIDE = ikbo_fa.AttentionPolicy(d64_wide_min_keys=0, split_kv=False, d64_tile_m=128)
 
 
 def _check(q, kv, k, v, idx, direction, lengths=None, policy=WIDE, **kw):
@@ -58,10 +59,11 @@ def test_rows_of_their_own_lengths_keep_128_key_blocks(direction):
 
 
 def test_default_takes_192_from_2048_keys():
+    # on 128-row tiles (the default's 192-row ones, here at S_q 64, take 128-key blocks)
     for L, block in ((1024, 128), (2048, 192)):
         q, kv, k, v, idx, _ = random_problem(L, "kv", 2048, 32, 64, 2, 2, 64, L, torch.bfloat16, sort=True,
                                              device="cuda")
-        out, lse, plan = run_with_policy(None, q, kv, idx)
+        out, lse, plan = run_with_policy(ikbo_fa.AttentionPolicy(d64_tile_m=128), q, kv, idx)
         assert plan.config.key_block == block, (L, plan.config)
         assert not out.isnan().any()
 

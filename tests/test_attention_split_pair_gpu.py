@@ -15,13 +15,14 @@ from ikbo_fa import AttentionPolicy
 pytestmark = pytest.mark.gpu
 attention_mod = importlib.import_module("ikbo_fa.attention")
 # The half-idle split rule (not split_by_cost, whose merge launch cost rarely takes a workspace pair).
-PAIR = AttentionPolicy(split_min_keys=512, split_pair=True, split_by_cost=False)
+PAIR = AttentionPolicy(split_min_keys=512, split_pair=True, split_by_cost=False, d64_tile_m=128)  # pairs: 128 rows
 
 
 def _run(pair, q, kv, idx, **kw):
     """The op with split pairs on or off -> (out, lse, the config it compiled)."""
     # The static walk: under the dynamic one jagged rows never split in pairs.
-    policy = AttentionPolicy(split_min_keys=512, split_pair=pair, split_by_cost=False, dynamic_walk=False)
+    policy = AttentionPolicy(split_min_keys=512, split_pair=pair, split_by_cost=False, dynamic_walk=False,
+                             d64_tile_m=128)
     out, lse, plan = run_with_policy(policy, q, kv, idx, **kw)
     return out, lse, plan.config
 

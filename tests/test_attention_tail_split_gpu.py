@@ -16,16 +16,16 @@ pytestmark = pytest.mark.gpu
 TAIL = ikbo_fa.AttentionPolicy(tail_split=True, tail_merge_blocks=0, tail_split_from=1)
 
 
-def _tiles(idx, U, S_q, H):
-    """The launch's tiles over every head: each user's rows in 128-row tiles."""
+def _tiles(idx, U, S_q, H, rows):
+    """The launch's tiles over every head: each user's rows in tiles of ``rows`` rows."""
     counts = torch.bincount(idx.long().cpu(), minlength=U)
-    return H * int(((counts * S_q + 127) // 128).sum())
+    return H * int(((counts * S_q + rows - 1) // rows).sum())
 
 
 def _check(q, kv, k, v, idx, policy=TAIL):
     out, lse, plan = run_with_policy(policy, q, kv, idx, broadcast="kv")
     assert plan.config.tail_split and plan.n_splits > 1, (plan.config, plan.n_splits)
-    tiles = _tiles(idx, k.shape[0], q.shape[1], q.shape[2])
+    tiles = _tiles(idx, k.shape[0], q.shape[1], q.shape[2], plan.config.tile_m)
     assert tiles > plan.n_ctas and tiles % plan.n_ctas, (tiles, plan.n_ctas)  # whole rounds and a split tail
     ref, ref_lse = fp32_attention(q, k, v, idx)
     assert not out.isnan().any() and not lse.isnan().any()

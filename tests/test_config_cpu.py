@@ -90,6 +90,27 @@ def test_key_block_192_only_at_d64_without_a_key_split():
     assert ikbo_fa.DEFAULT_POLICY.d64_key_block == 192 and ikbo_fa.DEFAULT_POLICY.d64_wide_min_keys == 2048
 
 
+def test_tile_m_192_only_at_d64_kv_broadcast_without_a_split_pair():
+    """192-row tiles (three consumer warpgroups) at D 64 in KV broadcast only, on 128-key blocks,
+    never with a split pair; anything else is refused by name."""
+    pick = lambda d, **kw: kernel_config(torch.bfloat16, d, 4, "kv", False, True, d64_tile_m=192, **kw)  # noqa: E731
+    assert pick(64).tile_m == 192 and pick(64).key_block == 128 and pick(128).tile_m == 128
+    assert pick(64, d64_key_block=192).key_block == 128  # 160 registers a thread: no 192-key blocks
+    assert pick(64, split_kv=True).tile_m == 192 and pick(64, jagged=True, split_kv=True).tile_m == 192
+    assert pick(64, split_pair=True).tile_m == 128
+    assert kernel_config(torch.bfloat16, 64, 4, "q", False, True, d64_tile_m=192).tile_m == 128
+    assert str(pick(64)).endswith("-m192") and "-m" not in str(pick(128))
+    for bad in (dict(head_dim=128), dict(direction="q"), dict(key_block=192), dict(split_pair=True)):
+        base = dict(dtype=torch.bfloat16, head_dim=64, s_q=4, direction="kv", has_kv_lengths=False,
+                    return_lse=False, tile_m=192)
+        with pytest.raises(ValueError, match="tile_m 192 needs head_dim 64"):
+            AttentionConfig(**{**base, **bad})
+    with pytest.raises(ValueError, match="AttentionConfig.tile_m must be one of"):
+        AttentionConfig(torch.bfloat16, 64, 4, "kv", False, False, tile_m=256)
+    with pytest.raises(ValueError, match="AttentionPolicy.d64_tile_m must be one of"):
+        ikbo_fa.AttentionPolicy(d64_tile_m=64)
+
+
 @pytest.mark.parametrize("s_q", [1, 2, 7, 8, 9, 31, 33, 63, 64, 65, 100, 128, 129, 300])
 def test_row_packing_fits_each_candidate(s_q):
     rows, slots, chunks = row_packing(s_q)

@@ -109,7 +109,7 @@ def test_named_barrier_ids():
 def test_the_kernels_pass_their_checks():
     """Each kernel builds its contracts from its configuration: every shipped one passes."""
     for barriers, spans in ((LceBarrier, LceSm90.BARRIER_SPANS), (LinearBarrier, LinearSm90.BARRIER_SPANS),
-                            (FwdBarrier, {"EPILOGUE": 2, "GEMM_TURN": 2})):
+                            (FwdBarrier, IkboAttentionFwdSm90.BARRIER_SPANS)):
         check_barriers("kernel", barriers, spans)
     for cfg in LCE_SHIPPED_CONFIGS:
         k = LceSm90(cfg)
@@ -123,8 +123,9 @@ def test_the_kernels_pass_their_checks():
     for cfg in ikbo_fa.SHIPPED_CONFIGS:
         k = IkboAttentionFwdSm90(cfg)
         assert sorted(k.pipelines) == ["K", "Q", "V"]
-        assert all(p.consumer_arrives == 8 and p.producer_arrives == 1 for p in k.pipelines.values()), cfg
-        assert k.num_threads == 384
+        # a consumer warpgroup per 64 rows of the tile, each warp of it releasing every stage
+        assert all(p.consumer_arrives == cfg.tile_m // 16 and p.producer_arrives == 1 for p in k.pipelines.values())
+        assert k.num_threads == 128 + 2 * cfg.tile_m == k.registers.threads
 
 
 @pytest.mark.parametrize("kernel_class, barriers, configs", [
@@ -170,7 +171,7 @@ def test_a_wrong_arrive_count_fails_when_the_kernel_is_built(monkeypatch):
     with pytest.raises(ValueError, match=r"LceSm90: ab pipeline declares 32 consumer arrives per stage, but 256 "
                                          r"releasing threads / 32 x 8 multicasting CTAs = 64"):
         LceSm90(ikbo_gemm.config.LceConfig(torch.float16, torch.int32, 152, 2, 4, 128))
-    monkeypatch.setattr(IkboAttentionFwdSm90, "CONSUMER_THREADS", 128)
+    monkeypatch.setattr(IkboAttentionFwdSm90, "WARPGROUP_THREADS", 64)
     with pytest.raises(ValueError, match=r"IkboAttentionFwdSm90: Q pipeline declares 8 consumer arrives"):
         IkboAttentionFwdSm90(ikbo_fa.SHIPPED_CONFIGS[0])
 
