@@ -149,6 +149,27 @@ def check_nan_isolation(policy, q, kv, k, v, idx, nan_rows, nan_key, bad_rows):
     assert_nan_rows_only(out, lse, bad)
 
 
+def check_scores_jump(policy, factor, B, seed=None):
+    """KV broadcast at D 64, S_q 64 under ``policy``, keys 100:250 of every user scaled by ``factor``
+    (H_kv = H): blocks run from the last keys to the first, so the row max jumps in a later block
+    (factor 4: rescaled in the loop; 60: past float32's range, rows recomputed exactly). Out is
+    within 1.5x SDPA's error of fp32, lse within 1e-4. Returns the call's plan."""
+    q, kv, k, v, idx, _ = random_problem(int(factor) if seed is None else seed, "kv", B, 3, 64, 2, 2, 64, 1000,
+                                         torch.bfloat16, device="cuda")
+    k[:, 100:250] *= factor
+    out, lse, plan = run_with_policy(policy, q, (k, v), idx)
+    ref, ref_lse = fp32_attention(q, k, v, idx, "kv", None)
+    assert not out.isnan().any()
+    qm, km, vm, _ = materialize(q, k, v, idx, "kv", None)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        qm.transpose(1, 2), km.transpose(1, 2), vm.transpose(1, 2)).transpose(1, 2)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    sdpa_err = ((sdpa.float() - ref).norm() / ref.norm()).item()
+    assert err <= 1.5 * sdpa_err + 1e-6, (err, sdpa_err)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+    return plan
+
+
 def user_groups(seed, U, ratio, S_q, L, H=2, D=128, order="sorted", dtype=torch.bfloat16, H_kv=None):
     """KV broadcast on the GPU: U users of ``ratio`` candidates each, idx sorted or shuffled ->
     (q [U * ratio, S_q, H, D], k, v [U, L, H_kv, D], idx int64)."""
