@@ -695,11 +695,14 @@ def tail_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms: in
     plan runs 192-key blocks, ``policy.d64_wide_gain`` percent faster), or where that plan splits fewer than ``policy.tail_split_from`` ways.
     Only where the tiles (the mean of their bounds, as ``problem_splits`` counts them) fill at least
     one round of ``sms`` and part of another, with a workspace of ``out_bytes`` a split within
-    ``policy.tail_split_bytes``; tiles of ``tile_rows`` query rows."""
+    ``policy.tail_split_bytes``; tiles of ``tile_rows`` query rows (192: only with
+    ``policy.tail_split_tall``)."""
     tiles = mean_tiles_per_head(batch, users, s_q, tile_rows)
     work = max(1, tiles * heads)
     n0, pair = chosen
     if not (policy.split_kv and policy.tail_split) or work < sms or work % sms == 0 or n0 < policy.tail_split_from:
+        return 1, 0
+    if tile_rows != TILE_ROWS and not policy.tail_split_tall:
         return 1, 0
     base = split_cost(work, keys, sms, n0, dataclasses.replace(policy, split_pair=pair, split_min_keys=1))
     if wide and n0 == 1:

@@ -81,7 +81,7 @@ def test_split_keys():
     plan = _check(q, kv, k, v, idx)
     assert plan.config.split_kv and not plan.config.split_pair and plan.n_splits > 1
     # The last round's tiles split: 2,000 candidates of 20 users at S_q 16, 2 heads (about 340 tiles)
-    tail = ikbo_fa.AttentionPolicy(d64_tall_gain=100, tail_split_from=1, tail_merge_blocks=0)
+    tail = ikbo_fa.AttentionPolicy(d64_tall_gain=100, tail_split_from=1, tail_merge_blocks=0, tail_split_tall=True)
     q, kv, k, v, idx, _ = random_problem(16, "kv", 2000, 20, 16, 2, 1, 64, 4096, torch.bfloat16, sort=True,
                                          device="cuda")
     plan = _check(q, kv, k, v, idx, policy=tail)
