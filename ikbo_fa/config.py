@@ -244,5 +244,7 @@ SHIPPED_CONFIGS = tuple(
                         tail_split=True, tile_m=192),
         AttentionConfig(torch.bfloat16, 64, 17, "kv", True, True, split_kv=True, dynamic_walk=True, tile_m=192),
         AttentionConfig(torch.bfloat16, 64, 1, "kv", False, False, jagged=True, tile_m=192),
+        # ... S_q 32: six 32-row boxes a tile, loaded in two groups of three
+        AttentionConfig(torch.bfloat16, 64, 32, "kv", False, False, tile_m=192),
     ]
 )

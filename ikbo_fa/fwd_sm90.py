@@ -262,6 +262,15 @@ class IkboAttentionFwdSm90:
         else:
             self.slot_rows, self.slots_per_wg, self.chunks = row_packing(cfg.s_q)
         self.slots = self.consumer_wgs * self.slots_per_wg
+        # Q slots the producer loads together (load_q_slots): all where they are few (and for Q
+        # broadcast, no lookup), up to 16 in groups of the most (at most Q_SLOTS_UNROLLED) that
+        # divide them, one at a time beyond.
+        if not self.dense or self.slots <= Q_SLOTS_UNROLLED:
+            self.q_slot_group = self.slots
+        elif self.slots <= 16:
+            self.q_slot_group = max(p for p in range(1, Q_SLOTS_UNROLLED + 1) if self.slots % p == 0)
+        else:
+            self.q_slot_group = 1
         # Small boxes: a tile whose rows are consecutive rows of q (idx grouped) moves each
         # warpgroup's 64 rows in one box instead.
         self.flat_path = self.dense and self.slot_rows < 64
@@ -701,12 +710,13 @@ class IkboAttentionFwdSm90:
     def load_q_slots(self, tma_atom_Q, mQ, sQ, pipe_q, q_state, info: TileInfo, mCand):
         """The tile's Q, one (R, D) box per slot, each from its candidate's rows. Unrolled where
         slots are few (their lookups in flight together) and for Q broadcast (no lookup, at most
-        16 slots); up to 16 in unrolled groups of Q_SLOTS_UNROLLED; a loop where there are dozens."""
-        if const_expr(not self.dense or self.slots <= Q_SLOTS_UNROLLED):
+        16 slots); up to 16 in unrolled groups of at most Q_SLOTS_UNROLLED (the largest that divides
+        the slots: 6 slots of a 192-row tile go in groups of 3); a loop where there are dozens."""
+        per = self.q_slot_group
+        if const_expr(per == self.slots):
             for s in cutlass.range_constexpr(self.slots):
                 self.load_q_slot(s, tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)
-        elif const_expr(self.slots <= 16):
-            per = Q_SLOTS_UNROLLED
+        elif const_expr(per > 1):
             for h in cutlass.range(self.slots // per, unroll=1):
                 for s in cutlass.range_constexpr(per):
                     self.load_q_slot(h * per + s, tma_atom_Q, mQ, sQ, pipe_q, q_state, info, mCand)

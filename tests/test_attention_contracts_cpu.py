@@ -6,6 +6,7 @@ import inspect
 import re
 
 import pytest
+import torch
 
 import ikbo_fa
 from cute_kernels.warp_specialized import contract_table
@@ -31,3 +32,16 @@ def test_barrier_list_is_the_enum():
     per_wg = {name for name, wg in listed.items() if wg}
     spans = IkboAttentionFwdSm90.BARRIER_SPANS
     assert per_wg == set(spans) and all(n == 3 for n in spans.values())  # up to three consumer warpgroups
+
+
+@pytest.mark.parametrize("tile_m", [128, 192])
+def test_every_q_slot_is_loaded(tile_m):
+    """The producer's Q slot groups cover every slot of a tile once (a slot left out would leave
+    the stage's transaction bytes short and hang the consumers): every S_q from 1 to 200."""
+    from ikbo_fa.fwd_sm90 import Q_SLOTS_UNROLLED
+
+    for s_q in range(1, 201):
+        k = IkboAttentionFwdSm90(ikbo_fa.AttentionConfig(torch.bfloat16, 64, s_q, "kv", False, False, tile_m=tile_m))
+        assert k.slots * k.slot_rows == tile_m
+        per = k.q_slot_group
+        assert k.slots % per == 0 and (per == k.slots or per <= Q_SLOTS_UNROLLED), (s_q, k.slots, per)

@@ -1,6 +1,6 @@
 """GPU tests of 192-row tiles on three consumer warpgroups at D 64 in KV broadcast
 (``AttentionPolicy.d64_tile_m``, ``AttentionConfig.tile_m``): against fp32 over padded K/V (keys
-ending anywhere in a block, S_q packing 1 to 64 rows a candidate), kv_lengths and jagged K/V, one
+ending anywhere in a block, S_q packing 1 to 64 rows a candidate, a candidate over two tiles), kv_lengths and jagged K/V, one
 user of 10,000 candidates and ratio 1, key splits (workspace and last round), scores that jump in a
 later block, NaN isolation and graph replay."""
 import math
@@ -34,7 +34,7 @@ def _check(q, kv, k, v, idx, lengths=None, policy=TALL, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("L", [1, 129, 700])
-@pytest.mark.parametrize("S_q", [1, 4, 17, 64])
+@pytest.mark.parametrize("S_q", [1, 4, 17, 32, 64, 100])
 def test_padded_against_fp32(S_q, L, dtype):
     q, kv, k, v, idx, _ = random_problem(L + S_q, "kv", 70, 5, S_q, 4, 2, 64, L, dtype, device="cuda")
     _check(q, kv, k, v, idx)
