@@ -837,8 +837,8 @@ def test_192_row_tiles_on_the_gpu_path(emulated, monkeypatch, s_q):
     bad[[3, 100]] = True
     lengths = torch.randint(0, L + 1, (U,), dtype=torch.int32, generator=torch.Generator().manual_seed(s_q))
     tail = dataclasses.replace(wide, tail_split_from=1, tail_merge_blocks=0, tail_split_tall=True)
-    for policy, kw in ((wide, {}), (wide, dict(kv_lengths=lengths)), (dataclasses.replace(wide, worklist_kernel=False), {}),
-                       (tail, {})):
+    torch_worklist = dataclasses.replace(wide, worklist_kernel=False)
+    for policy, kw in ((wide, {}), (wide, dict(kv_lengths=lengths)), (torch_worklist, {}), (tail, {})):
         out, lse = ikbo_fa.attention(q, kv, idx, return_lse=True, policy=policy, validate=False, **kw)
         cfg = configs[-1]
         assert cfg.tile_m == 192 and cfg.key_block == 128 and not cfg.split_pair, cfg

@@ -1,8 +1,8 @@
 """GPU tests of 192-row tiles on three consumer warpgroups at D 64 in KV broadcast
 (``AttentionPolicy.d64_tile_m``, ``AttentionConfig.tile_m``): against fp32 over padded K/V (keys
-ending anywhere in a block, S_q packing 1 to 64 rows a candidate, a candidate over two tiles), kv_lengths and jagged K/V, one
-user of 10,000 candidates and ratio 1, key splits (workspace and last round), scores that jump in a
-later block, NaN isolation and graph replay."""
+ending anywhere in a block, S_q packing 1 to 64 rows a candidate, a candidate over two tiles),
+kv_lengths and jagged K/V, one user of 10,000 candidates and ratio 1, key splits (workspace and
+last round), scores that jump in a later block, NaN isolation and graph replay."""
 import math
 
 import pytest
