@@ -88,10 +88,11 @@ class AttentionPolicy:
     # through a merge launch that skips every whole row (tail_merge_blocks, in key blocks of a
     # busy SM); its workspace holds every row of out once a split, so the split count keeps it
     # within tail_split_bytes. On the H100 (B 2048, ratio 64, H 2, CUDA graphs, the build whose
-    # whole tiles end at a user's first tile) it ran 0-8% faster than the split pair or four splits
-    # at L 2048 to 8192, S_q 8 to 17 (D 64 S_q 4 at L 2048 and 4096: 4-6% slower), and a first
-    # build 7-10% slower than no split at L 1024, S_q 4 and 16 (the merge launch and a lse and
-    # mark per row cost more there than the last round's idle SMs), hence tail_split_from:
+    # whole tiles end at a user's first tile) it ran up to 9% faster than the split pair or four
+    # splits at L 2048 to 8192, S_q 4 to 17, level at a few points (D 64 S_q 4 at L 2048 and 4096:
+    # 4-6% slower), and a first build 7-10% slower than no split at L 1024, S_q 4 and 16 (the
+    # merge launch and a lse and mark per row cost more there than the last round's idle SMs),
+    # hence tail_split_from:
     # docs/perf/2026-12-07-attention-tail-split-h100.md.
     tail_split: bool = True
     tail_split_from: int = 2
