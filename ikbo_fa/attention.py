@@ -83,7 +83,7 @@ from .checks import (
     kv_list,
     resolve_problem,
 )
-from .config import MAX_PREFETCH_BLOCKS, MAX_SPLITS, WHOLE_ROW, kernel_config, row_packing
+from .config import MAX_PREFETCH_BLOCKS, MAX_SPLITS, SUPPORTED_HEAD_DIMS, WHOLE_ROW, kernel_config, row_packing
 from .fwd_args import FwdScalars, FwdTensors, FwdWorkList, WorkListScalars
 from .fwd_compile import compile_config
 from .policy import DEFAULT_POLICY, AttentionPolicy
@@ -183,7 +183,8 @@ def attention(
     if torch.compiler.is_compiling():
         # Traced by torch.compile: the registered op (one node), out= filled by a copy.
         wl = () if work_list is None else (work_list.rows_per_cand, work_list.order, work_list.cand_start,
-                                           work_list.tile_start, work_list.grouped, work_list.perm)
+                                           work_list.tile_start, work_list.grouped, work_list.perm,
+                                           work_list.tile_rows)
         o, lse = torch.ops.ikbo_fa.attention(q, kv_list(kv), idx, scale, kv_lengths, broadcast, return_lse, validate,
                                              kv_offsets, max_kv_len, *wl)
         return into_out(out, (o, lse) if return_lse else o)
@@ -283,7 +284,7 @@ def _work_list_key(work_list) -> Optional[tuple]:
     if not isinstance(work_list, WorkList):
         raise TypeError("not a WorkList")  # the full checks name it
     return (work_list.rows_per_cand, work_list.order.shape[0], work_list.cand_start.shape[0],
-            work_list.perm is None, work_list.order.device)
+            work_list.perm is None, work_list.order.device, work_list.tile_rows)
 
 
 def work_list(
@@ -296,6 +297,7 @@ def work_list(
     max_kv_len: Optional[int] = None,
     validate: Optional[bool] = None,
     policy: Optional[AttentionPolicy] = None,
+    head_dim: Optional[int] = None,
 ) -> WorkList:
     """The candidates of ``idx`` grouped by user, for KV-broadcast :func:`attention` calls on that
     idx (``work_list=``): the grouping each such call otherwise launches before its kernel. Build
@@ -318,11 +320,19 @@ def work_list(
     synchronization; CUDA-graph capturable (capture it with the calls that use it). On a CUDA
     device one launch of the work-list kernel where U + 1 groups fit its shared memory (else a few
     torch ops); elsewhere the torch definition (``ikbo_fa.worklist.kv_worklist``). ``policy``:
-    as in :func:`attention` (its ``worklist_kernel``).
+    as in :func:`attention` (its ``worklist_kernel``, and the tile rows below).
+
+    ``head_dim``: the D of the calls that will share it. A D 64 call on its own may run tiles of
+    192 query rows (``AttentionPolicy.d64_tile_m``); with ``head_dim=64`` the work list counts the
+    tiles those calls run (``WorkList.tile_rows``), and only D 64 calls take it. Without it, it
+    counts 128-row tiles, which every call takes and D 64 calls then keep.
     """
     policy = _check_policy(policy)
     n_users, s_q = _count("num_users", num_users, 1), _count("s_q", s_q, 1)
     check_idx(idx)
+    if head_dim is not None and (isinstance(head_dim, bool) or head_dim not in SUPPORTED_HEAD_DIMS):
+        raise ValueError(f"head_dim must be None or one of {SUPPORTED_HEAD_DIMS} (the calls' D), got {head_dim!r}")
+    tile_rows = problem_tile_rows(idx.shape[0], n_users, s_q, policy) if head_dim == 64 else TILE_ROWS
     if kv_lengths is not None and kv_offsets is not None:
         raise ValueError("kv_lengths and kv_offsets were both given: pass the kind the attention calls take")
     if check_max_kv_len(max_kv_len) is not None and kv_offsets is None:
@@ -338,7 +348,7 @@ def work_list(
     if on_gpu(idx) and policy.worklist_kernel and _worklist_fits(n_users) and idx.shape[0] > 0:
         require_sm90(idx.device, "work_list")
         kernel = _worklist_kernel(idx.dtype, None if rows is None else "lengths" if kv_lengths is not None
-                                  else "offsets")
+                                  else "offsets", tile_rows)
     b = idx.shape[0]
     with on_device(idx.device):
         rows32, parts = rows, None
@@ -351,9 +361,10 @@ def work_list(
                 rows32 = parts[-1]
                 rows32.copy_(rows.clamp(0, _INT32_MAX))
         found = _group(idx.contiguous(), n_users, s_q, kernel, parts, rows32, kv_lengths is not None, _INT32_MAX,
-                       _INT32_MAX if max_kv_len is None else min(int(max_kv_len), _INT32_MAX))
+                       _INT32_MAX if max_kv_len is None else min(int(max_kv_len), _INT32_MAX), tile_rows)
     version = None if torch.is_inference(idx) else idx._version
-    return WorkList(*found[:5], s_q, weakref.ref(idx), version)  # WorkList makes its own view of the counter
+    # WorkList makes its own view of the counter
+    return WorkList(*found[:5], s_q, tile_rows=tile_rows, source=weakref.ref(idx), version=version)
 
 
 _INT32_MAX = 2**31 - 1
@@ -378,7 +389,7 @@ def _no_keys(kv, kv_offsets) -> bool:
 
 def _attention_shapes(q, kv, idx, scale=None, kv_lengths=None, broadcast=None, return_lse=False, validate=None,
                       kv_offsets=None, max_kv_len=None, work_list_rows=0, wl_order=None, wl_cand_start=None,
-                      wl_tile_start=None, wl_grouped=None, wl_perm=None):
+                      wl_tile_start=None, wl_grouped=None, wl_perm=None, work_list_tile_rows=128):
     p = resolve_problem(q, kv_arg(kv), idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
                         max_kv_len=max_kv_len, broadcast=broadcast, out=None, validate=False, op="attention")
     lse_shape = (p.batch, p.heads, p.s_q) if return_lse else (0,)
@@ -427,13 +438,15 @@ def _attention_op(
     wl_tile_start: Optional[torch.Tensor] = None,
     wl_grouped: Optional[torch.Tensor] = None,
     wl_perm: Optional[torch.Tensor] = None,
+    work_list_tile_rows: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.ikbo_fa.attention``: what torch.compile traces a call of :func:`attention` as.
-    ``kv`` is [packed kv] or [k, v]; a work list comes as its S_q (``work_list_rows``, 0: none)
-    and its arrays; without ``return_lse`` the second result is empty."""
+    ``kv`` is [packed kv] or [k, v]; a work list comes as its S_q (``work_list_rows``, 0: none),
+    its arrays and its tile rows; without ``return_lse`` the second result is empty."""
     wl = None
     if work_list_rows:
-        wl = WorkList(wl_order, wl_cand_start, wl_tile_start, wl_grouped, wl_perm, work_list_rows)
+        wl = WorkList(wl_order, wl_cand_start, wl_tile_start, wl_grouped, wl_perm, work_list_rows,
+                      tile_rows=work_list_tile_rows)
     res = attention(q, kv_arg(kv), idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
                     max_kv_len=max_kv_len, broadcast=broadcast, return_lse=return_lse, validate=validate,
                     work_list=wl)
@@ -776,10 +789,12 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
         raise ValueError(f"attention indexes query rows (B * S_q = {p.batch * p.s_q}) and key rows "
                          f"({p.total_kv}) with int32: each must stay below 2**31")
     n_splits, split_keys, pair = 1, 0, False
-    # Query rows per tile: 192 at D 64 in KV broadcast where they pay (problem_tile_rows), unless a
-    # given work list counts the tiles (it counts 128-row ones)
+    # Query rows per tile: 192 at D 64 in KV broadcast where they pay (problem_tile_rows); those a
+    # given work list counts
     tile_m = TILE_ROWS
-    if p.head_dim == 64 and p.direction == "kv" and work_list is None:
+    if work_list is not None:
+        tile_m = work_list.tile_rows
+    elif p.head_dim == 64 and p.direction == "kv":
         tile_m = problem_tile_rows(p.batch, p.broadcast_batch, p.s_q, policy)
     if p.direction == "kv" and (not p.jagged or max_kv_len is not None):
         n_splits, split_keys, pair = problem_splits(p.batch, p.broadcast_batch, p.s_q, p.heads, p.kv_len,

@@ -342,6 +342,9 @@ def check_work_list(work_list, p: Problem) -> WorkList:
                              "with ikbo_fa.work_list")
     if work_list.order.device != p.q.device:
         raise ValueError(f"work_list is on {work_list.order.device} but q is on {p.q.device}")
+    if work_list.tile_rows != TILE_ROWS and p.head_dim != 64:
+        raise ValueError(f"work_list counts tiles of {work_list.tile_rows} query rows (built with head_dim=64), which "
+                         f"only D 64 calls run; this call has D {p.head_dim}: build one with head_dim={p.head_dim}")
     if (work_list.perm is not None) != ordered:
         raise ValueError(
             "work_list orders the tiles longest first (built with kv_lengths or kv_offsets) but this call has "
@@ -373,7 +376,7 @@ def check_work_list_values(work_list: WorkList, idx: torch.Tensor) -> None:
     """``work_list`` groups idx as idx holds now: what ikbo_fa.work_list would build, up to the
     order within a user and within a key bucket. Synchronizes with the device."""
     n_users, b = work_list.num_users, work_list.batch
-    _, cand_start, tile_start, grouped = kv_worklist(idx, n_users, work_list.rows_per_cand)
+    _, cand_start, tile_start, grouped = kv_worklist(idx, n_users, work_list.rows_per_cand, work_list.tile_rows)
     key = torch.remainder(idx.clamp(-1, n_users), n_users + 1).long()
     order = work_list.order.long()
     problem = None
@@ -389,7 +392,7 @@ def check_work_list_values(work_list: WorkList, idx: torch.Tensor) -> None:
         problem = "idx is grouped by user, and its order is not 0, 1, ..., B - 1"
     else:
         counts = (cand_start[1:] - cand_start[:-1]).long()
-        tiles = (counts * work_list.rows_per_cand + (TILE_ROWS - 1)) // TILE_ROWS
+        tiles = (counts * work_list.rows_per_cand + (work_list.tile_rows - 1)) // work_list.tile_rows
         if work_list.perm is not None:
             perm = work_list.perm[:n_users + 1].long()
             if not torch.equal(perm.sort().values, torch.arange(n_users + 1, device=perm.device)):

@@ -122,8 +122,8 @@ class AttentionPolicy:
     # ones d64_tall_gain percent faster a row. On the H100 (B 2048, ratio 64, H 2, bf16, CUDA
     # graphs) 192-row tiles ran 1.10x to 1.36x faster at S_q 4 to 64, L 1024 to 8192, and 0.76x
     # to 0.94x at S_q 1, where a user's 65 rows fill half a 128-row tile and a third of a 192-row
-    # one: docs/perf/2026-12-07-attention-d64-tall-tiles-h100.md. Calls given a work list keep
-    # 128 (it counts 128-row tiles).
+    # one: docs/perf/2026-12-07-attention-d64-tall-tiles-h100.md. Calls given a work list run the
+    # tiles it counts (ikbo_fa.work_list's head_dim).
     d64_tile_m: int = 192
     d64_tall_gain: int = 15
 

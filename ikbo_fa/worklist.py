@@ -55,7 +55,8 @@ class WorkList:
     versions: not for inference tensors); with validation on, that it groups idx as idx holds
     now (a synchronizing check). With ``perm``, its last two words are the attention kernel's tile
     counter (``walk``): the calls that share the work list must run one after another on a stream,
-    not on two streams at once."""
+    not on two streams at once. ``tile_rows``: the query rows of the tiles it counts, which the
+    calls then run (192 only for D 64 calls)."""
 
     order: torch.Tensor
     cand_start: torch.Tensor
@@ -63,6 +64,8 @@ class WorkList:
     grouped: torch.Tensor
     perm: Optional[torch.Tensor]  # the groups longest first, then the tile counter; None: in user order
     rows_per_cand: int  # S_q
+    # Query rows of the tiles tile_start counts: 128, or 192 for D 64 calls (work_list's head_dim)
+    tile_rows: int = TILE_ROWS
     # The idx it was built from and that tensor's version then (None: not tracked).
     source: Optional[weakref.ref] = dataclasses.field(default=None, repr=False, compare=False)
     version: Optional[int] = dataclasses.field(default=None, repr=False, compare=False)
@@ -74,6 +77,8 @@ class WorkList:
         # Every WorkList is one the kernel can read: the calls check only that it fits them.
         if not isinstance(self.rows_per_cand, int) or isinstance(self.rows_per_cand, bool) or self.rows_per_cand < 1:
             raise ValueError(f"WorkList.rows_per_cand must be an int >= 1, got {self.rows_per_cand!r}")
+        if self.tile_rows not in (128, 192) or isinstance(self.tile_rows, bool):
+            raise ValueError(f"WorkList.tile_rows must be 128 or 192, got {self.tile_rows!r}")
         arrays = {"order": self.order, "cand_start": self.cand_start, "tile_start": self.tile_start,
                   "grouped": self.grouped, **({} if self.perm is None else {"perm": self.perm})}
         for name, t in arrays.items():
@@ -105,7 +110,7 @@ class WorkList:
 
     def __repr__(self) -> str:
         return (f"WorkList(batch={self.batch}, num_users={self.num_users}, rows_per_cand={self.rows_per_cand}, "
-                f"longest_first={self.perm is not None}, device={self.order.device})")
+                f"tile_rows={self.tile_rows}, longest_first={self.perm is not None}, device={self.order.device})")
 
 
 def kv_worklist(idx: torch.Tensor, num_users: int, rows_per_cand: int, tile_rows: int = TILE_ROWS):

@@ -186,7 +186,8 @@ def _ikbo_setup(policy=None, work_list: bool = False) -> Callable:
         kw = {"scale": p.scale, "broadcast": p.broadcast, **jagged}
         if work_list:
             _kv_only(p, "a work list (it groups the candidates by user)")
-            kw["work_list"] = LIBS.get("ikbo_fa").work_list(p.idx, p.U, p.S_q, **jagged)
+            # for the calls' D: at D 64 it counts the tiles the calls' own plan runs (192-row ones)
+            kw["work_list"] = LIBS.get("ikbo_fa").work_list(p.idx, p.U, p.S_q, head_dim=p.D, **jagged)
         if policy is not None:
             kw["policy"] = policy
         return kw

@@ -207,3 +207,53 @@ def test_library_op_with_a_work_list():
     torch.testing.assert_close(fn(q, *kv, idx, lengths, wl), ikbo_fa.attention_reference(q, kv, idx,
                                                                                         kv_lengths=lengths), **TOL)
     torch._dynamo.reset()
+
+
+def test_a_work_list_for_d64_calls_counts_their_tiles(monkeypatch):
+    """``head_dim=64``: the work list counts the tiles D 64 calls run on their own (192 rows where
+    the policy takes them), the calls run those (no grouping launch of their own) and match the
+    reference, kv_lengths too, and validation finds it fits; without it, or for D 128, 128-row
+    tiles. A D 128 call refuses a work list of 192-row tiles; head_dim is 64, 128 or None."""
+    emulated = install(monkeypatch)
+    configs = []
+    attention_mod = __import__("importlib").import_module("ikbo_fa.attention")
+    monkeypatch.setattr(attention_mod, "_fwd_kernel", lambda cfg: configs.append(cfg) or emulated.fwd_for(cfg))
+    B, U, S_q = 700, 3, 16  # about 3,700 rows a user: 192-row tiles by default
+    q, kv, idx, lengths = _problem(21, B=B, U=U, S_q=S_q, L=300, lengths=True)
+    for extra in ({}, dict(kv_lengths=lengths)):
+        wl = ikbo_fa.work_list(idx, U, S_q, head_dim=64, **extra)
+        assert wl.tile_rows == 192 and "tile_rows=192" in repr(wl)
+        if not extra:
+            assert torch.equal(wl.tile_start, kv_worklist(idx, U, S_q, 192)[2])
+        launches = emulated.worklist_calls
+        out = ikbo_fa.attention(q, kv, idx, work_list=wl, validate=True, **extra)
+        assert configs[-1].tile_m == 192 and emulated.worklist_calls == launches
+        torch.testing.assert_close(out, ikbo_fa.attention_reference(q, kv, idx, **extra), **TOL)
+    for head_dim in (None, 128):
+        wl128 = ikbo_fa.work_list(idx, U, S_q, head_dim=head_dim)
+        assert wl128.tile_rows == 128
+        ikbo_fa.attention(q, kv, idx, work_list=wl128)
+        assert configs[-1].tile_m == 128
+    assert ikbo_fa.work_list(idx, U, S_q, head_dim=64, policy=ikbo_fa.AttentionPolicy(d64_tile_m=128)).tile_rows == 128
+    q128, kv128, _, _, _, _ = random_problem(22, "kv", B, U, S_q, 2, 1, 128, 40, torch.bfloat16)
+    with pytest.raises(ValueError, match="only D 64 calls run; this call has D 128: build one with head_dim=128"):
+        ikbo_fa.attention(q128, kv128, idx, work_list=ikbo_fa.work_list(idx, U, S_q, head_dim=64))
+    for bad in (96, True, "64"):
+        with pytest.raises(ValueError, match="head_dim must be None or one of"):
+            ikbo_fa.work_list(idx, U, S_q, head_dim=bad)
+    with pytest.raises(ValueError, match="WorkList.tile_rows must be 128 or 192"):
+        ikbo_fa.WorkList(wl.order, wl.cand_start, wl.tile_start, wl.grouped, wl.perm, S_q, tile_rows=256)
+
+
+def test_library_op_with_a_work_list_of_192_row_tiles():
+    """The registered op takes the work list's tile rows (traced from a WorkList under torch.compile)."""
+    q, kv, idx, _ = _problem(23, B=700, U=3, S_q=16, L=30)
+    wl = ikbo_fa.work_list(idx, 3, 16, head_dim=64)
+    assert wl.tile_rows == 192
+    args = (q, list(kv), idx, None, None, None, False, None, None, None, 16, wl.order, wl.cand_start,
+            wl.tile_start, wl.grouped, None, 192)
+    torch.library.opcheck(torch.ops.ikbo_fa.attention.default, args)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, idx, wl: ikbo_fa.attention(q, (k, v), idx, work_list=wl), fullgraph=True)
+    torch.testing.assert_close(fn(q, *kv, idx, wl), ikbo_fa.attention_reference(q, kv, idx), **TOL)
+    torch._dynamo.reset()

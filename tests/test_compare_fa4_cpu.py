@@ -95,9 +95,10 @@ def fa3_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                       max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale)[0]
 
 
-def ikbo_work_list(idx, num_users, s_q=1, *, kv_lengths=None, kv_offsets=None, max_kv_len=None, policy=None):
+def ikbo_work_list(idx, num_users, s_q=1, *, kv_lengths=None, kv_offsets=None, max_kv_len=None, validate=None,
+                   policy=None, head_dim=None):
     """ikbo_fa.work_list's signature: what it was built for, for ikbo_attention to check."""
-    return dict(idx=idx, num_users=num_users, s_q=s_q, kv_offsets=kv_offsets)
+    return dict(idx=idx, num_users=num_users, s_q=s_q, kv_offsets=kv_offsets, head_dim=head_dim)
 
 
 def ikbo_attention(q, kv, idx, *, scale=None, kv_lengths=None, kv_offsets=None, max_kv_len=None,
@@ -106,6 +107,7 @@ def ikbo_attention(q, kv, idx, *, scale=None, kv_lengths=None, kv_offsets=None, 
     k, v = kv
     if work_list is not None:  # built for this idx, U, S_q and kind of K/V
         assert (broadcast or "kv") == "kv" and work_list["idx"] is idx and work_list["s_q"] == q.shape[1]
+        assert work_list["head_dim"] == q.shape[3]  # built for the calls' D
         assert work_list["num_users"] == (k.shape[0] if kv_offsets is None else kv_offsets.shape[0] - 1)
         assert work_list["kv_offsets"] is kv_offsets
     if kv_offsets is not None:
