@@ -703,9 +703,10 @@ def tail_splits(batch: int, users: int, s_q: int, heads: int, keys: int, sms: in
                 policy: AttentionPolicy = DEFAULT_POLICY, chosen: tuple = (1, False), wide: bool = False,
                 tile_rows: int = TILE_ROWS) -> tuple:
     """(splits, keys per split) of the last round (``AttentionConfig.tail_split``) for a KV-broadcast
-    problem over padded K/V, or (1, 0) where it does not beat ``chosen`` = (splits, split pair?), the
-    plan of ``problem_splits``, by ``tail_split_cost`` and ``policy.tail_split_min_gain`` (``wide``: that
-    plan runs 192-key blocks, ``policy.d64_wide_gain`` percent faster), or where that plan splits fewer than ``policy.tail_split_from`` ways.
+    problem over padded K/V, or (1, 0) where it does not beat ``chosen`` = (splits, split pair?),
+    the plan of ``problem_splits``, by ``tail_split_cost`` and ``policy.tail_split_min_gain``
+    (``wide``: that plan runs 192-key blocks, ``policy.d64_wide_gain`` percent faster), or where
+    that plan splits fewer than ``policy.tail_split_from`` ways.
     Only where the tiles (the mean of their bounds, as ``problem_splits`` counts them) fill at least
     one round of ``sms`` and part of another, with a workspace of ``out_bytes`` a split within
     ``policy.tail_split_bytes``; tiles of ``tile_rows`` query rows (192: only with

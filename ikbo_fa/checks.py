@@ -21,7 +21,7 @@ import torch
 from cute_kernels import checks
 
 from .config import SUPPORTED_HEAD_DIMS
-from .worklist import TILE_ROWS, WorkList, kv_worklist
+from .worklist import TILE_ROWS, WorkList, group_tiles, kv_worklist
 
 # The op (on every device) takes what the kernel takes; the reference also takes float32.
 OP_DTYPES = checks.FLOAT_DTYPES
@@ -391,8 +391,7 @@ def check_work_list_values(work_list: WorkList, idx: torch.Tensor) -> None:
     elif int(grouped[0]) == 1 and not torch.equal(order, torch.arange(b, device=order.device)):
         problem = "idx is grouped by user, and its order is not 0, 1, ..., B - 1"
     else:
-        counts = (cand_start[1:] - cand_start[:-1]).long()
-        tiles = (counts * work_list.rows_per_cand + (work_list.tile_rows - 1)) // work_list.tile_rows
+        tiles = group_tiles(cand_start, work_list.rows_per_cand, work_list.tile_rows)
         if work_list.perm is not None:
             perm = work_list.perm[:n_users + 1].long()
             if not torch.equal(perm.sort().values, torch.arange(n_users + 1, device=perm.device)):

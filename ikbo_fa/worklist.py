@@ -122,12 +122,18 @@ def kv_worklist(idx: torch.Tensor, num_users: int, rows_per_cand: int, tile_rows
     # capture holds its values only once the graph has been replayed.
     group_ids = torch.arange(num_users + 2, dtype=torch.int32, device=idx.device)
     cand_start = torch.searchsorted(sorted_key, group_ids, out_int32=True)
-    counts = (cand_start[1:] - cand_start[:-1]).long()
-    tiles = (counts * rows_per_cand + (tile_rows - 1)).div_(tile_rows, rounding_mode="floor")
+    tiles = group_tiles(cand_start, rows_per_cand, tile_rows)
     tile_start = torch.zeros(num_users + 2, dtype=torch.int32, device=idx.device)
     tile_start[1:] = torch.cumsum(tiles, dim=0, dtype=torch.int32)
     grouped = (key[1:] >= key[:-1]).all().to(torch.int32).reshape(1)
     return order.to(torch.int32), cand_start, tile_start, grouped
+
+
+def group_tiles(cand_start: torch.Tensor, rows_per_cand: int, tile_rows: int = TILE_ROWS) -> torch.Tensor:
+    """Tiles of each group (int64, in group order): its candidates' query rows, from ``cand_start``,
+    one run cut into tiles of ``tile_rows`` rows."""
+    counts = (cand_start[1:] - cand_start[:-1]).long()
+    return (counts * rows_per_cand + (tile_rows - 1)).div_(tile_rows, rounding_mode="floor")
 
 
 def key_bucket(blocks: torch.Tensor) -> torch.Tensor:
@@ -147,8 +153,7 @@ def kv_tile_order(cand_start: torch.Tensor, keys: torch.Tensor, rows_per_cand: i
     blocks = torch.zeros(keys.shape[0] + 1, dtype=torch.int64, device=keys.device)
     blocks[:-1] = (keys.long().clamp(min=0) + (TILE_ROWS - 1)).div(TILE_ROWS, rounding_mode="floor")
     perm = torch.sort(key_bucket(blocks), descending=True, stable=True).indices
-    counts = (cand_start[1:] - cand_start[:-1]).long()
-    tiles = (counts * rows_per_cand + (tile_rows - 1)).div_(tile_rows, rounding_mode="floor")
+    tiles = group_tiles(cand_start, rows_per_cand, tile_rows)
     tile_start = torch.zeros(keys.shape[0] + 2, dtype=torch.int32, device=keys.device)
     tile_start[1:] = torch.cumsum(tiles[perm], dim=0, dtype=torch.int32)
     return perm.to(torch.int32), tile_start
