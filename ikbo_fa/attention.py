@@ -298,6 +298,7 @@ def work_list(
     validate: Optional[bool] = None,
     policy: Optional[AttentionPolicy] = None,
     head_dim: Optional[int] = None,
+    heads: int = 1,
 ) -> WorkList:
     """The candidates of ``idx`` grouped by user, for KV-broadcast :func:`attention` calls on that
     idx (``work_list=``): the grouping each such call otherwise launches before its kernel. Build
@@ -322,17 +323,21 @@ def work_list(
     torch ops); elsewhere the torch definition (``ikbo_fa.worklist.kv_worklist``). ``policy``:
     as in :func:`attention` (its ``worklist_kernel``, and the tile rows below).
 
-    ``head_dim``: the D of the calls that will share it. A D 64 call on its own may run tiles of
-    192 query rows (``AttentionPolicy.d64_tile_m``); with ``head_dim=64`` the work list counts the
-    tiles those calls run (``WorkList.tile_rows``), and only D 64 calls take it. Without it, it
-    counts 128-row tiles, which every call takes and D 64 calls then keep.
+    ``head_dim``, ``heads``: the D and H of the calls that will share it. A D 64 call on its own may
+    run tiles of 192 query rows (``AttentionPolicy.d64_tile_m``, chosen with H); with
+    ``head_dim=64`` the work list counts the tiles such calls of ``heads`` heads run
+    (``WorkList.tile_rows``), and only D 64 calls take it. Without it, it counts 128-row tiles,
+    which every call takes and D 64 calls then keep.
     """
     policy = _check_policy(policy)
     n_users, s_q = _count("num_users", num_users, 1), _count("s_q", s_q, 1)
     check_idx(idx)
     if head_dim is not None and (isinstance(head_dim, bool) or head_dim not in SUPPORTED_HEAD_DIMS):
         raise ValueError(f"head_dim must be None or one of {SUPPORTED_HEAD_DIMS} (the calls' D), got {head_dim!r}")
-    tile_rows = problem_tile_rows(idx.shape[0], n_users, s_q, policy) if head_dim == 64 else TILE_ROWS
+    heads = _count("heads", heads, 1)
+    tile_rows = TILE_ROWS
+    if head_dim == 64 and on_gpu(idx):  # the tiles of a GPU grid (the CPU path reads no tiles)
+        tile_rows = problem_tile_rows(idx.shape[0], n_users, s_q, heads, sm_count(idx.device), policy)
     if kv_lengths is not None and kv_offsets is not None:
         raise ValueError("kv_lengths and kv_offsets were both given: pass the kind the attention calls take")
     if check_max_kv_len(max_kv_len) is not None and kv_offsets is None:
@@ -681,15 +686,21 @@ def tail_split_cost(work: int, keys: int, sms: int, n: int, policy: AttentionPol
             + policy.tail_merge_blocks)
 
 
-def problem_tile_rows(batch: int, users: int, s_q: int, policy: AttentionPolicy = DEFAULT_POLICY) -> int:
+def problem_tile_rows(batch: int, users: int, s_q: int, heads: int, sms: int,
+                      policy: AttentionPolicy = DEFAULT_POLICY) -> int:
     """Query rows per tile of a D 64 KV-broadcast problem: ``policy.d64_tile_m`` (192, three consumer
-    warpgroups) where its tiles' rows, padding included, cost less than those of 128-row tiles,
-    192-row tiles being ``policy.d64_tall_gain`` percent faster a row; else 128. A user's rows
-    that fill little of a tile (S_q 1 at ratio 64: 65 rows) keep 128."""
+    warpgroups) where its tiles cost less than 128-row ones: rounds of the grid of ``sms`` (the
+    split plan's mean tile count over ``heads`` heads) times a tile's rows, 192-row tiles being
+    ``policy.d64_tall_gain`` percent faster a row; else 128. Where both fit one round the shorter
+    tiles win (S_q 1 to 3 at ratio 64)."""
     if policy.d64_tile_m == TILE_ROWS:
         return TILE_ROWS
-    tall = mean_tiles_per_head(batch, users, s_q, policy.d64_tile_m) * policy.d64_tile_m * 100
-    short = mean_tiles_per_head(batch, users, s_q) * TILE_ROWS * (100 + policy.d64_tall_gain)
+
+    def rounds(rows: int) -> int:
+        return -(-mean_tiles_per_head(batch, users, s_q, rows) * heads // sms)
+
+    tall = rounds(policy.d64_tile_m) * policy.d64_tile_m * 100
+    short = rounds(TILE_ROWS) * TILE_ROWS * (100 + policy.d64_tall_gain)
     return policy.d64_tile_m if tall < short else TILE_ROWS
 
 
@@ -796,7 +807,7 @@ def _make_plan(q, kv, idx, scale, kv_lengths, kv_offsets, max_kv_len, broadcast,
     if work_list is not None:
         tile_m = work_list.tile_rows
     elif p.head_dim == 64 and p.direction == "kv":
-        tile_m = problem_tile_rows(p.batch, p.broadcast_batch, p.s_q, policy)
+        tile_m = problem_tile_rows(p.batch, p.broadcast_batch, p.s_q, p.heads, sm_count(device), policy)
     if p.direction == "kv" and (not p.jagged or max_kv_len is not None):
         n_splits, split_keys, pair = problem_splits(p.batch, p.broadcast_batch, p.s_q, p.heads, p.kv_len,
                                                     sm_count(device), policy, p.total_kv if p.jagged else None,

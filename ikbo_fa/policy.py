@@ -117,12 +117,12 @@ class AttentionPolicy:
     # a plan that would run them gives up for the last round's split (tail_split).
     d64_wide_gain: int = 8
     # Query rows of a tile at D 64 in KV broadcast (AttentionConfig.tile_m): 192 runs three consumer
-    # warpgroups on 128-key blocks and no split pair, taken where the tiles' rows (padding
-    # included; the mean tile count of the split plan) cost less than 128-row tiles' with 192-row
-    # ones d64_tall_gain percent faster a row. On the H100 (B 2048, ratio 64, H 2, bf16, CUDA
-    # graphs) 192-row tiles ran 1.10x to 1.36x faster at S_q 4 to 64, L 1024 to 8192, and 0.76x
-    # to 0.94x at S_q 1, where a user's 65 rows fill half a 128-row tile and a third of a 192-row
-    # one: docs/perf/2026-12-07-attention-d64-tall-tiles-h100.md. Calls given a work list run the
+    # warpgroups on 128-key blocks and no split pair, taken where they cost less: rounds of the
+    # grid (the split plan's mean tile count) times a tile's rows, 192-row tiles d64_tall_gain
+    # percent faster a row. On the H100 (B 2048, ratio 64, H 2, bf16, CUDA graphs) 192-row tiles
+    # ran 1.04x to 1.36x faster at S_q 4 to 64, L 1024 to 8192, and 0.70x to 0.94x at S_q 1 and
+    # 0.84x to 0.86x at S_q 3, where both fit one round and the shorter tiles finish first:
+    # docs/perf/2026-12-07-attention-d64-tall-tiles-h100.md. Calls given a work list run the
     # tiles it counts (ikbo_fa.work_list's head_dim).
     d64_tile_m: int = 192
     d64_tall_gain: int = 15

@@ -869,18 +869,21 @@ def test_192_row_tiles_on_the_gpu_path(emulated, monkeypatch, s_q):
     assert configs[-1].tile_m == 128 and configs[-1].direction == "q"
     ikbo_fa.attention(q, kv, idx, policy=AttentionPolicy(d64_tile_m=128), validate=False)
     assert configs[-1].tile_m == 128
-    ikbo_fa.attention(q, kv, idx, validate=False)  # the default: by the rows' cost
-    assert configs[-1].tile_m == attention_mod.problem_tile_rows(B, U, s_q) == (128 if s_q == 1 else 192)
+    ikbo_fa.attention(q, kv, idx, validate=False)  # the default: by the cost; one round of the grid either way
+    assert configs[-1].tile_m == attention_mod.problem_tile_rows(B, U, s_q, 2, 132) == 128
 
 
-def test_192_row_tiles_where_their_rows_cost_less():
-    """192-row tiles where a user's run fills them (B 2048, ratio 64: S_q >= 3, or one user of
-    4,096 at S_q 1), not where it fills little of a tile (S_q 1 and 2 at ratio 64, S_q 64 at
-    ratio 1); d64_tile_m 128 turns them off."""
-    pick = attention_mod.problem_tile_rows
-    assert [pick(2048, 32, s_q) for s_q in (1, 2, 3, 4, 16, 17, 64)] == [128, 128, 192, 192, 192, 192, 192]
-    assert pick(4096, 1, 1) == 192 and pick(2048, 2048, 64) == 128 and pick(2048, 2048, 128) == 128
-    assert pick(2048, 32, 16, AttentionPolicy(d64_tile_m=128)) == 128
+def test_192_row_tiles_where_they_cost_less():
+    """192-row tiles where they take fewer rounds of the grid for their rows (B 2048, ratio 64, H 2:
+    S_q >= 4), not where both fit one round (S_q 1 to 3: the shorter tiles finish first; one user
+    of 4,096 at S_q 1) nor where a user's run fills little of a tile (S_q 64 at ratio 1);
+    d64_tile_m 128 turns them off."""
+    def pick(b, u, s_q, h=2, policy=DEFAULT_POLICY):
+        return attention_mod.problem_tile_rows(b, u, s_q, h, 132, policy)
+    assert [pick(2048, 32, s_q) for s_q in (1, 2, 3, 4, 16, 17, 64)] == [128, 128, 128, 192, 192, 192, 192]
+    assert pick(2048, 32, 3, h=8) == 192  # four rounds of 128-row tiles, three of 192
+    assert pick(4096, 1, 1) == 128 and pick(2048, 2048, 64) == 128 and pick(2048, 2048, 128) == 128
+    assert pick(2048, 32, 16, policy=AttentionPolicy(d64_tile_m=128)) == 128
     assert DEFAULT_POLICY.d64_tile_m == 192
 
 

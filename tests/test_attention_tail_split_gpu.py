@@ -13,7 +13,8 @@ from attention_inputs import check_graph_replay, check_nan_isolation, fp32_atten
 pytestmark = pytest.mark.gpu
 
 # the last round split wherever it has tiles to spread, unsplit plans replaced too
-TAIL = ikbo_fa.AttentionPolicy(tail_split=True, tail_merge_blocks=0, tail_split_from=1)
+# (on 128-row tiles: 192-row ones split the last round only with tail_split_tall)
+TAIL = ikbo_fa.AttentionPolicy(tail_split=True, tail_merge_blocks=0, tail_split_from=1, d64_tile_m=128)
 
 
 def _tiles(idx, U, S_q, H, rows):

@@ -221,7 +221,7 @@ def test_a_work_list_for_d64_calls_counts_their_tiles(monkeypatch):
     B, U, S_q = 700, 3, 16  # about 3,700 rows a user: 192-row tiles by default
     q, kv, idx, lengths = _problem(21, B=B, U=U, S_q=S_q, L=300, lengths=True)
     for extra in ({}, dict(kv_lengths=lengths)):
-        wl = ikbo_fa.work_list(idx, U, S_q, head_dim=64, **extra)
+        wl = ikbo_fa.work_list(idx, U, S_q, head_dim=64, heads=2, **extra)
         assert wl.tile_rows == 192 and "tile_rows=192" in repr(wl)
         if not extra:
             assert torch.equal(wl.tile_start, kv_worklist(idx, U, S_q, 192)[2])
@@ -234,10 +234,12 @@ def test_a_work_list_for_d64_calls_counts_their_tiles(monkeypatch):
         assert wl128.tile_rows == 128
         ikbo_fa.attention(q, kv, idx, work_list=wl128)
         assert configs[-1].tile_m == 128
-    assert ikbo_fa.work_list(idx, U, S_q, head_dim=64, policy=ikbo_fa.AttentionPolicy(d64_tile_m=128)).tile_rows == 128
+    assert ikbo_fa.work_list(idx, U, S_q, head_dim=64, heads=2,
+                             policy=ikbo_fa.AttentionPolicy(d64_tile_m=128)).tile_rows == 128
+    assert ikbo_fa.work_list(idx, U, S_q, head_dim=64).tile_rows == 128  # one head: both fit one round
     q128, kv128, _, _, _, _ = random_problem(22, "kv", B, U, S_q, 2, 1, 128, 40, torch.bfloat16)
     with pytest.raises(ValueError, match="only D 64 calls run; this call has D 128: build one with head_dim=128"):
-        ikbo_fa.attention(q128, kv128, idx, work_list=ikbo_fa.work_list(idx, U, S_q, head_dim=64))
+        ikbo_fa.attention(q128, kv128, idx, work_list=ikbo_fa.work_list(idx, U, S_q, head_dim=64, heads=2))
     for bad in (96, True, "64"):
         with pytest.raises(ValueError, match="head_dim must be None or one of"):
             ikbo_fa.work_list(idx, U, S_q, head_dim=bad)
@@ -248,8 +250,7 @@ def test_a_work_list_for_d64_calls_counts_their_tiles(monkeypatch):
 def test_library_op_with_a_work_list_of_192_row_tiles():
     """The registered op takes the work list's tile rows (traced from a WorkList under torch.compile)."""
     q, kv, idx, _ = _problem(23, B=700, U=3, S_q=16, L=30)
-    wl = ikbo_fa.work_list(idx, 3, 16, head_dim=64)
-    assert wl.tile_rows == 192
+    wl = ikbo_fa.WorkList(*kv_worklist(idx, 3, 16, 192), None, 16, tile_rows=192)
     args = (q, list(kv), idx, None, None, None, False, None, None, None, 16, wl.order, wl.cand_start,
             wl.tile_start, wl.grouped, None, 192)
     torch.library.opcheck(torch.ops.ikbo_fa.attention.default, args)

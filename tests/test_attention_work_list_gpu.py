@@ -111,7 +111,7 @@ def test_graph_of_one_work_list_and_two_calls():
 def test_d64_work_list_runs_the_calls_own_tiles(order, S_q):
     # head_dim=64: the tiles of the call's own plan (192 rows at S_q 16, 128 at S_q 1), the same bits
     q, k, v, idx = user_groups(40 + S_q, 16, 40, S_q, 900, D=64, order=order)
-    wl = ikbo_fa.work_list(idx, 16, S_q, head_dim=64)
+    wl = ikbo_fa.work_list(idx, 16, S_q, head_dim=64, heads=q.shape[2])
     assert wl.tile_rows == (192 if S_q == 16 else 128)
     (out, lse), (base, base_lse) = _both(q, (k, v), idx, wl)
     assert torch.equal(out, base) and torch.equal(lse, base_lse)

@@ -96,7 +96,7 @@ def fa3_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
 
 def ikbo_work_list(idx, num_users, s_q=1, *, kv_lengths=None, kv_offsets=None, max_kv_len=None, validate=None,
-                   policy=None, head_dim=None):
+                   policy=None, head_dim=None, heads=1):
     """ikbo_fa.work_list's signature: what it was built for, for ikbo_attention to check."""
     return dict(idx=idx, num_users=num_users, s_q=s_q, kv_offsets=kv_offsets, head_dim=head_dim)
 
