@@ -335,9 +335,7 @@ def work_list(
     if head_dim is not None and (isinstance(head_dim, bool) or head_dim not in SUPPORTED_HEAD_DIMS):
         raise ValueError(f"head_dim must be None or one of {SUPPORTED_HEAD_DIMS} (the calls' D), got {head_dim!r}")
     heads = _count("heads", heads, 1)
-    tile_rows = TILE_ROWS
-    if head_dim == 64 and on_gpu(idx):  # the tiles of a GPU grid (the CPU path reads no tiles)
-        tile_rows = problem_tile_rows(idx.shape[0], n_users, s_q, heads, sm_count(idx.device), policy)
+    tile_rows = _list_tile_rows(idx, n_users, s_q, head_dim, heads, policy)
     if kv_lengths is not None and kv_offsets is not None:
         raise ValueError("kv_lengths and kv_offsets were both given: pass the kind the attention calls take")
     if check_max_kv_len(max_kv_len) is not None and kv_offsets is None:
@@ -375,6 +373,16 @@ def work_list(
 _INT32_MAX = 2**31 - 1
 
 
+def _list_tile_rows(idx: torch.Tensor, n_users: int, s_q: int, head_dim: Optional[int], heads: int,
+                    policy: AttentionPolicy) -> int:
+    """The tile rows a work list counts: what a KV-broadcast call of ``head_dim`` (None: any D)
+    and ``heads`` on this idx would run (problem_tile_rows at D 64 on the GPU; else 128, and on
+    the CPU, whose path reads no tiles)."""
+    if head_dim == 64 and on_gpu(idx):
+        return problem_tile_rows(idx.shape[0], n_users, s_q, heads, sm_count(idx.device), policy)
+    return TILE_ROWS
+
+
 def _count(name: str, value, least: int) -> int:
     """``value`` as an int >= ``least`` (TypeError for what is no integer, bools included)."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
@@ -401,7 +409,8 @@ def _attention_shapes(q, kv, idx, scale=None, kv_lengths=None, broadcast=None, r
     return q.new_empty((p.batch, p.s_q, p.heads, p.head_dim)), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def _work_list_shapes(idx, num_users, s_q, kv_lengths=None, kv_offsets=None, max_kv_len=None, validate=None):
+def _work_list_shapes(idx, num_users, s_q, kv_lengths=None, kv_offsets=None, max_kv_len=None, validate=None,
+                      head_dim=None, heads=1):
     ordered = kv_lengths is not None or kv_offsets is not None
     return tuple(idx.new_empty((n,), dtype=torch.int32)
                  for n in (idx.shape[0], num_users + 2, num_users + 2, 1, num_users + 1 + WALK_WORDS if ordered else 0))
@@ -416,11 +425,15 @@ def _work_list_op(
     kv_offsets: Optional[torch.Tensor] = None,
     max_kv_len: Optional[int] = None,
     validate: Optional[bool] = None,
+    head_dim: Optional[int] = None,
+    heads: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.ikbo_fa.work_list``: :func:`work_list` as one graph node (the rewrite pass
-    shares one between attention calls on one idx): its arrays, perm empty where it has none."""
+    shares one between attention calls on one idx): its arrays, perm empty where it has none.
+    The attention calls given them pass ``work_list_tile_rows=0`` where it was built with
+    ``head_dim`` and ``heads`` (the tile rows then follow from those, as here)."""
     wl = work_list(idx, num_users, s_q, kv_lengths=kv_lengths, kv_offsets=kv_offsets, max_kv_len=max_kv_len,
-                   validate=validate)
+                   validate=validate, head_dim=head_dim, heads=heads)
     perm = wl.perm if wl.perm is not None else idx.new_empty((0,), dtype=torch.int32)
     return wl.order, wl.cand_start, wl.tile_start, wl.grouped, perm
 
@@ -447,11 +460,17 @@ def _attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.ikbo_fa.attention``: what torch.compile traces a call of :func:`attention` as.
     ``kv`` is [packed kv] or [k, v]; a work list comes as its S_q (``work_list_rows``, 0: none),
-    its arrays and its tile rows; without ``return_lse`` the second result is empty."""
+    its arrays and its tile rows (0: those ``torch.ops.ikbo_fa.work_list`` counts when given this
+    call's D and H, as the rewrite pass builds a shared one); without ``return_lse`` the second
+    result is empty."""
     wl = None
     if work_list_rows:
+        tile_rows = work_list_tile_rows
+        if tile_rows == 0:
+            users = kv_offsets.shape[0] - 1 if kv_offsets is not None else kv_list(kv_arg(kv))[0].shape[0]
+            tile_rows = _list_tile_rows(idx, users, work_list_rows, q.shape[-1], q.shape[-2], DEFAULT_POLICY)
         wl = WorkList(wl_order, wl_cand_start, wl_tile_start, wl_grouped, wl_perm, work_list_rows,
-                      tile_rows=work_list_tile_rows)
+                      tile_rows=tile_rows)
     res = attention(q, kv_arg(kv), idx, scale=scale, kv_lengths=kv_lengths, kv_offsets=kv_offsets,
                     max_kv_len=max_kv_len, broadcast=broadcast, return_lse=return_lse, validate=validate,
                     work_list=wl)

@@ -142,13 +142,21 @@ def rewrite_attention(ctx: Context) -> None:
 
 def _work_list_key(ctx: Context, s: Sdpa):
     """What a KV-broadcast call's work list depends on, or None (a Q broadcast, a call the
-    op would not take): the index, U, S_q, and whether a mask orders the tiles."""
+    op would not take): the index, U, S_q, whether a mask orders the tiles, and at D 64 the
+    heads (D 64 calls may run 192-row tiles, chosen with H: ``ikbo_fa.work_list``'s head_dim)."""
     if _check(ctx, s)[0]:
         return None
     direction, bc = _direction(ctx, s)
     if direction != "kv":
         return None
-    return bc.key, _size_key(shape(bc.source)[0]), _size_key(shape(s.q)[2]), s.mask is not None
+    tiles = ("D 64", _size_key(shape(s.q)[1])) if _head_dim(s) == 64 else None
+    return bc.key, _size_key(shape(bc.source)[0]), _size_key(shape(s.q)[2]), s.mask is not None, tiles
+
+
+def _head_dim(s: Sdpa):
+    """The calls' D as an int where it has a value (the pass guards a symbolic one), else None."""
+    d = shape(s.q)[3]
+    return d if isinstance(d, int) else example_value(d)
 
 
 def _size_key(size):
@@ -211,13 +219,18 @@ def _rewrite_one(ctx: Context, s: Sdpa, work_lists: dict) -> str:
     if key in work_lists:
         if work_lists[key] is None:  # the first call of the group builds it, before itself
             s_q = b.size(q, 1)
+            # At D 64 the list counts the tiles the calls' D and H choose; they then pass tile rows 0.
+            d64 = _head_dim(s) == 64
             wl = b.call(torch.ops.ikbo_fa.work_list.default, idx, b.size(k, 0), s_q, kv_lengths, None, None,
-                        ctx.validate)
+                        ctx.validate, *((64, b.size(q, 2)) if d64 else ()))
             arrays = [b.call(operator.getitem, wl, i) for i in range(5)]
-            work_lists[key] = (q, k), (s_q, *arrays[:4], arrays[4] if kv_lengths is not None else None)
+            work_lists[key] = (q, k), (s_q, *arrays[:4], arrays[4] if kv_lengths is not None else None,
+                                       0 if d64 else 128)
         (q0, k0), args = work_lists[key]
         if q0 is q or (_equal(ctx, b, (k, 0), (k0, 0), "the attention calls on one index have one U")
-                       and _equal(ctx, b, (q, 1), (q0, 1), "the attention calls on one index have one S_q")):
+                       and _equal(ctx, b, (q, 1), (q0, 1), "the attention calls on one index have one S_q")
+                       and (args[-1] != 0 or _equal(ctx, b, (q, 2), (q0, 2),
+                                                    "the attention calls on one index have one H"))):
             wl_args, shared = (None, None, *args), ", one work list for the calls on this index"
     res = b.call(torch.ops.ikbo_fa.attention.default, q, [k, v], idx, scale, kv_lengths, direction, False, ctx.validate,
                  *wl_args)

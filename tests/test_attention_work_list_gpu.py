@@ -3,12 +3,17 @@ same results, bit for bit, as the calls that group idx themselves (padded, kv_le
 split, split pairs, the workspace split; sorted and shuffled idx), its arrays against the torch
 definition, and a CUDA graph of one work list and two calls replayed after new idx values.
 """
+import importlib
+
 import pytest
 import torch
 
 import ikbo_fa
 from attention_inputs import capture_graph, random_jagged_problem, user_groups
+from cute_kernels.arch import sm_count
 from ikbo_fa.worklist import key_bucket, kv_tile_order, kv_worklist
+
+attention_module = importlib.import_module("ikbo_fa.attention")  # the module (ikbo_fa.attention is the op)
 
 pytestmark = pytest.mark.gpu
 NAN = float("nan")
@@ -112,8 +117,34 @@ def test_d64_work_list_runs_the_calls_own_tiles(order, S_q):
     # head_dim=64: the tiles of the call's own plan (192 rows at S_q 16, 128 at S_q 1), the same bits
     q, k, v, idx = user_groups(40 + S_q, 16, 40, S_q, 900, D=64, order=order)
     wl = ikbo_fa.work_list(idx, 16, S_q, head_dim=64, heads=q.shape[2])
-    assert wl.tile_rows == (192 if S_q == 16 else 128)
+    assert wl.tile_rows == _call_tile_rows(idx, S_q)
     (out, lse), (base, base_lse) = _both(q, (k, v), idx, wl)
     assert torch.equal(out, base) and torch.equal(lse, base_lse)
     ref = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("S_q", [1, 16])
+def test_registered_ops_with_the_calls_tile_rows(S_q):
+    # What the rewrite pass builds for D 64 calls on one idx: torch.ops.ikbo_fa.work_list given
+    # the calls' D and H, and attention calls passing tile rows 0 (those the list chose); the same
+    # bits as the call that groups idx itself
+    q, k, v, idx = user_groups(50 + S_q, 16, 40, S_q, 900, D=64, order="shuffled")
+    arrays = torch.ops.ikbo_fa.work_list(idx, 16, S_q, None, None, None, None, 64, q.shape[2])
+    tiles = _call_tile_rows(idx, S_q)
+    _, cand_start, tile_start, _ = kv_worklist(idx, 16, S_q, tiles)
+    assert torch.equal(arrays[1], cand_start) and torch.equal(arrays[2], tile_start)
+    out, _ = torch.ops.ikbo_fa.attention(q, [k, v], idx, None, None, "kv", False, None, None, None, S_q,
+                                         *arrays[:4], None, 0)
+    base = ikbo_fa.attention(q, (k, v), idx)
+    assert torch.equal(out, base)
+    ref = ikbo_fa.attention_reference(q.float(), (k.float(), v.float()), idx)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def _call_tile_rows(idx, S_q):
+    """The tile rows a D 64, H 2 call over 16 users chooses on this GPU (192 at S_q 16 on 132 SMs)."""
+    sms = sm_count(idx.device)
+    rows = attention_module.problem_tile_rows(idx.shape[0], 16, S_q, 2, sms)
+    assert sms != 132 or rows == (192 if S_q == 16 else 128)
+    return rows

@@ -208,10 +208,11 @@ def test_cuda_sdpa_kernels_with_a_soft_bias_stay(kernel):
     assert any("not provably a key-padding prefix mask" in r for left in report.left for r in left.reasons), str(report)
 
 
-@pytest.mark.parametrize("mask, third_s_q", [(False, False), (True, False), (False, True)])
-def test_calls_on_one_index_share_a_work_list(mask, third_s_q):
+@pytest.mark.parametrize("mask, third_s_q, D", [(False, False, 64), (True, False, 64), (False, True, 64),
+                                                 (True, False, 128)])
+def test_calls_on_one_index_share_a_work_list(mask, third_s_q, D):
     g = torch.Generator().manual_seed(11)
-    B, U, D = 9, 3, 64
+    B, U = 9, 3
     q = torch.randn(B, S_Q, H, D, generator=g).bfloat16()
     k1, v1 = (torch.randn(U, L, H, D, generator=g).bfloat16() for _ in range(2))
     k2, v2 = (torch.randn(U, L + 4, H, D, generator=g).bfloat16() for _ in range(2))
@@ -228,6 +229,10 @@ def test_calls_on_one_index_share_a_work_list(mask, third_s_q):
     with_list = [c for c in calls if len(c.args) > 8]
     assert len(with_list) == 2 and all(c.args[10] == S_Q for c in with_list)
     assert (built[0].args[3] is not None) == mask  # ordered by the first call's lengths where masked
+    # D 64: the list counts the tiles of the calls' D and H (192 rows where those pay), and the
+    # calls take its rows as chosen (0); other D: 128-row tiles, as every call runs
+    assert tuple(built[0].args[7:]) == ((64, H) if D == 64 else ())
+    assert all(c.args[-1] == (0 if D == 64 else 128) for c in with_list)
     assert str(report).count("one work list for the calls on this index") == 2
     check_close(module(*args), model, args)
 

@@ -41,9 +41,11 @@ def test_compile_rewrites_each_model_on_the_gpu(name):
     assert set(compiled.report.kinds()) == kinds, str(compiled.report)
 
 
-def test_calls_on_one_index_share_a_work_list_on_the_gpu():
+@pytest.mark.parametrize("D, S_q, sizes", [(128, 1, ((40, 3), (300, 7))), (64, 4, ((2048, 32), (300, 7)))])
+def test_calls_on_one_index_share_a_work_list_on_the_gpu(D, S_q, sizes):
     """Two SDPA calls over K/V gathered by one idx (two behaviour sequences): one work list, built
-    before the first; dynamic shapes; against eager."""
+    before the first; dynamic shapes; against eager. At D 64, S_q 4 and 2048 candidates of 32
+    users the list counts the 192-row tiles the calls choose."""
     from rewrite_helpers import TwoSequences
 
     torch._dynamo.reset()
@@ -51,10 +53,10 @@ def test_calls_on_one_index_share_a_work_list_on_the_gpu():
     compiled = ikbo_rewrite.compile(model, dynamic=True)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for B, U in ((40, 3), (300, 7)):
-            q = torch.randn(B, 1, 2, 128, generator=g).bfloat16().cuda()
-            k1, v1 = (torch.randn(U, 200, 2, 128, generator=g).bfloat16().cuda() for _ in range(2))
-            k2, v2 = (torch.randn(U, 1000, 2, 128, generator=g).bfloat16().cuda() for _ in range(2))
+        for B, U in sizes:
+            q = torch.randn(B, S_q, 2, D, generator=g).bfloat16().cuda()
+            k1, v1 = (torch.randn(U, 200, 2, D, generator=g).bfloat16().cuda() for _ in range(2))
+            k2, v2 = (torch.randn(U, 1000, 2, D, generator=g).bfloat16().cuda() for _ in range(2))
             idx = torch.randint(0, U, (B,), generator=g).cuda()
             lengths = torch.randint(1, 201, (U,), generator=g).cuda()
             args = (q, k1, v1, k2, v2, idx, lengths)
