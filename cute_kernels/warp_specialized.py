@@ -8,7 +8,8 @@ consumer warpgroups (wgmma). Each mechanism below is one small object built in t
   (setmaxnreg); the budget is checked against the register file.
 - named barriers: each kernel lists its ids in an ``IntEnum`` (0 is ``__syncthreads``);
   :func:`bar_sync` / :func:`bar_arrive` take one id and its thread count.
-- :class:`PingPong`: two consumer warpgroups take turns issuing their wgmmas.
+- :class:`PingPong`: the consumer warpgroups (two, or more in round robin) take turns issuing
+  their wgmmas.
 - :class:`PipelineSpec`: one TMA -> consumer mbarrier ring: its stages, transaction bytes and
   arrive counts, the counts checked against the roles that arrive (:meth:`PipelineSpec.check`),
   and the pipeline built from it (:meth:`PipelineSpec.make`); :func:`pipelines_init_arrive` /

@@ -298,7 +298,7 @@ def work_list(
     validate: Optional[bool] = None,
     policy: Optional[AttentionPolicy] = None,
     head_dim: Optional[int] = None,
-    heads: int = 1,
+    heads: Optional[int] = None,
 ) -> WorkList:
     """The candidates of ``idx`` grouped by user, for KV-broadcast :func:`attention` calls on that
     idx (``work_list=``): the grouping each such call otherwise launches before its kernel. Build
@@ -323,18 +323,21 @@ def work_list(
     torch ops); elsewhere the torch definition (``ikbo_fa.worklist.kv_worklist``). ``policy``:
     as in :func:`attention` (its ``worklist_kernel``, and the tile rows below).
 
-    ``head_dim``, ``heads``: the D and H of the calls that will share it. A D 64 call on its own may
-    run tiles of 192 query rows (``AttentionPolicy.d64_tile_m``, chosen with H); with
-    ``head_dim=64`` the work list counts the tiles such calls of ``heads`` heads run
-    (``WorkList.tile_rows``), and only D 64 calls take it. Without it, it counts 128-row tiles,
-    which every call takes and D 64 calls then keep.
+    ``head_dim``, ``heads``: the D and H of the calls that will share it (``heads`` required with
+    ``head_dim``). A D 64 call on its own may run tiles of 192 query rows
+    (``AttentionPolicy.d64_tile_m``, chosen with H); with ``head_dim=64`` the work list counts the
+    tiles such calls of ``heads`` heads run (``WorkList.tile_rows``); a list of 192-row tiles only
+    D 64 calls take. Without ``head_dim``, it counts 128-row tiles, which every call takes and D 64
+    calls then keep.
     """
     policy = _check_policy(policy)
     n_users, s_q = _count("num_users", num_users, 1), _count("s_q", s_q, 1)
     check_idx(idx)
     if head_dim is not None and (isinstance(head_dim, bool) or head_dim not in SUPPORTED_HEAD_DIMS):
         raise ValueError(f"head_dim must be None or one of {SUPPORTED_HEAD_DIMS} (the calls' D), got {head_dim!r}")
-    heads = _count("heads", heads, 1)
+    if head_dim is not None and heads is None:
+        raise ValueError("head_dim goes with heads, the H of the calls (their tiles are chosen with it)")
+    heads = 1 if heads is None else _count("heads", heads, 1)
     tile_rows = _list_tile_rows(idx, n_users, s_q, head_dim, heads, policy)
     if kv_lengths is not None and kv_offsets is not None:
         raise ValueError("kv_lengths and kv_offsets were both given: pass the kind the attention calls take")
@@ -410,7 +413,7 @@ def _attention_shapes(q, kv, idx, scale=None, kv_lengths=None, broadcast=None, r
 
 
 def _work_list_shapes(idx, num_users, s_q, kv_lengths=None, kv_offsets=None, max_kv_len=None, validate=None,
-                      head_dim=None, heads=1):
+                      head_dim=None, heads=None):
     ordered = kv_lengths is not None or kv_offsets is not None
     return tuple(idx.new_empty((n,), dtype=torch.int32)
                  for n in (idx.shape[0], num_users + 2, num_users + 2, 1, num_users + 1 + WALK_WORDS if ordered else 0))
@@ -426,7 +429,7 @@ def _work_list_op(
     max_kv_len: Optional[int] = None,
     validate: Optional[bool] = None,
     head_dim: Optional[int] = None,
-    heads: int = 1,
+    heads: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.ikbo_fa.work_list``: :func:`work_list` as one graph node (the rewrite pass
     shares one between attention calls on one idx): its arrays, perm empty where it has none.
@@ -527,7 +530,7 @@ def _run(plan: _Plan, q, k, v, idx, kv_lengths, kv_offsets, scale: float, valida
         cand.copy_(idx if validated or plan.idx_int32 else idx.clamp(-1, plan.n_users))
     kvl, offsets = (rows, None) if kv_lengths is not None else (None, rows)
     # A tile of a grouped idx is consecutive rows of q and out where their batch stride is
-    # S_q rows (one row per candidate: any stride); the kernel then moves it in two boxes.
+    # S_q rows (one row per candidate: any stride); the kernel then moves it in one box a warpgroup.
     s_q = plan.out_shape[1]
     # split_kv: the splits' partial results go to a workspace the merge launch reads
     workspace = plan.merge is not None

@@ -19,7 +19,7 @@ KEY_BLOCKS = (128, 192)
 # Query rows per tile: 128 on two consumer warpgroups, or 192 on three (D 64, KV broadcast): at D 64
 # a 64-row block's MMA is short beside its softmax, and a third warpgroup keeps the tensor cores
 # busy while two run their softmax.
-TILE_ROWS = (128, 192)
+TILE_M_CHOICES = (128, 192)
 DIRECTIONS = ("kv", "q")
 # Split-KV: the most CTAs one row's keys go over (the merge kernel unrolls its loads to it).
 MAX_SPLITS = 8
@@ -72,7 +72,7 @@ class AttentionConfig:
     # and the rows marked WHOLE_ROW for the merge; the remaining ones split ``n_splits`` ways.
     # Where the tiles do not fill one round, every tile splits, as with split_kv alone.
     tail_split: bool = False
-    # Query rows per tile (TILE_ROWS), 64 per consumer warpgroup: 192 only at D 64 in KV broadcast
+    # Query rows per tile (TILE_M_CHOICES), 64 per consumer warpgroup: 192 only at D 64 in KV broadcast
     # with 128-key blocks (three consumer warpgroups have 160 registers a thread, not 240) and no
     # split pair (its exchange pairs the two warpgroups of two CTAs).
     tile_m: int = 128
@@ -102,8 +102,8 @@ class AttentionConfig:
         if self.key_block != 128 and (self.head_dim != 64 or self.split_kv or self.split_pair):
             raise ValueError(f"AttentionConfig: key_block {self.key_block} needs head_dim 64 and no key split "
                              "(split_kv, split_pair)")
-        if self.tile_m not in TILE_ROWS:
-            raise ValueError(f"AttentionConfig.tile_m must be one of {TILE_ROWS}, got {self.tile_m!r}")
+        if self.tile_m not in TILE_M_CHOICES:
+            raise ValueError(f"AttentionConfig.tile_m must be one of {TILE_M_CHOICES}, got {self.tile_m!r}")
         if self.tile_m != 128 and (self.head_dim != 64 or self.direction != "kv" or self.key_block != 128
                                    or self.split_pair):
             raise ValueError(f"AttentionConfig: tile_m {self.tile_m} needs head_dim 64, direction 'kv', key_block "

@@ -118,8 +118,8 @@ class IkboAttentionFwdSm90:
         Per tile (``dynamic_walk``: until a Q stage holds the END mark): read the TileInfo,
         S = Q K^T and O += P V on wgmma (P from registers), the online softmax in exp2 on fp32
         row max / sum (ikbo_fa.softmax); with ``overlap`` the S of block j is issued before the
-        P V of block j-1 and the softmax of j runs while that P V is in flight, the two
-        warpgroups taking turns on the tensor cores (PingPong); rows whose max jumped are
+        P V of block j-1 and the softmax of j runs while that P V is in flight, the consumer
+        warpgroups taking turns on the tensor cores in order (PingPong); rows whose max jumped are
         recomputed exactly; epilogue: O / row sum into the warpgroup's 64 rows of sO
         (stmatrix), one TMA store per stored slot (or one for all 64 rows); with boxes of at
         most 4 rows (``direct_rows``), rows that are not one such box go from registers
@@ -204,7 +204,7 @@ class IkboAttentionFwdSm90:
     run (they load a copy of a stored box and are never stored). A tile moves in slots of
     R = gcd(S_q, 64) rows (one TMA box each, looked up per slot); where idx is grouped already
     (the work list's ``grouped``) and q and out hold a user's rows at one stride, a tile's rows
-    are consecutive rows of q and out and move as two 64-row boxes, a partly filled
+    are consecutive rows of q and out and move as one 64-row box a warpgroup, a partly filled
     warpgroup's rows still by slots. Q broadcast: a group is one candidate (Q at idx[b], K/V at
     b), in slots of ``row_packing``. Jagged K/V (``jagged``): row r's keys start at
     kv_offsets[r] of one packed batch row; the keys past its end (the next row's) are masked
@@ -965,8 +965,8 @@ class IkboAttentionFwdSm90:
     def zero_v_tail(self, st: ConsumerState, stage: Int32, n_cols: Int32, tidx: Int32):
         """Zero V rows at or past the valid length in this stage, so padding that is not
         finite (keys kept out of the softmax by kv_lengths, or the next row's keys of jagged K/V)
-        cannot turn 0 * V into NaN. 16-byte stores in passes over the rows from n_cols on: both
-        every consumer warpgroup takes part (thread t a row's 16-byte chunk t % chunks, in every pass)
+        cannot turn 0 * V into NaN. 16-byte stores in passes over the rows from n_cols on: every
+        consumer warpgroup takes part (thread t a row's 16-byte chunk t % chunks, in every pass)
         and meet at a barrier before P V reads V."""
         if const_expr(self.tail_masked):
             if n_cols < self.tile_n:

@@ -10,7 +10,7 @@ import dataclasses
 
 from cute_kernels.policy_spec import parse_spec, spec_of
 
-from .config import KEY_BLOCKS, MAX_PREFETCH_BLOCKS, TILE_ROWS
+from .config import KEY_BLOCKS, MAX_PREFETCH_BLOCKS, TILE_M_CHOICES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +141,8 @@ class AttentionPolicy:
             raise ValueError(f"AttentionPolicy.split_min_keys must be >= 1, got {self.split_min_keys}")
         if self.d64_key_block not in KEY_BLOCKS:
             raise ValueError(f"AttentionPolicy.d64_key_block must be one of {KEY_BLOCKS}, got {self.d64_key_block}")
-        if self.d64_tile_m not in TILE_ROWS:
-            raise ValueError(f"AttentionPolicy.d64_tile_m must be one of {TILE_ROWS}, got {self.d64_tile_m}")
+        if self.d64_tile_m not in TILE_M_CHOICES:
+            raise ValueError(f"AttentionPolicy.d64_tile_m must be one of {TILE_M_CHOICES}, got {self.d64_tile_m}")
         if self.prefetch_blocks > MAX_PREFETCH_BLOCKS:
             raise ValueError(f"AttentionPolicy.prefetch_blocks must be at most {MAX_PREFETCH_BLOCKS} (one lane of "
                              f"warp 0 each), got {self.prefetch_blocks}")

@@ -187,7 +187,8 @@ def _ikbo_setup(policy=None, work_list: bool = False) -> Callable:
         if work_list:
             _kv_only(p, "a work list (it groups the candidates by user)")
             # for the calls' D: at D 64 it counts the tiles the calls' own plan runs (192-row ones)
-            kw["work_list"] = LIBS.get("ikbo_fa").work_list(p.idx, p.U, p.S_q, head_dim=p.D, heads=p.H, **jagged)
+            kw["work_list"] = LIBS.get("ikbo_fa").work_list(p.idx, p.U, p.S_q, head_dim=p.D, heads=p.H, policy=policy,
+                                                            **jagged)
         if policy is not None:
             kw["policy"] = policy
         return kw

@@ -230,19 +230,21 @@ def test_a_work_list_for_d64_calls_counts_their_tiles(monkeypatch):
         assert configs[-1].tile_m == 192 and emulated.worklist_calls == launches
         torch.testing.assert_close(out, ikbo_fa.attention_reference(q, kv, idx, **extra), **TOL)
     for head_dim in (None, 128):
-        wl128 = ikbo_fa.work_list(idx, U, S_q, head_dim=head_dim)
+        wl128 = ikbo_fa.work_list(idx, U, S_q, head_dim=head_dim, heads=None if head_dim is None else 2)
         assert wl128.tile_rows == 128
         ikbo_fa.attention(q, kv, idx, work_list=wl128)
         assert configs[-1].tile_m == 128
     assert ikbo_fa.work_list(idx, U, S_q, head_dim=64, heads=2,
                              policy=ikbo_fa.AttentionPolicy(d64_tile_m=128)).tile_rows == 128
-    assert ikbo_fa.work_list(idx, U, S_q, head_dim=64).tile_rows == 128  # one head: both fit one round
+    assert ikbo_fa.work_list(idx, U, S_q, head_dim=64, heads=1).tile_rows == 128  # one head: both fit one round
+    with pytest.raises(ValueError, match="head_dim goes with heads"):
+        ikbo_fa.work_list(idx, U, S_q, head_dim=64)
     q128, kv128, _, _, _, _ = random_problem(22, "kv", B, U, S_q, 2, 1, 128, 40, torch.bfloat16)
     with pytest.raises(ValueError, match="only D 64 calls run; this call has D 128: build one with head_dim=128"):
         ikbo_fa.attention(q128, kv128, idx, work_list=ikbo_fa.work_list(idx, U, S_q, head_dim=64, heads=2))
     for bad in (96, True, "64"):
         with pytest.raises(ValueError, match="head_dim must be None or one of"):
-            ikbo_fa.work_list(idx, U, S_q, head_dim=bad)
+            ikbo_fa.work_list(idx, U, S_q, head_dim=bad, heads=2)
     with pytest.raises(ValueError, match="WorkList.tile_rows must be 128 or 192"):
         ikbo_fa.WorkList(wl.order, wl.cand_start, wl.tile_start, wl.grouped, wl.perm, S_q, tile_rows=256)
 
