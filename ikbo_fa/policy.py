@@ -101,9 +101,10 @@ class AttentionPolicy:
     # ... taken only where it costs at least this many percent less than the plan without it (the
     # cost is coarse, and the split brings a workspace and a merge launch)
     tail_split_min_gain: int = 3
-    # ... on 192-row tiles too (d64_tile_m below): off until that combination has run on a GPU
-    # (its compile and CPU emulation pass; tests/test_attention_tile192_gpu.py::test_split_keys).
-    tail_split_tall: bool = False
+    # ... on 192-row tiles too (d64_tile_m below). On the H100 (D 64, L 8192, bf16, graph) where it
+    # changes the plan (H 1 S_q 16 and 64, H 2 S_q 32) 1.02x, 1.08x and 1.05x faster, the same
+    # elsewhere: docs/perf/2026-12-07-attention-tall-tail-split-h100.md.
+    tail_split_tall: bool = True
     # At D 64 over padded K/V of at least d64_wide_min_keys keys, with no split, the main loop runs
     # blocks of d64_key_block keys (AttentionConfig.key_block: 128 or 192). On the H100 (published
     # shape, B 2048, ratio 64, H 2, S_q 64, bf16, CUDA graphs) 192-key blocks ran 485 against 462

@@ -900,10 +900,10 @@ def test_192_row_tiles_count_in_the_plan():
     # B 2048: 59 tiles of 192 rows a head fill one round of the grid, unsplit; 80 of 128 split
     assert attention_mod.problem_splits(2048, 32, 4, 2, 8192, 132, on, None, 192) == (1, 0, False)
     assert attention_mod.problem_splits(2048, 32, 4, 2, 8192, 132, on)[0] == 4
-    # the last round's split on 192-row tiles only with tail_split_tall (B 2000, 20 users, S_q 16,
-    # 4,096 keys: 354 tiles, two rounds and 90)
+    # the last round's split on 192-row tiles with tail_split_tall, on by default (B 2000, 20
+    # users, S_q 16, 4,096 keys: 354 tiles, two rounds and 90)
     tall = AttentionPolicy(tail_split_from=1, tail_merge_blocks=0)
     args = (2000, 20, 16, 2, 4096, 132, 2000 * 16 * 2 * 64 * 2)
-    assert attention_mod.tail_splits(*args, tall, (1, False), False, 192) == (1, 0)
-    assert attention_mod.tail_splits(*args, dataclasses.replace(tall, tail_split_tall=True), (1, False), False,
-                                     192) == (4, 1024)
+    assert attention_mod.tail_splits(*args, tall, (1, False), False, 192) == (4, 1024)
+    assert attention_mod.tail_splits(*args, dataclasses.replace(tall, tail_split_tall=False), (1, False), False,
+                                     192) == (1, 0)

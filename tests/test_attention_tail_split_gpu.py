@@ -13,7 +13,7 @@ from attention_inputs import check_graph_replay, check_nan_isolation, fp32_atten
 pytestmark = pytest.mark.gpu
 
 # the last round split wherever it has tiles to spread, unsplit plans replaced too
-# (on 128-row tiles: 192-row ones split the last round only with tail_split_tall)
+# (on 128-row tiles; tests/test_attention_tile192_gpu.py splits 192-row ones)
 TAIL = ikbo_fa.AttentionPolicy(tail_split=True, tail_merge_blocks=0, tail_split_from=1, d64_tile_m=128)
 
 
@@ -59,7 +59,7 @@ def test_the_same_results_as_without_it():
     # S_q 16, L 4096: the plan splits the last round instead of every row in pairs
     q, kv, k, v, idx, _ = random_problem(11, "kv", 1024, 16, 16, 2, 2, 128, 4096, torch.bfloat16, device="cuda")
     out, lse = _check(q, kv, k, v, idx, policy=ikbo_fa.AttentionPolicy(tail_split=True))
-    out0, lse0, plan0 = run_with_policy(None, q, kv, idx)
+    out0, lse0, plan0 = run_with_policy(ikbo_fa.AttentionPolicy(tail_split=False), q, kv, idx)
     assert not plan0.config.tail_split
     assert ((out.float() - out0.float()).norm() / out0.float().norm()).item() < 1e-2
     torch.testing.assert_close(lse, lse0, rtol=1e-4, atol=1e-4)
