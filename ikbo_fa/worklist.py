@@ -39,6 +39,8 @@ from typing import Optional
 
 import torch
 
+from .config import TILE_M_CHOICES
+
 TILE_ROWS = 128  # query rows of one attention tile (AttentionConfig.tile_m: also 192) and keys of a key block
 WALK_WORDS = 2  # the tile counter after perm's groups (cute_kernels.scheduler.TileCounter)
 
@@ -77,8 +79,8 @@ class WorkList:
         # Every WorkList is one the kernel can read: the calls check only that it fits them.
         if not isinstance(self.rows_per_cand, int) or isinstance(self.rows_per_cand, bool) or self.rows_per_cand < 1:
             raise ValueError(f"WorkList.rows_per_cand must be an int >= 1, got {self.rows_per_cand!r}")
-        if self.tile_rows not in (128, 192) or isinstance(self.tile_rows, bool):
-            raise ValueError(f"WorkList.tile_rows must be 128 or 192, got {self.tile_rows!r}")
+        if self.tile_rows not in TILE_M_CHOICES or isinstance(self.tile_rows, bool):
+            raise ValueError(f"WorkList.tile_rows must be one of {TILE_M_CHOICES}, got {self.tile_rows!r}")
         arrays = {"order": self.order, "cand_start": self.cand_start, "tile_start": self.tile_start,
                   "grouped": self.grouped, **({} if self.perm is None else {"perm": self.perm})}
         for name, t in arrays.items():

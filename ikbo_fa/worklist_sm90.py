@@ -20,6 +20,7 @@ from cutlass import Int32, Uint32, const_expr
 from cute_kernels.compile import compile_kernel, kernel_cache
 from cute_kernels.interop import cutlass_dtype, fake_stream, fake_tensor
 
+from .config import TILE_M_CHOICES
 from .fwd_args import FwdWorkList, WorkListScalars
 from .worklist import TILE_ROWS
 
@@ -73,8 +74,8 @@ class KvWorklistSm90:
     def __init__(self, idx_dtype, keys=None, tile_rows: int = TILE_ROWS):
         if keys not in (None, "lengths", "offsets"):
             raise ValueError(f"KvWorklistSm90: keys must be None, 'lengths' or 'offsets', got {keys!r}")
-        if tile_rows not in (128, 192):
-            raise ValueError(f"KvWorklistSm90: tile_rows must be 128 or 192, got {tile_rows!r}")
+        if tile_rows not in TILE_M_CHOICES:
+            raise ValueError(f"KvWorklistSm90: tile_rows must be one of {TILE_M_CHOICES}, got {tile_rows!r}")
         self.idx_dtype = idx_dtype
         self.keys = keys
         self.tile_rows = tile_rows  # the attention tile's query rows (AttentionConfig.tile_m)
