@@ -210,6 +210,10 @@ class LinearConfig:
     # accumulator ("promotion"): the 8-bit wgmma's accumulator keeps about 14 mantissa bits.
     # Two partials in turn beside the accumulator: at most PROMOTE_OUTPUTS a consumer, no split_k.
     promote: bool = False
+    # CTAs of a cluster on neighbouring column tiles, sharing the A tile (TMA multicast; candidate
+    # phase with cluster_m 2): a 2 x 2 cluster multicasts both operands, each CTA loading half of
+    # its A tile and half of its B tile.
+    cluster_n: int = 1
 
     def __post_init__(self):
         if self.dtype not in (torch.float16, torch.bfloat16, FP8):
@@ -248,6 +252,11 @@ class LinearConfig:
             raise ValueError(f"LinearConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.cluster_m not in (1, 2):
             raise ValueError(f"LinearConfig.cluster_m must be 1 or 2, got {self.cluster_m}")
+        if self.cluster_n not in (1, 2):
+            raise ValueError(f"LinearConfig.cluster_n must be 1 or 2, got {self.cluster_n}")
+        if self.cluster_n == 2 and (self.phase != "cand" or self.cluster_m != 2):
+            raise ValueError(f"LinearConfig: cluster_n 2 (A tiles multicast) needs the candidate phase and cluster_m 2 "
+                             f"(a 2 x 2 cluster); got phase {self.phase!r}, cluster_m {self.cluster_m}")
         if self.phase == "user" and (self.activation is not None or self.has_bias):
             raise ValueError("LinearConfig: the user phase takes no activation and no bias (the candidate phase adds them)")
         if self.split_k not in (1, 2, 4):
@@ -274,7 +283,12 @@ class LinearConfig:
         split += "-promote" if self.promote else ""
         out = f"-out_{str(self.out_dtype)[6:]}" if self.out_dtype else ""
         return (f"linear-{self.phase}-{str(self.dtype)[6:]}-{str(self.idx_dtype)[6:]}-m{self.tile_m}-n{self.tile_n}"
-                f"-c{self.cluster_m}{split}{extra}{out}")
+                f"-c{self.cluster_m}{'x2' if self.cluster_n == 2 else ''}{split}{extra}{out}")
+
+    @property
+    def cluster(self) -> int:
+        """CTAs a cluster: cluster_m x cluster_n sharing operand tiles, or split_k on one tile."""
+        return self.cluster_m * self.cluster_n * self.split_k
 
 
 LINEAR_TILES = ((128, 128), (128, 192), (128, 64), (64, 256), (64, 128))
@@ -349,16 +363,17 @@ BAND_MAX_TILE = 128 * 128
 
 
 def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1, split_cand=1,
-                   split_user=1, out_dtype=None, promote=False) -> tuple:
+                   split_user=1, out_dtype=None, promote=False, cluster_n_cand=1) -> tuple:
     """(user phase, candidate phase) configurations of one call (``out_dtype``: FP8's output;
-    ``promote``: both phases promote). The candidate tile LINEAR_SHARED_TILE, and 128 x 128 when
-    promoting, is both consumers' (``consumers_per_tile`` 2)."""
+    ``promote``: both phases promote; ``cluster_n_cand`` 2: 2 x 2 candidate clusters). The
+    candidate tile LINEAR_SHARED_TILE, and 128 x 128 when promoting, is both consumers'
+    (``consumers_per_tile`` 2)."""
     user_out = torch.bfloat16 if dtype == FP8 else None  # the user phase stores fp32 either way
     consumers = 2 if tuple(tile_cand) == LINEAR_SHARED_TILE or (promote and tuple(tile_cand) == (128, 128)) else 1
     return (LinearConfig(dtype, idx_dtype, *tile_user, "user", split_k=split_user, out_dtype=user_out,
                          promote=promote),
             LinearConfig(dtype, idx_dtype, *tile_cand, "cand", activation, has_bias, cluster_cand, split_cand,
-                         out_dtype, consumers_per_tile=consumers, promote=promote))
+                         out_dtype, consumers_per_tile=consumers, promote=promote, cluster_n=cluster_n_cand))
 
 
 LINEAR_SHIPPED_CONFIGS = [
@@ -398,4 +413,16 @@ LINEAR_SHIPPED_CONFIGS = [
     LinearConfig(FP8, torch.int32, tm, tn, "cand", act, bias, cluster, out_dtype=torch.bfloat16,
                  consumers_per_tile=2 if (tm, tn) == (128, 128) else 1, promote=True)
     for tm, tn in LINEAR_FP8_CAND_TILES for cluster in (1, 2) for act, bias in ((None, False), ("relu", True))
+]
+# 2 x 2 candidate clusters (cluster_n 2, PlanRules.cand_cluster_n): the ping-pong and shared 16-bit
+# tiles, FP8's 128 x 128 with and without promotion.
+LINEAR_SHIPPED_CONFIGS += [
+    LinearConfig(dtype, torch.int32, 128, 128, "cand", act, bias, 2, cluster_n=2)
+    for dtype in (torch.float16, torch.bfloat16) for act, bias in ((None, False), ("relu", True))
+] + [
+    LinearConfig(torch.bfloat16, torch.int32, *LINEAR_SHARED_TILE, "cand", "relu", True, 2, consumers_per_tile=2,
+                 cluster_n=2),
+    LinearConfig(FP8, torch.int32, 128, 128, "cand", "relu", True, 2, out_dtype=torch.bfloat16, cluster_n=2),
+    LinearConfig(FP8, torch.int32, 128, 128, "cand", "relu", True, 2, out_dtype=torch.bfloat16, consumers_per_tile=2,
+                 promote=True, cluster_n=2),
 ]

@@ -160,6 +160,11 @@ class PlanRules:
     # BAND_ROWS where a band over every column tile fits the clusters resident at once (few
     # column tiles), else 1 (``_band_rows``; docs/perf/2026-12-07-linear-row-group-raster-h100.md).
     cand_band_rows: Optional[int] = None
+    # Column tiles a candidate cluster shares its A tiles over (LinearConfig.cluster_n): 2 makes the
+    # 2-CTA clusters of neighbouring row tiles 2 x 2 ones that multicast both operands, halving the
+    # A tile's L2 reads as the pairs halve the B tile's (where the phase has 2-CTA clusters, no K
+    # split and at least 2 column tiles). None: 1.
+    cand_cluster_n: Optional[int] = None
 
     def __post_init__(self):
         for name in ("split_k", "user_pairs", "wide_user", "fp8_promote"):
@@ -176,6 +181,8 @@ class PlanRules:
         if self.cand_clusters is not None and (isinstance(self.cand_clusters, bool)
                                                or not isinstance(self.cand_clusters, int) or self.cand_clusters < 1):
             raise ValueError(f"PlanRules.cand_clusters must be a positive int, got {self.cand_clusters!r}")
+        if self.cand_cluster_n not in (None, 1, 2) or isinstance(self.cand_cluster_n, bool):
+            raise ValueError(f"PlanRules.cand_cluster_n must be None, 1 or 2, got {self.cand_cluster_n!r}")
         for name in ("wide_user_min_n", "shared_tile_min_k", "shared_tile_max_n", "user_splits", "cand_band_rows"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -221,6 +228,8 @@ ROW_GROUP_RASTER_RULES = PlanRules(cand_band_rows=BAND_ROWS)
 COLUMN_WALK_RULES = PlanRules(cand_band_rows=1)
 # The candidate phase in the shared 128 x 256 tile at any shape.
 SHARED_TILE_RULES = PlanRules(cand_split=(LINEAR_SHARED_TILE, 1))
+# The candidate phase in 2 x 2 clusters that multicast both operands, where it has 2-CTA clusters.
+CLUSTER_2X2_RULES = PlanRules(cand_cluster_n=2)
 
 
 def split_weight(weight: torch.Tensor, k_user: int, user_first: bool = True):
@@ -296,7 +305,8 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: Pla
         out_dtype = check_out_dtype(out_dtype, x_cand.dtype)
         user_cfg, cand_cfg = linear_configs(x_cand.dtype, idx.dtype, grids.tile_user, grids.tile_cand, activation,
                                             bias is not None, grids.cluster, grids.split_cand, grids.split_user,
-                                            out_dtype if fp8 else None, promote=fp8 and rules.fp8_promote)
+                                            out_dtype if fp8 else None, promote=fp8 and rules.fp8_promote,
+                                            cluster_n_cand=grids.cluster_n)
         plan = _Plan(
             user=_kernel(user_cfg),
             cand=_kernel(cand_cfg),
@@ -304,8 +314,9 @@ def _plan(x_cand, x_user, idx, w_cand, w_user, bias, activation, out, rules: Pla
             n8=round_up(N, 8),
             k8_cand=round_up(K_cand, k_align),
             k8_user=round_up(K_user, k_align),
-            ws_shape=(grids.splits, round_up(U, grids.tile_user[0]), max(round_up(N, grids.tile_user[1]),
-                                                                      round_up(N, grids.tile_cand[1]))),
+            # Padded to whole tiles of both phases (the candidate phase's: whole column groups).
+            ws_shape=(grids.splits, round_up(U, grids.tile_user[0]),
+                      max(round_up(N, grids.tile_user[1]), round_up(N, grids.tile_cand[1] * grids.cluster_n))),
             n_users=U,
             splits=grids.splits,
             grid_user=grids.grid_user,
@@ -326,6 +337,7 @@ class _Grids:
     tile_user: tuple
     tile_cand: tuple
     cluster: int  # candidate CTAs sharing B tiles
+    cluster_n: int  # ... and on neighbouring column tiles, sharing A tiles (a cluster of cluster x cluster_n)
     split_cand: int  # candidate CTAs sharing one tile's K loop
     split_user: int  # user CTAs sharing one tile's K loop (pairs on spare 2-CTA slots)
     splits: int  # user phase slices of K written as workspace slabs
@@ -347,7 +359,8 @@ def _grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, clusters,
                       cluster_split=not promote and rules.user_cluster_split is not False,
                       spare_by_time=_unless_promoted(rules.spare_by_time, promote))
     if rules.cand_clusters is not None:
-        g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster))
+        g = dataclasses.replace(g, grid_cand=min(g.grid_cand, rules.cand_clusters * g.split_cand * g.cluster
+                                                 * g.cluster_n))
     return dataclasses.replace(g, band_rows=_band_rows(g, N, clusters, rules))
 
 
@@ -361,7 +374,8 @@ def _band_rows(g: _Grids, N: int, clusters, rules: PlanRules) -> int:
         return rules.cand_band_rows
     if g.split_cand > 1:
         return 1
-    return BAND_ROWS if BAND_ROWS * -(-N // g.tile_cand[1]) <= clusters(g.cluster) else 1
+    column_groups = -(-N // (g.tile_cand[1] * g.cluster_n))
+    return BAND_ROWS if BAND_ROWS * column_groups <= clusters(g.cluster * g.cluster_n) else 1
 
 
 def _unless_promoted(choice: Optional[bool], promote: bool) -> bool:
@@ -411,22 +425,24 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
         # in every CTA's slice.
         if (split_cand - 1) * -(-kb_cand // split_cand) >= kb_cand:
             raise ValueError(f"linear: {kb_cand} k-blocks leave a CTA of a {split_cand}-way K split none")
-        return _Grids(cluster=1, grid_cand=cand_tiles * split_cand, **ahead)
+        return _Grids(cluster=1, cluster_n=1, grid_cand=cand_tiles * split_cand, **ahead)
     cluster = _CAND_CLUSTER if B > tile_cand[0] else 1
+    cluster_n = 2 if rules.cand_cluster_n == 2 and cluster == 2 and N > tile_cand[1] else 1
+    size = cluster * cluster_n
     m_groups = -(-B // (tile_cand[0] * cluster))
-    cand_clusters = min(clusters(cluster), m_groups * -(-N // tile_cand[1]))
-    cand_grid = dict(cluster=cluster, grid_cand=cand_clusters * cluster)
+    cand_clusters = min(clusters(size), m_groups * -(-N // (tile_cand[1] * cluster_n)))
+    cand_grid = dict(cluster=cluster, cluster_n=cluster_n, grid_cand=cand_clusters * size)
     cand_work = tile_cand[0] * tile_cand[1] * K_cand
-    if wide_user or cand_tiles > cand_clusters * cluster or cand_clusters * cluster >= sms:
+    if wide_user or cand_tiles > cand_clusters * size or cand_clusters * size >= sms:
         return _Grids(**ahead, **cand_grid)  # wide_user, or no SM left idle by a partial wave
     spare = _spare_user_grid(user_tiles, tile_user[0] * tile_user[1] * K_user, cand_work,
-                             sms - cand_clusters * cluster)
+                             sms - cand_clusters * size)
     if spare and spare_by_time and not _spare_user_time_fits(
             -(-user_tiles // spare) * (min(U, tile_user[0]) + tile_user[1]) * K_user, cand_work):
         # The spare SMs' user CTAs would stream their w_user columns for longer than the
         # candidate main loops run: the user phase runs ahead, in many short CTAs instead.
         return _Grids(**ahead_grids(True), **cand_grid)
-    if cluster == 2 and clusters(2) - spare < cand_clusters and rules.user_pairs and kb_user >= 2:
+    if size == 2 and clusters(2) - spare < cand_clusters and rules.user_pairs and kb_user >= 2:
         # Single user CTAs, each on an SM of its own 2-CTA slot, would leave too few slots for
         # the candidate clusters (some would wait for a user CTA); K-split pairs take whole slots.
         pairs = _spare_user_grid(user_tiles, tile_user[0] * tile_user[1] * K_user / 2, cand_work,

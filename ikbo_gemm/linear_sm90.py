@@ -79,7 +79,7 @@ class LinearLaunch(NamedTuple):
 class LinearLoads(NamedTuple):
     """The TMA loads (kernel -> producer)."""
 
-    a_atom: cute.CopyAtom
+    a_atom: cute.CopyAtom  # the A tile, or (cluster_n 2) this CTA's rows of it, multicast in a cluster
     a: cute.Tensor  # TMA view (rows, K, 1)
     b_atom: cute.CopyAtom  # this CTA's rows of the B tile, multicast in a cluster
     b: cute.Tensor  # TMA view (N, K, 1)
@@ -121,10 +121,10 @@ class LinearTile:
 @dataclasses.dataclass(frozen=True)
 class LinearWork:
     """The launch's tile space (device values): ``splits`` slices of K (user phase, workspace
-    slabs), each of ``m_groups`` x ``n_tiles`` cluster tiles, column tile fastest. With split_k
+    slabs), each of ``m_groups`` x ``n_groups`` cluster tiles, column group fastest. With split_k
     the CTAs of a cluster take the k-slices of one tile instead."""
 
-    n_tiles: Int32
+    n_groups: Int32  # groups of cluster_n column tiles
     m_groups: Int32  # groups of cluster_m row tiles
     splits: Int32
     k_blocks: Int32
@@ -132,7 +132,7 @@ class LinearWork:
     band_rows: Int32  # LinearConfig.banded: cluster row groups a band of the walk (1: column tile fastest)
 
     def size(self):
-        return self.splits * self.m_groups * self.n_tiles
+        return self.splits * self.m_groups * self.n_groups
 
 
 class LinearSm90:
@@ -150,7 +150,12 @@ class LinearSm90:
     Clusters, one of two kinds:
       ``cfg.cluster_m`` = 2: the CTAs of a cluster run neighbouring row tiles of the same column
         tile and share its B tile: each loads its half of the rows and multicasts it to both,
-        halving the B traffic from L2.
+        halving the B traffic from L2. With ``cfg.cluster_n`` = 2 as well (candidate phase), a
+        2 x 2 cluster: CTA r runs row tile 2 m + r % 2 of column tile 2 n + r // 2; the two CTAs
+        of a column tile share its B tile as above, the two of a row tile share its A tile the
+        same way (each loads tile_m / 2 of its rows), halving the A traffic from L2 too. A
+        column tile past N loads zeros and stores nothing (the workspace is padded to whole
+        column groups).
       ``cfg.split_k`` = s > 1: the s CTAs of a cluster run one tile, CTA r over the r-th slice of
         its k-blocks; their partial sums meet in shared memory (cute_kernels.cluster_reduce:
         epilogue sub-tile j belongs to CTA j % s, which adds the others' partial sums of it in
@@ -158,9 +163,10 @@ class LinearSm90:
         1/s of the K loop. Consumer 1 has no tiles then (a tile's exchange is one consumer's).
 
     Warp roles (384 threads, 1 CTA per SM):
-      warpgroup 0, producer (setmaxnreg 24): warp 0 issues the TMA loads of each k-block: the
-        A tile (tile_m rows x 64) and this CTA's share of the B tile (tile_n / cluster_m rows
-        x 64, multicast to the cluster); K tails and rows past the tensors load as zeros.
+      warpgroup 0, producer (setmaxnreg 24): warp 0 issues the TMA loads of each k-block: this
+        CTA's share of the A tile (tile_m / cluster_n rows x 64) and of the B tile (tile_n /
+        cluster_m rows x 64), each multicast to the CTAs sharing it; K tails and rows past the
+        tensors load as zeros.
       warpgroups 1, 2, consumers (setmaxnreg 240): each runs whole tiles, alternating (tile t
         of this CTA's walk on consumer t % 2): the wgmma main loop, then its epilogue while
         the other consumer runs its main loop. With split_k consumer 0 runs every tile. With
@@ -174,12 +180,13 @@ class LinearSm90:
 
         | pipeline | producer -> consumer | full / empty arrives | stages |
         | --- | --- | --- | --- |
-        | ab | producer warp 0 -> the consumer warpgroups owning the tile | 1 / 4 x cluster_m x consumers_per_tile | ab_stages |
+        | ab | producer warp 0 -> the consumer warpgroups owning the tile | 1 / 4 x peers x consumers_per_tile | ab_stages |
 
       One ring shared by both consumers. Full: one elected producer thread with the stage's TMA
-      bytes (the A tile and the whole B tile, its halves from both CTAs). Empty: each warp of
-      the tile's consumers (one; both on a shared tile) releases the stage in every CTA of the
-      cluster (their B halves land in it). Ping-pong: each consumer skips the other consumer's
+      bytes (the whole A and B tiles, their shares from the CTAs that multicast them). Empty:
+      each warp of the tile's consumers (one; both on a shared tile) releases the stage in each
+      of the ``peers`` = cluster_m + cluster_n - 1 CTAs whose loads land in it (itself, the
+      CTAs of its column tile and those of its row tile). Ping-pong: each consumer skips the other consumer's
       k-blocks in its ring state.
       split_k adds the exchange's two mbarriers (``ClusterReduce``: full, 1 arrive + the bytes
       of the other CTAs' partial sums; free, split_k - 1 remote arrives).
@@ -204,7 +211,7 @@ class LinearSm90:
     user grid) per sub-tile of its rows x EPI_N: + ws row + bias,
     activation, round, stmatrix into its staging buffer, TMA store.
 
-    Tile order: cluster tiles (cluster_m row tiles x one column tile) numbered column tile
+    Tile order: cluster tiles (cluster_m row tiles x cluster_n column tiles) numbered column group
     fastest (the tiles running together share their A rows in L2), or (``cfg.banded``, candidate
     phase) in bands of ``band_rows`` row groups (LinearLaunch, a run-time value), row group fastest
     within a band (the last band may hold fewer; 1 row group a band is the column-fastest order);
@@ -257,9 +264,13 @@ class LinearSm90:
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.tile_mnk = (cfg.tile_m, cfg.tile_n, self.tile_k)
         self.cluster = cfg.cluster_m  # CTAs sharing B tiles (multicast)
+        self.cluster_n = cfg.cluster_n  # CTAs sharing A tiles (multicast)
         self.split = cfg.split_k  # CTAs sharing one tile's K loop
-        self.launch_cluster = cfg.cluster_m * cfg.split_k
+        self.launch_cluster = cfg.cluster
         self.b_rows = cfg.tile_n // cfg.cluster_m  # rows of the B tile each CTA of a cluster loads
+        self.a_rows = cfg.tile_m // cfg.cluster_n  # ... of the A tile
+        # CTAs whose loads land in this CTA's stages, itself included (those that release them).
+        self.peers = cfg.cluster_m + cfg.cluster_n - 1
         # Rows of each tile a consumer computes: all of them (ping-pong), or its half of a tile
         # both consumers share (consumers_per_tile = 2; consumer c takes rows [64 c, 64 c + 64)).
         self.shared_tile = cfg.consumers_per_tile == 2
@@ -295,8 +306,8 @@ class LinearSm90:
             raise ValueError(f"LinearSm90: a {cfg.tile_m} x {cfg.tile_n} tile leaves room for "
                              f"{self.ab_stages} pipeline stages; at least 2 are needed")
         self.ab = PipelineSpec("ab", "producer warp 0", "the consumer warpgroups owning the tile", self.ab_stages,
-                               self.stage_bytes, 1, 4 * self.cluster * cfg.consumers_per_tile).check(
-            "LinearSm90", releasing_threads=WARPGROUP * cfg.consumers_per_tile, multicast_ctas=self.cluster)
+                               self.stage_bytes, 1, 4 * self.peers * cfg.consumers_per_tile).check(
+            "LinearSm90", releasing_threads=WARPGROUP * cfg.consumers_per_tile, multicast_ctas=self.peers)
         self.ping_pong = PingPong(int(LinearBarrier.MMA_ORDER), self.BARRIER_THREADS["MMA_ORDER"])
         check_barriers("LinearSm90", LinearBarrier, self.BARRIER_SPANS)
 
@@ -314,8 +325,16 @@ class LinearSm90:
         a_smem = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
         b_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.ab_stages)
         load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_a, tA = cpasync.make_tiled_tma_atom(load, mA, cute.select(a_smem, mode=[0, 1]),
-                                                (self.tile_m, self.tile_k))
+        if const_expr(self.cluster_n > 1):
+            # This CTA's rows of the A tile, multicast to the CTAs of its row tile.
+            a_part = (self.a_rows, self.tile_n, self.tile_k)
+            a_part_smem = cute.select(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, a_part, self.dtype, 1),
+                                      mode=[0, 1])
+            tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), mA, a_part_smem,
+                                                    (self.a_rows, self.tile_k))
+        else:
+            tma_a, tA = cpasync.make_tiled_tma_atom(load, mA, cute.select(a_smem, mode=[0, 1]),
+                                                    (self.tile_m, self.tile_k))
         # This CTA's rows of the B tile (all of them without a cluster), multicast in a cluster.
         b_part = (self.tile_m, self.b_rows, self.tile_k)
         b_part_smem = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, b_part, self.dtype, 1),
@@ -366,7 +385,8 @@ class LinearSm90:
                 cpasync.prefetch_descriptor(stores.out_atom)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        ab_pipeline = self.ab.make(storage.ab_barriers.data_ptr(), cute.make_layout((1, self.cluster, 1, 1)))
+        ab_pipeline = self.ab.make(storage.ab_barriers.data_ptr(),
+                                   cute.make_layout((1, self.cluster, self.cluster_n, 1)))
         red_full = red_free = None
         if const_expr(self.split > 1):
             red_full = storage.reduce_barriers.data_ptr()
@@ -388,7 +408,7 @@ class LinearSm90:
         splits = stores.n_splits if const_expr(self.cfg.phase == "user") else Int32(1)
         k_parts = splits * self.split  # one of the two is 1
         work = LinearWork(
-            n_tiles=(n_cols + self.tile_n - 1) // self.tile_n,
+            n_groups=(n_cols + self.tile_n * self.cluster_n - 1) // (self.tile_n * self.cluster_n),
             m_groups=(n_rows + self.tile_m * self.cluster - 1) // (self.tile_m * self.cluster),
             splits=splits, k_blocks=k_blocks, k_per_split=(k_blocks + k_parts - 1) // k_parts,
             band_rows=band_rows,
@@ -420,22 +440,25 @@ class LinearSm90:
     @cute.jit
     def decode(self, t: Int32, work: LinearWork, rank: Int32) -> LinearTile:
         """Cluster tile index -> this CTA's tile (split_k: its slice of the tile's k-blocks)."""
-        per_split = work.m_groups * work.n_tiles
+        per_split = work.m_groups * work.n_groups
         split = t // per_split
         r = t - split * per_split
         if const_expr(self.cfg.banded):
-            band_tiles = work.band_rows * work.n_tiles
+            band_tiles = work.band_rows * work.n_groups
             band = r // band_tiles
             in_band = r - band * band_tiles
             band_rows = cutlass.min(work.band_rows, work.m_groups - band * work.band_rows)
             n = in_band // band_rows
             m = (band * work.band_rows + in_band - n * band_rows) * self.cluster
         else:
-            m = r // work.n_tiles * self.cluster
-            n = r % work.n_tiles
+            m = r // work.n_groups * self.cluster
+            n = r % work.n_groups
         k_part = split
         if const_expr(self.split > 1):
             k_part = rank
+        elif const_expr(self.cluster_n > 1):
+            m = m + rank % self.cluster
+            n = n * self.cluster_n + rank // self.cluster
         else:
             m = m + rank
         k_begin = k_part * work.k_per_split
@@ -445,13 +468,20 @@ class LinearSm90:
     @cute.jit
     def producer(self, ab_pipeline, sA, sB, loads: LinearLoads, work: LinearWork, rank: Int32):
         """Warp 0: per tile and k-block, wait for a free stage and load its A tile and this CTA's
-        rows of its B tile (multicast to the cluster)."""
+        rows of its B tile (multicast to the cluster); with cluster_n 2, this CTA's rows of its A
+        tile (multicast to the CTAs of its row tile) and of its B tile."""
         one = cute.make_layout(1)
         gA = cute.local_tile(loads.a, (self.tile_m, self.tile_k), (None, None, 0))
         tAsA, tAgA = cpasync.tma_partition(loads.a_atom, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-        cluster_layout = cute.make_layout((self.cluster, 1, 1))
-        b_rank = rank if const_expr(self.cluster > 1) else Int32(0)  # this CTA's share of the B tile
-        mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(b_rank), mode=0)
+        cluster_layout = cute.make_layout((self.cluster, self.cluster_n, 1))
+        a_rank = b_rank = rank if const_expr(self.cluster > 1) else Int32(0)  # this CTA in the cluster
+        a_mcast = None
+        if const_expr(self.cluster_n > 1):
+            b_rank = rank % self.cluster  # its share of the B tile (its row in the cluster)
+            a_rank = rank // self.cluster  # ... of the A tile (its column)
+            a_mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(rank), mode=1)
+        mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(
+            rank if const_expr(self.cluster_n > 1) else b_rank), mode=0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         walk = strided_tiles(Int32(0), cluster=self.launch_cluster)
         t = walk.first
@@ -461,26 +491,33 @@ class LinearSm90:
                 k = tile.k_begin + i
                 ab_pipeline.producer_acquire(state)
                 bar = ab_pipeline.producer_get_barrier(state)
-                cute.copy(loads.a_atom, tAgA[(None, tile.m, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                self.load_b(loads.b_atom, loads.b, sB, tile.n, k, b_rank, state.index, bar, mcast)
+                if const_expr(self.cluster_n > 1):
+                    self.load_share(loads.a_atom, loads.a, sA, self.tile_m, self.a_rows, tile.m, k, a_rank, state.index,
+                                    bar, a_mcast, True)
+                else:
+                    cute.copy(loads.a_atom, tAgA[(None, tile.m, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                self.load_share(loads.b_atom, loads.b, sB, self.tile_n, self.b_rows, tile.n, k, b_rank, state.index,
+                                bar, mcast, self.cluster > 1)
                 ab_pipeline.producer_commit(state)
                 state.advance()
             t += walk.stride
         ab_pipeline.producer_tail(state)
 
     @cute.jit
-    def load_b(self, atom, mB, sB, n, k, rank, stage, bar, mcast):
-        """Rows [rank, rank + 1) x b_rows of B tile (n, k) into the stage, multicast in a cluster."""
-        box = (self.b_rows, self.tile_k)
-        r = rank * self.b_rows
-        g = cute.local_tile(cute.domain_offset((n * self.tile_n + r, 0, 0), mB), box, (0, k, 0))
-        s = cute.local_tile(cute.domain_offset((r, 0, 0), sB), box, (0, 0, stage))
-        tBs, tBg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+    def load_share(self, atom, mX, sX, tile_rows: cutlass.Constexpr, share_rows: cutlass.Constexpr, tile, k, share,
+                   stage, bar, mcast, multicast: cutlass.Constexpr):
+        """Rows [share, share + 1) x share_rows of operand tile (tile, k) (``tile_rows`` rows, K-major)
+        into the stage; ``multicast``: to the CTAs of ``mcast`` as well."""
+        box = (share_rows, self.tile_k)
+        r = share * share_rows
+        g = cute.local_tile(cute.domain_offset((tile * tile_rows + r, 0, 0), mX), box, (0, k, 0))
+        s = cute.local_tile(cute.domain_offset((r, 0, 0), sX), box, (0, 0, stage))
+        tXs, tXg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
                                          cute.group_modes(g, 0, 2))
-        if const_expr(self.cluster > 1):
-            cute.copy(atom, tBg, tBs, tma_bar_ptr=bar, mcast_mask=mcast)
+        if const_expr(multicast):
+            cute.copy(atom, tXg, tXs, tma_bar_ptr=bar, mcast_mask=mcast)
         else:
-            cute.copy(atom, tBg, tBs, tma_bar_ptr=bar)
+            cute.copy(atom, tXg, tXs, tma_bar_ptr=bar)
 
     # ----------------------------------------------------------- consumers
     @cute.jit

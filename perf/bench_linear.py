@@ -59,7 +59,8 @@ PLAN_VARIANTS = {"ikbo linear, small-grid rules": ("split_k=1,user_pairs=1", "x_
                  "ikbo linear, spare SMs by MACs": ("spare_by_time=0", "x_spare_by_macs"),
                  "ikbo linear, row-group raster 8": ("cand_band_rows=8", "x_raster8"),
                  "ikbo linear, column-tile walk": ("cand_band_rows=1", "x_column_walk"),
-                 "ikbo linear, shared tile": ("cand_split=128x256x1", "x_shared_tile")}
+                 "ikbo linear, shared tile": ("cand_split=128x256x1", "x_shared_tile"),
+                 "ikbo linear, 2x2 clusters": ("cand_cluster_n=2", "x_cluster_2x2")}
 SPEEDUP_COLUMNS = {"torch cat+linear": "x_cat_linear", "torch decomposition": "x_decomp",
                    "torch.compile decomposition": "x_compiled", "torch addmm floor": "x_floor",
                    **{name: column for name, (_, column) in PLAN_VARIANTS.items()}}
@@ -291,6 +292,8 @@ def providers(fp8: bool = False) -> list:
         ours_with_rules("ikbo linear fp8, no user cluster split", "user_cluster_split=0", fp8=True),
         ours_with_rules("ikbo linear fp8, row-group raster 8", "cand_band_rows=8", fp8=True),
         ours_with_rules("ikbo linear fp8, column-tile walk", "cand_band_rows=1", fp8=True),
+        ours_with_rules("ikbo linear fp8, 2x2 clusters", "cand_cluster_n=2", fp8=True),
+        ours_with_rules("ikbo linear fp8 promoted, 2x2 clusters", "fp8_promote=1,cand_cluster_n=2", fp8=True),
     ]
     return [pr for pr in provs if fp8 or not pr.fp8]
 

@@ -57,7 +57,7 @@ class EmulatedLaunches:
         assert ws.shape[0] == n_splits >= 1 and ws.shape[1] >= n_users and ws.shape[2] >= b.shape[0]
         assert idx.dtype == cfg.idx_dtype and idx.is_contiguous()
         assert (bias is not None) == cfg.has_bias
-        assert 0 < grid <= H200_SMS and grid % (cfg.cluster_m * cfg.split_k) == 0
+        assert 0 < grid <= H200_SMS and grid % cfg.cluster == 0
         assert band_rows >= 1 and (band_rows == 1 or cfg.banded)  # the walk's order: not the result's
         if cfg.split_k > 1:  # a K-split cluster: every CTA's slice has a k-block, the user phase one slab
             k_blocks = -(-a.shape[1] // tile_k)

@@ -255,8 +255,9 @@ def test_plan_rules_run_only_when_named(linear_on_cpu, tmp_path):
     # each variant's spec is one of ikbo_gemm.linear's named rule sets
     from ikbo_gemm.linear import (COLUMN_WALK_RULES, NO_SHARED_TILE_RULES, NO_USER_CLUSTER_SPLIT_RULES,
                                   ROW_GROUP_RASTER_RULES, SMALL_GRID_RULES, SPARE_BY_MACS_RULES,
-                                  SHARED_TILE_RULES, SPLIT_WIDE_USER_RULES, WIDE_USER_RULES, PlanRules)
+                                  SHARED_TILE_RULES, SPLIT_WIDE_USER_RULES, WIDE_USER_RULES, CLUSTER_2X2_RULES,
+                                  PlanRules)
     named = {SMALL_GRID_RULES, WIDE_USER_RULES, SPLIT_WIDE_USER_RULES, NO_SHARED_TILE_RULES,
              NO_USER_CLUSTER_SPLIT_RULES, SPARE_BY_MACS_RULES, ROW_GROUP_RASTER_RULES, COLUMN_WALK_RULES,
-             SHARED_TILE_RULES}
+             SHARED_TILE_RULES, CLUSTER_2X2_RULES}
     assert {PlanRules.parse(spec) for spec, _ in bli.PLAN_VARIANTS.values()} == named

@@ -51,6 +51,11 @@ def test_compiles_for_sm90a(op, compile_config, cfg):
         assert kernel.ptx.count("cp.async.wait_group") == subtiles, f"{op} {cfg}"
     if op == "linear" and cfg.phase == "cand":
         assert "cp.async.bulk.tensor.2d.global.shared" in kernel.ptx, f"{op} {cfg}: no TMA store of the output"
+    if op == "linear":
+        # Operand tiles a cluster shares arrive by multicast TMA: B with cluster_m 2, A as well with
+        # cluster_n 2 (a 2 x 2 cluster); every other load is the CTA's own.
+        multicast = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\S*\.multicast::cluster", kernel.ptx)
+        assert len(multicast) == (cfg.cluster_m > 1) + (cfg.cluster_n > 1), f"{op} {cfg}: {len(multicast)} multicast loads"
     if op == "linear" and cfg.consumers_per_tile == 2:
         # A shared tile: each consumer's 64 rows in m64n{tile_n} wgmmas (one 128 x tile_n tile, no
         # ping-pong turns: no named-barrier arrive).

@@ -497,6 +497,8 @@ def test_wide_user_phase_by_size():
     (dict(fp8_promote=1), TypeError, "PlanRules.fp8_promote must be a bool"),
     (dict(cand_band_rows=0), ValueError, "PlanRules.cand_band_rows must be a positive int or None"),
     (dict(cand_band_rows=True), ValueError, "PlanRules.cand_band_rows must be a positive int or None"),
+    (dict(cand_cluster_n=4), ValueError, "PlanRules.cand_cluster_n must be None, 1 or 2"),
+    (dict(cand_cluster_n=True), ValueError, "PlanRules.cand_cluster_n must be None, 1 or 2"),
     (dict(fp8_promote=True, split_k=True), ValueError, "PlanRules.fp8_promote takes no K split"),
     (dict(fp8_promote=True, user_pairs=True), ValueError, "PlanRules.fp8_promote takes no K split"),
     (dict(fp8_promote=True, cand_split=((128, 128), 2)), ValueError, "PlanRules.fp8_promote takes no K split"),
@@ -630,3 +632,62 @@ def test_candidate_bands_reach_the_launch(monkeypatch):
     assert linear_configs(torch.bfloat16, torch.int32, (128, 128), (128, 256), "relu", True, 2)[1].banded
     with pytest.raises(ValueError, match="PlanRules.cand_band_rows must be a positive int or None"):
         PlanRules(cand_band_rows=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(cluster_n=4), "cluster_n must be 1 or 2"),
+    (dict(cluster_n=2, cluster_m=1), "needs the candidate phase and cluster_m 2"),
+    (dict(cluster_n=2, phase="user"), "needs the candidate phase and cluster_m 2"),
+    (dict(cluster_n=2, cluster_m=1, split_k=2), "needs the candidate phase and cluster_m 2"),
+])
+def test_cluster_n_config_errors(kwargs, match):
+    base = dict(dtype=BF16, idx_dtype=torch.int32, tile_m=128, tile_n=128, phase="cand", cluster_m=2)
+    with pytest.raises(ValueError, match=match):
+        LinearConfig(**dict(base, **kwargs))
+
+
+def test_two_by_two_cluster_plan():
+    """PlanRules.cand_cluster_n = 2: the candidate phase's 2-CTA clusters become 2 x 2 ones (grid a
+    multiple of 4, at most the 4-CTA clusters resident), wherever it has 2-CTA clusters and 2
+    column tiles or more; never with a K split, one row tile or one column tile; off by default."""
+    from ikbo_gemm.config import linear_configs
+    from ikbo_gemm.linear import CLUSTER_2X2_RULES, DEFAULT_RULES, PlanRules
+
+    assert DEFAULT_RULES.cand_cluster_n is None and PlanRules.parse("cand_cluster_n=2") == CLUSTER_2X2_RULES
+    g = _grids(10240, 147, 1024, 4096, 4096, cand_cluster_n=2)
+    assert (g.tile_cand, g.cluster, g.cluster_n, g.grid_cand) == ((128, 128), 2, 2, 4 * H200_CLUSTERS(4))
+    assert _grids(10240, 147, 1024, 4096, 4096).cluster_n == 1
+    g = _grids(8192, 117, 1024, 4096, 4096, cand_cluster_n=2)  # the shared 128 x 256 tile
+    assert (g.tile_cand, g.cluster_n) == ((128, 256), 2)
+    assert _grids(64, 2, 1024, 64, 64, cand_cluster_n=2).cluster_n == 1  # one row tile: no cluster
+    assert _grids(4096, 59, 128, 64, 1024, cand_cluster_n=2).cluster_n == 1  # one column tile
+    g = _grids(2048, 29, 1024, 64, 1024, cand_cluster_n=2, cand_split=((128, 128), 2))
+    assert (g.split_cand, g.cluster, g.cluster_n) == (2, 1, 1)  # a K split
+    g = _grids(4096, 59, 640, 64, 1024, cand_cluster_n=2)  # 5 column tiles: 3 groups, the last half past N
+    assert g.cluster_n == 2 and g.tile_cand == (128, 128) and g.grid_cand == 4 * H200_CLUSTERS(4)
+    cand = linear_configs(BF16, torch.int32, (128, 128), (128, 128), "relu", True, 2, cluster_n_cand=2)[1]
+    assert (cand.cluster_m, cand.cluster_n, cand.cluster, str(cand)) == (
+        2, 2, 4, "linear-cand-bfloat16-int32-m128-n128-c2x2-relu-bias")
+
+
+@pytest.mark.parametrize("N", [640, 1000, 1024])
+def test_two_by_two_clusters_reach_the_launch(monkeypatch, N):
+    """The candidate launch gets the 2 x 2 configuration and a grid of whole 4-CTA clusters, the
+    workspace whole column groups (a column tile past N reads its columns), the same result."""
+    from linear_emulation import install
+    from ikbo_gemm.linear import CLUSTER_2X2_RULES, DEFAULT_RULES
+
+    kernels = install(monkeypatch)
+    ws_widths = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (ws_widths.append(a[0]) if k.get("dtype") == torch.float32
+                                                         and isinstance(a[0], tuple) and len(a[0]) == 3 else None)
+                        or real_empty(*a, **k))
+    args = _inputs(25, 4096, 59, N, 64, 1024)
+    base = ikbo_gemm.linear(**args, activation="relu", rules=DEFAULT_RULES)
+    out = ikbo_gemm.linear(**args, activation="relu", rules=CLUSTER_2X2_RULES)
+    cand = [launch for launch in kernels.launches if launch["cfg"].phase == "cand"]
+    assert [(c["cfg"].cluster_n, c["grid"] % c["cfg"].cluster) for c in cand] == [(1, 0), (2, 0)]
+    group = 2 * cand[1]["cfg"].tile_n
+    assert ws_widths[1][2] == -(-N // group) * group >= ws_widths[0][2]
+    torch.testing.assert_close(out, base, rtol=0, atol=0)
