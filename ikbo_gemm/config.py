@@ -254,9 +254,12 @@ class LinearConfig:
             raise ValueError(f"LinearConfig.cluster_m must be 1 or 2, got {self.cluster_m}")
         if self.cluster_n not in (1, 2):
             raise ValueError(f"LinearConfig.cluster_n must be 1 or 2, got {self.cluster_n}")
-        if self.cluster_n == 2 and (self.phase != "cand" or self.cluster_m != 2):
-            raise ValueError(f"LinearConfig: cluster_n 2 (A tiles multicast) needs the candidate phase and cluster_m 2 "
-                             f"(a 2 x 2 cluster); got phase {self.phase!r}, cluster_m {self.cluster_m}")
+        if self.cluster_n == 2 and (self.phase != "cand" or self.cluster_m != 2
+                                    or self.tile_m * self.tile_n > CLUSTER_N_MAX_TILE * self.consumers_per_tile):
+            raise ValueError(f"LinearConfig: cluster_n 2 (A tiles multicast) needs the candidate phase, cluster_m 2 "
+                             f"(a 2 x 2 cluster) and at most {CLUSTER_N_MAX_TILE} outputs a consumer; got phase "
+                             f"{self.phase!r}, cluster_m {self.cluster_m}, {self.tile_m} x {self.tile_n} on "
+                             f"{self.consumers_per_tile}")
         if self.phase == "user" and (self.activation is not None or self.has_bias):
             raise ValueError("LinearConfig: the user phase takes no activation and no bias (the candidate phase adds them)")
         if self.split_k not in (1, 2, 4):
@@ -360,6 +363,9 @@ def pick_cand_split(rows: int, n: int, k_blocks: int, sms: int, clusters,
 # LinearConfig.banded: the largest tile a consumer that walks in bands (the band arithmetic makes
 # 128 x 192 spill).
 BAND_MAX_TILE = 128 * 128
+# LinearConfig.cluster_n 2: the largest tile a consumer (with the 2 x 2 cluster's loads, 128 x 192
+# spills 312 bytes).
+CLUSTER_N_MAX_TILE = 128 * 128
 
 
 def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1, split_cand=1,

@@ -68,6 +68,7 @@ from cute_kernels.checks import check_index_range, check_out_target, policy_or_d
 from .checks import FP8, check_linear_inputs, check_out_dtype
 from .compile import compile_linear_config
 from .config import (
+    CLUSTER_N_MAX_TILE,
     LINEAR_FP8_CAND_TILES,
     LINEAR_PROMOTE_TILES,
     LINEAR_SHARED_TILE,
@@ -163,7 +164,8 @@ class PlanRules:
     # Column tiles a candidate cluster shares its A tiles over (LinearConfig.cluster_n): 2 makes the
     # 2-CTA clusters of neighbouring row tiles 2 x 2 ones that multicast both operands, halving the
     # A tile's L2 reads as the pairs halve the B tile's (where the phase has 2-CTA clusters, no K
-    # split and at least 2 column tiles). None: 1.
+    # split, at least 2 column tiles and at most 128 x 128 outputs a consumer). None: 1, until timed (4-CTA clusters may hold fewer SMs):
+    # docs/perf/2026-12-08-linear-2x2-clusters.md.
     cand_cluster_n: Optional[int] = None
 
     def __post_init__(self):
@@ -427,7 +429,9 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
             raise ValueError(f"linear: {kb_cand} k-blocks leave a CTA of a {split_cand}-way K split none")
         return _Grids(cluster=1, cluster_n=1, grid_cand=cand_tiles * split_cand, **ahead)
     cluster = _CAND_CLUSTER if B > tile_cand[0] else 1
-    cluster_n = 2 if rules.cand_cluster_n == 2 and cluster == 2 and N > tile_cand[1] else 1
+    consumers = 2 if tile_cand == LINEAR_SHARED_TILE else 1
+    cluster_n = 2 if (rules.cand_cluster_n == 2 and cluster == 2 and N > tile_cand[1]
+                      and tile_cand[0] * tile_cand[1] <= CLUSTER_N_MAX_TILE * consumers) else 1
     size = cluster * cluster_n
     m_groups = -(-B // (tile_cand[0] * cluster))
     cand_clusters = min(clusters(size), m_groups * -(-N // (tile_cand[1] * cluster_n)))

@@ -186,8 +186,8 @@ class LinearSm90:
       bytes (the whole A and B tiles, their shares from the CTAs that multicast them). Empty:
       each warp of the tile's consumers (one; both on a shared tile) releases the stage in each
       of the ``peers`` = cluster_m + cluster_n - 1 CTAs whose loads land in it (itself, the
-      CTAs of its column tile and those of its row tile). Ping-pong: each consumer skips the other consumer's
-      k-blocks in its ring state.
+      other CTA of its column tile and that of its row tile). Ping-pong: each consumer skips
+      the other consumer's k-blocks in its ring state.
       split_k adds the exchange's two mbarriers (``ClusterReduce``: full, 1 arrive + the bytes
       of the other CTAs' partial sums; free, split_k - 1 remote arrives).
 

@@ -636,9 +636,10 @@ def test_candidate_bands_reach_the_launch(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(cluster_n=4), "cluster_n must be 1 or 2"),
-    (dict(cluster_n=2, cluster_m=1), "needs the candidate phase and cluster_m 2"),
-    (dict(cluster_n=2, phase="user"), "needs the candidate phase and cluster_m 2"),
-    (dict(cluster_n=2, cluster_m=1, split_k=2), "needs the candidate phase and cluster_m 2"),
+    (dict(cluster_n=2, cluster_m=1), "needs the candidate phase, cluster_m 2"),
+    (dict(cluster_n=2, phase="user"), "needs the candidate phase, cluster_m 2"),
+    (dict(cluster_n=2, cluster_m=1, split_k=2), "needs the candidate phase, cluster_m 2"),
+    (dict(cluster_n=2, tile_n=192), "at most 16384 outputs a consumer"),
 ])
 def test_cluster_n_config_errors(kwargs, match):
     base = dict(dtype=BF16, idx_dtype=torch.int32, tile_m=128, tile_n=128, phase="cand", cluster_m=2)
@@ -661,6 +662,8 @@ def test_two_by_two_cluster_plan():
     assert (g.tile_cand, g.cluster_n) == ((128, 256), 2)
     assert _grids(64, 2, 1024, 64, 64, cand_cluster_n=2).cluster_n == 1  # one row tile: no cluster
     assert _grids(4096, 59, 128, 64, 1024, cand_cluster_n=2).cluster_n == 1  # one column tile
+    g = _grids(4096, 59, 384, 64, 1024, cand_cluster_n=2)  # 128 x 192: the 2 x 2 loads would spill
+    assert (g.tile_cand, g.cluster, g.cluster_n) == ((128, 192), 2, 1)
     g = _grids(2048, 29, 1024, 64, 1024, cand_cluster_n=2, cand_split=((128, 128), 2))
     assert (g.split_cand, g.cluster, g.cluster_n) == (2, 1, 1)  # a K split
     g = _grids(4096, 59, 640, 64, 1024, cand_cluster_n=2)  # 5 column tiles: 3 groups, the last half past N
