@@ -164,8 +164,8 @@ class PlanRules:
     # Column tiles a candidate cluster shares its A tiles over (LinearConfig.cluster_n): 2 makes the
     # 2-CTA clusters of neighbouring row tiles 2 x 2 ones that multicast both operands, halving the
     # A tile's L2 reads as the pairs halve the B tile's (where the phase has 2-CTA clusters, no K
-    # split, at least 2 column tiles and at most 128 x 128 outputs a consumer). None: 1, until timed (4-CTA clusters may hold fewer SMs):
-    # docs/perf/2026-12-08-linear-2x2-clusters.md.
+    # split, at least 2 column tiles and at most 128 x 128 outputs a consumer). None: 1, until
+    # timed (4-CTA clusters may hold fewer SMs): docs/perf/2026-12-08-linear-2x2-clusters.md.
     cand_cluster_n: Optional[int] = None
 
     def __post_init__(self):
