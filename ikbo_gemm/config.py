@@ -368,6 +368,19 @@ BAND_MAX_TILE = 128 * 128
 CLUSTER_N_MAX_TILE = 128 * 128
 
 
+def cand_consumers(tile_cand: tuple, promote: bool = False) -> int:
+    """Consumer warpgroups on one candidate tile: 2 on LINEAR_SHARED_TILE, and on 128 x 128 when
+    promoting; else 1 (ping-pong)."""
+    tile = tuple(tile_cand)
+    return 2 if tile == LINEAR_SHARED_TILE or (promote and tile == (128, 128)) else 1
+
+
+def takes_cluster_n(tile_cand: tuple, promote: bool = False) -> bool:
+    """Whether a candidate tile may run in 2 x 2 clusters (LinearConfig.cluster_n 2): at most
+    CLUSTER_N_MAX_TILE outputs a consumer."""
+    return tile_cand[0] * tile_cand[1] <= CLUSTER_N_MAX_TILE * cand_consumers(tile_cand, promote)
+
+
 def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias, cluster_cand=1, split_cand=1,
                    split_user=1, out_dtype=None, promote=False, cluster_n_cand=1) -> tuple:
     """(user phase, candidate phase) configurations of one call (``out_dtype``: FP8's output;
@@ -375,7 +388,7 @@ def linear_configs(dtype, idx_dtype, tile_user, tile_cand, activation, has_bias,
     candidate tile LINEAR_SHARED_TILE, and 128 x 128 when promoting, is both consumers'
     (``consumers_per_tile`` 2)."""
     user_out = torch.bfloat16 if dtype == FP8 else None  # the user phase stores fp32 either way
-    consumers = 2 if tuple(tile_cand) == LINEAR_SHARED_TILE or (promote and tuple(tile_cand) == (128, 128)) else 1
+    consumers = cand_consumers(tile_cand, promote)
     return (LinearConfig(dtype, idx_dtype, *tile_user, "user", split_k=split_user, out_dtype=user_out,
                          promote=promote),
             LinearConfig(dtype, idx_dtype, *tile_cand, "cand", activation, has_bias, cluster_cand, split_cand,

@@ -68,7 +68,6 @@ from cute_kernels.checks import check_index_range, check_out_target, policy_or_d
 from .checks import FP8, check_linear_inputs, check_out_dtype
 from .compile import compile_linear_config
 from .config import (
-    CLUSTER_N_MAX_TILE,
     LINEAR_FP8_CAND_TILES,
     LINEAR_PROMOTE_TILES,
     LINEAR_SHARED_TILE,
@@ -80,6 +79,7 @@ from .config import (
     pick_cand_tile,
     pick_linear_tile,
     round_up,
+    takes_cluster_n,
     tile_cost,
 )
 from .linear_sm90 import LinearEpilogue, LinearLaunch, LinearOperands
@@ -429,9 +429,8 @@ def _chosen_grids(B: int, U: int, N: int, K_cand: int, K_user: int, sms: int, cl
             raise ValueError(f"linear: {kb_cand} k-blocks leave a CTA of a {split_cand}-way K split none")
         return _Grids(cluster=1, cluster_n=1, grid_cand=cand_tiles * split_cand, **ahead)
     cluster = _CAND_CLUSTER if B > tile_cand[0] else 1
-    consumers = 2 if tile_cand == LINEAR_SHARED_TILE else 1
-    cluster_n = 2 if (rules.cand_cluster_n == 2 and cluster == 2 and N > tile_cand[1]
-                      and tile_cand[0] * tile_cand[1] <= CLUSTER_N_MAX_TILE * consumers) else 1
+    two_by_two = rules.cand_cluster_n == 2 and cluster == 2 and N > tile_cand[1] and takes_cluster_n(tile_cand)
+    cluster_n = 2 if two_by_two else 1
     size = cluster * cluster_n
     m_groups = -(-B // (tile_cand[0] * cluster))
     cand_clusters = min(clusters(size), m_groups * -(-N // (tile_cand[1] * cluster_n)))

@@ -474,14 +474,13 @@ class LinearSm90:
         gA = cute.local_tile(loads.a, (self.tile_m, self.tile_k), (None, None, 0))
         tAsA, tAgA = cpasync.tma_partition(loads.a_atom, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         cluster_layout = cute.make_layout((self.cluster, self.cluster_n, 1))
-        a_rank = b_rank = rank if const_expr(self.cluster > 1) else Int32(0)  # this CTA in the cluster
-        a_mcast = None
+        b_rank = rank if const_expr(self.cluster > 1) else Int32(0)  # this CTA in the cluster
+        coord = cluster_layout.get_flat_coord(b_rank)
+        mcast = cute.make_layout_image_mask(cluster_layout, coord, mode=0)  # B: the CTAs of its column tile
+        a_rank, a_mcast = None, None
         if const_expr(self.cluster_n > 1):
-            b_rank = rank % self.cluster  # its share of the B tile (its row in the cluster)
-            a_rank = rank // self.cluster  # ... of the A tile (its column)
-            a_mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(rank), mode=1)
-        mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(
-            rank if const_expr(self.cluster_n > 1) else b_rank), mode=0)
+            b_rank, a_rank = rank % self.cluster, rank // self.cluster  # its shares: its row, its column
+            a_mcast = cute.make_layout_image_mask(cluster_layout, coord, mode=1)  # A: the CTAs of its row tile
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         walk = strided_tiles(Int32(0), cluster=self.launch_cluster)
         t = walk.first
